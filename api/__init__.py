@@ -1,0 +1,1 @@
+"""The HTTP contract of kv-sidecar: routes, wire helpers, the Python client, engine adapters."""

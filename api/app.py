@@ -1,0 +1,48 @@
+"""`create_app(config)`: the FastAPI app; its lifespan builds and closes the one Context."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI
+
+from api import routes_health, routes_namespaces, routes_pages
+from api.errors import HANDLERS
+from api.guard import Guard
+from sidecar import __version__
+from sidecar.config import Config
+from sidecar.context import Context
+from sidecar.metrics import RequestStats
+
+log = logging.getLogger("kv_sidecar")
+
+
+def create_app(config: Config) -> FastAPI:
+    """A new app for `config`; nothing is allocated until its lifespan starts."""
+    requests = RequestStats()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx = await asyncio.get_running_loop().run_in_executor(None, Context.build, config)
+        ctx.requests = requests
+        app.state.ctx = ctx
+        ctx.start()
+        log.info("kv-sidecar %s ready on %s:%d", __version__, config.host, config.port)
+        try:
+            yield
+        finally:
+            log.info("draining")
+            await ctx.close()
+            app.state.ctx = None
+            log.info("stopped")
+
+    app = FastAPI(title="kv-sidecar", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.ctx = None
+    for router in (routes_health.router, routes_namespaces.router, routes_pages.router):
+        app.include_router(router)
+    for exc, handler in HANDLERS.items():
+        app.add_exception_handler(exc, handler)
+    app.add_middleware(Guard, token=config.token, max_body=config.max_body, stats=requests)
+    return app

@@ -1,0 +1,14 @@
+"""The dependency through which routes reach the context: 503 until the sidecar is ready."""
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from sidecar.context import Context
+from sidecar.errors import NotReady
+
+
+def context(request: Request) -> Context:
+    ctx = getattr(request.app.state, "ctx", None)
+    if ctx is None or not ctx.ready:
+        raise NotReady("the sidecar is starting or shutting down; retry shortly")
+    return ctx

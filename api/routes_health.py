@@ -1,0 +1,39 @@
+"""Health, readiness, metrics and stats."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.deps import context
+from api.errors import error_response
+from api.wire import json
+from sidecar.context import Context
+from sidecar.metrics import exposition
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    return json({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    ctx = getattr(request.app.state, "ctx", None)
+    if ctx is None or not ctx.ready:
+        return error_response(503, "not_ready", "pools are being allocated or tiers recovered")
+    return json({"status": "ready"})
+
+
+@router.get("/metrics")
+async def metrics(ctx: Context = Depends(context)) -> Response:
+    return Response(exposition(ctx.store, ctx.requests),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/stats")
+async def stats(ctx: Context = Depends(context)) -> Response:
+    return json({"uptime_s": round(__import__("time").time() - ctx.started, 3),
+                 "cuda_host_registered": ctx.cuda_registered, **ctx.store.stats()})

@@ -1,0 +1,59 @@
+"""Namespaces and their engine buffers."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.deps import context
+from api.wire import json, read_json
+from sidecar.context import Context
+from sidecar.spec import parse_spec
+
+router = APIRouter(prefix="/v1/namespaces")
+
+
+def _describe(ctx: Context, name: str) -> dict:
+    ns = ctx.store.namespace(name)
+    return {"name": name, "spec": ns.spec.to_json(), "identity": ns.spec.identity(),
+            "buffers": [b.describe() for b in ns.buffers.values()]}
+
+
+@router.get("")
+async def list_namespaces(ctx: Context = Depends(context)) -> Response:
+    return json({"namespaces": [_describe(ctx, n) for n in ctx.store.namespaces]})
+
+
+@router.put("/{name}")
+async def put_namespace(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    spec = parse_spec(await read_json(request, ctx.config.max_json_body))
+    created = ctx.store.put_namespace(name, spec)
+    return json(_describe(ctx, name), 201 if created else 200)
+
+
+@router.get("/{name}")
+async def get_namespace(name: str, ctx: Context = Depends(context)) -> Response:
+    return json(_describe(ctx, name))
+
+
+@router.delete("/{name}")
+async def delete_namespace(name: str, ctx: Context = Depends(context)) -> Response:
+    ctx.store.delete_namespace(name)
+    return json({"deleted": name})
+
+
+@router.post("/{name}/buffers")
+async def register_buffer(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    buf = ctx.store.register_buffer(name, await read_json(request, ctx.config.max_json_body))
+    return json({"buffer_id": buf.id}, 201)
+
+
+@router.get("/{name}/buffers")
+async def list_buffers(name: str, ctx: Context = Depends(context)) -> Response:
+    return json({"buffers": [b.describe() for b in ctx.store.namespace(name).buffers.values()]})
+
+
+@router.delete("/{name}/buffers/{buffer_id}")
+async def release_buffer(name: str, buffer_id: str, ctx: Context = Depends(context)) -> Response:
+    ctx.store.release_buffer(name, buffer_id)
+    return json({"released": buffer_id})

@@ -1,0 +1,56 @@
+"""Pages of one namespace: exists, set, get, delete, and inline octet-stream pages."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.deps import context
+from api.wire import flag, json, read_json
+from sidecar.context import Context
+from sidecar.errors import KeyNotFound
+
+router = APIRouter(prefix="/v1/namespaces/{name}")
+OCTETS = "application/octet-stream"
+
+
+@router.post("/exists")
+async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    if flag(request, "each"):
+        return json({"present": ctx.store.present(name, body.get("keys"))})
+    return json({"prefix": ctx.store.prefix(name, body.get("keys"))})
+
+
+@router.post("/set")
+async def set_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    stored = await ctx.store.set(name, body.get("keys"), body.get("buffer_id"), body.get("slots"))
+    return json({"stored": stored})
+
+
+@router.post("/get")
+async def get_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    loaded = await ctx.store.get(name, body.get("keys"), body.get("buffer_id"), body.get("slots"))
+    return json({"loaded": loaded})
+
+
+@router.post("/delete")
+async def delete_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    return json({"deleted": ctx.store.delete(name, body.get("keys"))})
+
+
+@router.put("/pages/{key}")
+async def put_page(name: str, key: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    created = await ctx.store.put_page(name, key, request.stream())
+    return json({"stored": True, "created": created}, 201 if created else 200)
+
+
+@router.get("/pages/{key}")
+async def get_page(name: str, key: str, ctx: Context = Depends(context)) -> Response:
+    page = ctx.store.read_page(name, key)
+    if page is None:
+        raise KeyNotFound(f"page {key!r} is not in namespace {name!r}")
+    return Response(memoryview(page), media_type=OCTETS)

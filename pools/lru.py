@@ -1,0 +1,74 @@
+"""An intrusive doubly linked LRU list: the nodes carry their own `prev`/`next` links.
+
+    sentinel <-> least recent <-> ... <-> most recent <-> sentinel
+
+O(1) push, remove and touch; no per-operation allocation.
+"""
+from __future__ import annotations
+
+
+class LruNode:
+    """Base of anything kept on an `LruList`; `prev`/`next` are None while off the list."""
+
+    __slots__ = ("prev", "next")
+
+    def __init__(self) -> None:
+        self.prev = None
+        self.next = None
+
+
+class LruList:
+    """The list; `len()` counts its nodes."""
+
+    __slots__ = ("_head", "_len")
+
+    def __init__(self) -> None:
+        self._head = LruNode()
+        self._head.prev = self._head.next = self._head
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push_mru(self, node: LruNode) -> None:
+        assert node.prev is None and node.next is None, "node already linked"
+        last = self._head.prev
+        node.prev, node.next = last, self._head
+        last.next = node
+        self._head.prev = node
+        self._len += 1
+
+    def remove(self, node: LruNode) -> None:
+        assert node.prev is not None and node.next is not None, "node not linked"
+        node.prev.next = node.next
+        node.next.prev = node.prev
+        node.prev = node.next = None
+        self._len -= 1
+
+    def touch(self, node: LruNode) -> None:
+        """Move a linked node to the most-recent end."""
+        if self._head.prev is not node:
+            self.remove(node)
+            self.push_mru(node)
+
+    def from_lru(self):
+        """Nodes from least to most recent."""
+        node = self._head.next
+        while node is not self._head:
+            nxt = node.next
+            yield node
+            node = nxt
+
+    def check(self) -> int:
+        """Walk both directions; return the length. Raises AssertionError on a broken link."""
+        count, node = 0, self._head.next
+        while node is not self._head:
+            if node.next.prev is not node:
+                raise AssertionError("LRU forward/backward links disagree")
+            count += 1
+            node = node.next
+            if count > self._len:
+                raise AssertionError("LRU list is longer than its count (cycle?)")
+        if count != self._len:
+            raise AssertionError(f"LRU count {self._len} != walked {count}")
+        return count

@@ -1,0 +1,312 @@
+"""One namespace's pages: fixed-size slots in arena segments, the key index, LRU and pins.
+
+A slot is a byte offset into the arena. Its page lives at [offset, offset + page_bytes).
+
+    segment k (segment_size bytes, owned by this pool)
+    +--------+--------+--------+-----+--------+------+
+    | slot 0 | slot 1 | slot 2 | ... | slot m | tail |   m = segment_size // page_bytes - 1
+    +--------+--------+--------+-----+--------+------+   tail < page_bytes, unused
+
+An entry is RESERVED (being written, invisible to readers) or READY (published). Writers
+go `reserve -> commit | abort`; readers `pin -> unpin`. Only READY entries with no pins
+are evicted. A deleted entry that is still pinned or being written becomes "doomed": gone
+from the index at once, its slot freed when the last pin or the writer lets go.
+
+The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
+event loop only; copies run elsewhere between reserve/pin and commit/unpin).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from pools.lru import LruList
+
+RESERVED = 0
+READY = 1
+PRESENT = object()  # reserve(): the key is already stored (or being stored): no copy needed
+
+
+class PoolInvariantError(AssertionError):
+    """A count or link of the pool is broken; raised, never clamped."""
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One page slot holding one key."""
+
+    key: str
+    offset: int
+    state: int = RESERVED
+    pins: int = 0
+    doomed: bool = False
+    prev: Optional["Entry"] = field(default=None, repr=False)
+    next: Optional["Entry"] = field(default=None, repr=False)
+
+
+Grow = Callable[["PagePool"], bool]
+OnEvict = Callable[["PagePool", Entry], None]
+
+
+class PagePool:
+    """Pages of one namespace. `grow` asks the host pool for one more segment."""
+
+    def __init__(self, name: str, page_bytes: int, segment_size: int,
+                 max_pages: Optional[int] = None, grow: Optional[Grow] = None):
+        if page_bytes <= 0 or page_bytes > segment_size:
+            raise ValueError(f"page_bytes {page_bytes} must be in 1..segment size {segment_size}")
+        self.name = name
+        self.page_bytes = page_bytes
+        self.segment_size = segment_size
+        self.max_pages = max_pages
+        self.segments: list[int] = []
+        self.entries: dict[str, Entry] = {}
+        self.free: list[int] = []
+        self.lru = LruList()
+        self.closed = False
+        self.on_evict: Optional[OnEvict] = None
+        self.on_idle: Optional[Callable[["PagePool"], None]] = None
+        self._grow = grow
+        self._doomed_entries: dict[int, Entry] = {}
+        self._slots = 0
+        self._reserved = 0
+        self._pinned = 0                 # entries with pins > 0, doomed ones included
+        self.evictions = 0
+
+    # -- capacity ---------------------------------------------------------------------
+    @property
+    def slots_per_segment(self) -> int:
+        return self.segment_size // self.page_bytes
+
+    @property
+    def capacity_pages(self) -> int:
+        return self._slots
+
+    @property
+    def ready_pages(self) -> int:
+        return len(self.lru)
+
+    @property
+    def busy(self) -> int:
+        """Entries that a copy may still be touching (reserved or pinned)."""
+        return self._reserved + self._pinned
+
+    def add_segment(self, index: int) -> int:
+        """Take segment `index` (owned by the caller until now); return the slots added."""
+        base = index * self.segment_size
+        room = self.slots_per_segment
+        if self.max_pages is not None:
+            room = min(room, self.max_pages - self._slots)
+        assert room > 0, "segment added to a pool that needs none"
+        self.segments.append(index)
+        # pop() takes from the end: push in reverse so slots fill in address order
+        self.free.extend(base + i * self.page_bytes for i in reversed(range(room)))
+        self._slots += room
+        return room
+
+    def wants_segment(self) -> bool:
+        return self.max_pages is None or self._slots < self.max_pages
+
+    # -- lookups ----------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.state == READY
+
+    def prefix(self, keys: Iterable[str]) -> int:
+        """Length of the leading run of READY keys (no LRU touch)."""
+        n, entries = 0, self.entries
+        for k in keys:
+            e = entries.get(k)
+            if e is None or e.state != READY:
+                break
+            n += 1
+        return n
+
+    def present(self, keys: Iterable[str]) -> list[bool]:
+        entries = self.entries
+        return [(e := entries.get(k)) is not None and e.state == READY for k in keys]
+
+    # -- writers ----------------------------------------------------------------------
+    def reserve(self, key: str):
+        """Return a RESERVED Entry to copy into, `PRESENT`, or None when there is no room."""
+        assert not self.closed, "reserve on a closed pool"
+        e = self.entries.get(key)
+        if e is not None:
+            if e.state == READY:
+                self.lru.touch(e)
+            return PRESENT
+        offset = self._take_slot()
+        if offset is None:
+            return None
+        e = Entry(key, offset)
+        self.entries[key] = e
+        self._reserved += 1
+        return e
+
+    def commit(self, e: Entry) -> bool:
+        """Publish a reservation; False when it was deleted meanwhile (slot freed)."""
+        self._check_reserved(e)
+        self._reserved -= 1
+        if e.doomed:
+            self._bury(e)
+            return False
+        e.state = READY
+        self.lru.push_mru(e)
+        self._after_release()
+        return True
+
+    def abort(self, e: Entry) -> None:
+        self._check_reserved(e)
+        self._reserved -= 1
+        if e.doomed:
+            self._bury(e)
+            return
+        del self.entries[e.key]
+        self.free.append(e.offset)
+        self._after_release()
+
+    # -- readers ----------------------------------------------------------------------
+    def pin(self, key: str) -> Optional[Entry]:
+        """Pin a READY page (and mark it most recent); None when absent."""
+        e = self.entries.get(key)
+        if e is None or e.state != READY:
+            return None
+        if e.pins == 0:
+            self._pinned += 1
+        e.pins += 1
+        self.lru.touch(e)
+        return e
+
+    def unpin(self, e: Entry) -> None:
+        if e.pins <= 0:
+            raise PoolInvariantError(f"unpin of {e.key!r} with pin count {e.pins}")
+        e.pins -= 1
+        if e.pins == 0:
+            self._pinned -= 1
+            if e.doomed:
+                self._bury(e)
+                return
+        self._after_release()
+
+    # -- removal ----------------------------------------------------------------------
+    def delete(self, key: str) -> bool:
+        """Drop a key; True when a READY page was dropped."""
+        e = self.entries.pop(key, None)
+        if e is None:
+            return False
+        was_ready = e.state == READY
+        if was_ready:
+            self.lru.remove(e)
+        if e.state == RESERVED or e.pins > 0:
+            e.doomed = True
+            self._doomed_entries[id(e)] = e
+        else:
+            self.free.append(e.offset)
+        return was_ready
+
+    def evict_one(self) -> Optional[int]:
+        """Evict the least recent unpinned page; return its freed slot, or None."""
+        for e in self.lru.from_lru():
+            if e.pins == 0:
+                self._evict(e)
+                return e.offset
+        return None
+
+    def reclaim_segment(self) -> Optional[int]:
+        """Give back one segment with no busy slot, coldest first; its pages are evicted."""
+        busy = {e.offset // self.segment_size for e in self._busy_entries()}
+        order = [e.offset // self.segment_size for e in self.lru.from_lru()]
+        candidates = [s for s in dict.fromkeys(order + self.segments) if s not in busy]
+        if not candidates:
+            return None
+        seg = candidates[0]
+        lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
+        for e in [e for e in self.lru.from_lru() if lo <= e.offset < hi]:
+            self._evict(e)
+        kept = [o for o in self.free if not lo <= o < hi]
+        self._slots -= len(self.free) - len(kept)
+        self.free = kept
+        self.segments.remove(seg)
+        return seg
+
+    def close(self) -> None:
+        """Drop every key and refuse new ones; `on_idle` fires once no copy holds a slot."""
+        self.closed = True
+        for key in list(self.entries):
+            self.delete(key)
+        self._after_release()
+
+    # -- internals --------------------------------------------------------------------
+    def _take_slot(self) -> Optional[int]:
+        if self.free:
+            return self.free.pop()
+        if self.wants_segment() and self._grow is not None and self._grow(self):
+            return self.free.pop()
+        offset = self.evict_one()
+        if offset is None:
+            return None
+        return self.free.pop()
+
+    def _evict(self, e: Entry) -> None:
+        if self.on_evict is not None:
+            self.on_evict(self, e)
+        self.lru.remove(e)
+        del self.entries[e.key]
+        self.free.append(e.offset)
+        self.evictions += 1
+
+    def _bury(self, e: Entry) -> None:
+        del self._doomed_entries[id(e)]
+        self.free.append(e.offset)
+        self._after_release()
+
+    def _after_release(self) -> None:
+        if self.closed and self.busy == 0 and self.on_idle is not None:
+            self.on_idle(self)
+
+    def _busy_entries(self):
+        yield from (e for e in self.entries.values() if e.state == RESERVED or e.pins)
+        yield from self._doomed_entries.values()
+
+    def _check_reserved(self, e: Entry) -> None:
+        if e.state != RESERVED:
+            raise PoolInvariantError(f"commit/abort of {e.key!r}, which is not reserved")
+
+    def invariants(self) -> None:
+        """Check every count and link; raise PoolInvariantError on the first broken one."""
+        try:
+            self._invariants()
+        except AssertionError as exc:
+            raise PoolInvariantError(f"pool {self.name!r}: {exc}") from exc
+
+    def _invariants(self) -> None:
+        ready = self.lru.check()
+        reserved = pinned = 0
+        offsets = list(self.free)
+        for key, e in self.entries.items():
+            assert e.key == key and not e.doomed, f"index entry {key!r} is stale"
+            assert e.pins >= 0, f"{key!r} has negative pins"
+            if e.state == RESERVED:
+                assert e.pins == 0 and e.prev is None, f"reserved {key!r} is pinned or linked"
+                reserved += 1
+            else:
+                assert e.prev is not None, f"ready {key!r} is not on the LRU list"
+            pinned += e.pins > 0
+            offsets.append(e.offset)
+        for e in self._doomed_entries.values():
+            assert e.doomed and e.prev is None, "doomed entry still linked"
+            assert e.state == RESERVED or e.pins > 0, "doomed entry holds nothing"
+            reserved += e.state == RESERVED
+            pinned += e.pins > 0
+            offsets.append(e.offset)
+        assert ready == sum(e.state == READY for e in self.entries.values()), "LRU != ready"
+        assert reserved == self._reserved, f"reserved count {self._reserved} != {reserved}"
+        assert pinned == self._pinned, f"pinned count {self._pinned} != {pinned}"
+        assert len(offsets) == len(set(offsets)) == self._slots, "slot lost or shared"
+        segs = set(self.segments)
+        assert len(segs) == len(self.segments), "segment listed twice"
+        for o in offsets:
+            seg, rel = divmod(o, self.segment_size)
+            assert seg in segs and rel % self.page_bytes == 0, f"slot {o} misplaced"
+        if self.max_pages is not None:
+            assert self._slots <= self.max_pages, "pool grew past its cap"

@@ -1,0 +1,54 @@
+"""`sidecar serve` (and `python -m sidecar serve`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from sidecar import __version__
+from sidecar.config import load
+
+_FLAGS = [
+    ("--host", "host", "bind address (default 127.0.0.1)"),
+    ("--port", "port", "TCP port (default 8411)"),
+    ("--token", "token", "require 'Authorization: Bearer TOKEN' on every request but /healthz"),
+    ("--host-pool", "host_pool", "host pool size, units allowed: 512MiB, 4GiB (default 2GiB)"),
+    ("--segment-size", "segment_size", "arena segment size (default host pool / 64, 1-64 MiB)"),
+    ("--data-dir", "data_dir", "local file tier directory (default ~/.cache/kv-sidecar)"),
+    ("--file-tier-size", "file_tier_size", "local file tier size limit (default 64GiB)"),
+    ("--hf3fs-dir", "hf3fs_dir", "3FS mount directory for the shared tier (off by default)"),
+    ("--write-policy", "write_policy", "write_through (default), write_back or none"),
+    ("--max-body", "max_body", "largest request body (default 256MiB)"),
+    ("--copy-threads", "copy_threads", "copy worker threads (default 4)"),
+    ("--shutdown-timeout", "shutdown_timeout", "seconds to drain on SIGTERM (default 30)"),
+    ("--log-level", "log_level", "debug, info, warning, error"),
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sidecar", description="kv-sidecar: a per-node KV-cache sidecar")
+    p.add_argument("--version", action="version", version=__version__)
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the sidecar")
+    serve.add_argument("--config", help="TOML file with any of the keys below (snake_case)")
+    for flag, dest, text in _FLAGS:
+        serve.add_argument(flag, dest=dest, help=text)
+    serve.add_argument("--no-file-tier", dest="file_tier", action="store_const", const=False,
+                       help="keep pages in the host pool only")
+    serve.add_argument("--shm-dir", dest="shm_dirs", action="append",
+                       help="directory engines may register shm files from (repeatable; default /dev/shm)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "serve":
+        from sidecar.server import serve
+        overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+        try:
+            config = load(args.config, overrides=overrides)
+        except (ValueError, OSError) as exc:
+            print(f"sidecar: bad configuration: {exc}", file=sys.stderr)
+            return 2
+        return serve(config)
+    return 2

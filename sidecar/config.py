@@ -1,0 +1,130 @@
+"""Configuration: defaults < TOML file (`--config`) < `SIDECAR_<NAME>` environment < flags."""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+WRITE_POLICIES = ("write_through", "write_back", "none")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """`1GiB`, `512MiB`, `2g`, `4096` -> bytes. Raises ValueError on anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 4096, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kv-sidecar")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything the process is started with. Sizes are bytes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8411
+    token: Optional[str] = field(default=None, repr=False)
+    host_pool: int = 2 * 2**30
+    segment_size: int = 0                 # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
+    data_dir: str = field(default_factory=_default_data_dir)
+    file_tier: bool = True
+    file_tier_size: int = 64 * 2**30
+    hf3fs_dir: Optional[str] = None
+    write_policy: str = "write_through"
+    max_body: int = 256 * 2**20           # any request body
+    max_json_body: int = 16 * 2**20       # JSON request bodies
+    shm_dirs: tuple[str, ...] = ("/dev/shm",)
+    copy_threads: int = 4
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.host_pool < 4096:
+            raise ValueError(f"host pool must be at least 4096 bytes, got {self.host_pool}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.copy_threads < 1:
+            raise ValueError("copy threads must be >= 1")
+        if self.segment_size and not 0 < self.segment_size <= self.host_pool:
+            raise ValueError("segment size must be in 1..host pool size")
+
+    @property
+    def effective_segment_size(self) -> int:
+        if self.segment_size:
+            return self.segment_size
+        size = min(max(self.host_pool // 64, 2**20), 64 * 2**20, self.host_pool)
+        return max(size // 4096 * 4096, 4096)
+
+
+_SIZES = {"host_pool", "segment_size", "file_tier_size", "max_body", "max_json_body"}
+_BOOLS = {"file_tier"}
+_INTS = {"port", "copy_threads"}
+_FLOATS = {"shutdown_timeout"}
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Turn a TOML, environment or flag value into the field's type."""
+    if name in _SIZES:
+        return parse_size(value)
+    if name in _BOOLS:
+        return parse_bool(value)
+    if name in _INTS:
+        return int(value)
+    if name in _FLOATS:
+        return float(value)
+    if name == "shm_dirs":
+        return tuple(value) if isinstance(value, (list, tuple)) else tuple(
+            p for p in str(value).split(":") if p)
+    return None if value in (None, "") and name in ("token", "hf3fs_dir") else value
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(Config)]
+
+
+def load(file: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+         overrides: Optional[Mapping[str, Any]] = None) -> Config:
+    """Build a Config from a TOML file, the environment and explicit overrides, in that order."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if file:
+        data = tomllib.loads(Path(file).read_text())
+        unknown = set(data) - set(field_names())
+        if unknown:
+            raise ValueError(f"unknown keys in {file}: {sorted(unknown)}")
+        values.update(data)
+    for name in field_names():
+        raw = env.get("SIDECAR_" + name.upper())
+        if raw is not None:
+            values[name] = raw
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return replace(Config(), **{k: coerce(k, v) for k, v in values.items()})

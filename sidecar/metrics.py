@@ -1,0 +1,88 @@
+"""Prometheus exposition. Counters live in plain ints on the hot path; this collector
+reads them at scrape time, so serving a page costs no metrics lock."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from sidecar.store import Store
+
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RequestStats:
+    """Requests by (method, route, status) and latency histograms by route."""
+
+    __slots__ = ("count", "hist", "sums")
+
+    def __init__(self) -> None:
+        self.count: Counter = Counter()
+        self.hist: dict[str, list[int]] = {}
+        self.sums: Counter = Counter()
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.count[(method, route, str(status))] += 1
+        buckets = self.hist.get(route)
+        if buckets is None:
+            buckets = self.hist[route] = [0] * (len(BUCKETS) + 1)
+        i = 0
+        while i < len(BUCKETS) and seconds > BUCKETS[i]:
+            i += 1
+        buckets[i] += 1
+        self.sums[route] += seconds
+
+
+class _Collector:
+    def __init__(self, store: "Store", requests: RequestStats):
+        self.store, self.requests = store, requests
+
+    def collect(self) -> Iterator:
+        yield from self._requests()
+        yield from self._namespaces()
+
+    def _requests(self) -> Iterator:
+        req = CounterMetricFamily("kv_sidecar_requests", "HTTP requests", labels=["method", "route", "status"])
+        for (method, route, status), n in sorted(self.requests.count.items()):
+            req.add_metric([method, route, status], n)
+        yield req
+        lat = HistogramMetricFamily("kv_sidecar_request_seconds", "request latency", labels=["route"])
+        for route, counts in sorted(self.requests.hist.items()):
+            acc, buckets = 0, []
+            for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts):
+                acc += n
+                buckets.append((bound, acc))
+            lat.add_metric([route], buckets, self.requests.sums[route])
+        yield lat
+
+    def _namespaces(self) -> Iterator:
+        stats = self.store.stats()
+        hp = stats["host_pool"]
+        host = GaugeMetricFamily("kv_sidecar_host_pool_bytes", "host pool size", labels=["state"])
+        host.add_metric(["total"], hp["bytes"])
+        host.add_metric(["free"], hp["free_segments"] * hp["segment_size"])
+        yield host
+        pages = GaugeMetricFamily("kv_sidecar_pages", "pages stored", labels=["namespace", "tier"])
+        cap = GaugeMetricFamily("kv_sidecar_capacity_pages", "page capacity", labels=["namespace", "tier"])
+        fams = {k: CounterMetricFamily(f"kv_sidecar_{k}", f"{k} per namespace", labels=["namespace"])
+                for k in ("hits", "misses", "evictions", "stored", "no_room")}
+        moved = CounterMetricFamily("kv_sidecar_bytes", "bytes moved", labels=["namespace", "direction"])
+        for name, ns in stats["namespaces"].items():
+            for tier, n in ns["pages"].items():
+                pages.add_metric([name, tier], n)
+            cap.add_metric([name, "host"], ns["capacity_pages"])
+            for k, fam in fams.items():
+                fam.add_metric([name], ns[k])
+            moved.add_metric([name, "in"], ns["bytes_in"])
+            moved.add_metric([name, "out"], ns["bytes_out"])
+        yield from (pages, cap, *fams.values(), moved)
+
+
+def exposition(store: "Store", requests: RequestStats) -> bytes:
+    """The Prometheus text format for one scrape."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(store, requests))
+    return generate_latest(registry)

@@ -1,0 +1,1 @@
+"""Engine buffers the sidecar copies pages out of and into (shm; cuda_ipc on GPU nodes)."""

@@ -1,0 +1,88 @@
+"""Engine buffer geometry and copy plans.
+
+Slot i of a buffer holds one page as len(chunks) runs; chunk c of slot i is `size_c` bytes
+at `offset_c + i * stride_c`. In the host pool the same page is one contiguous slot:
+
+    engine buffer (K/V split, 2 chunks)           host pool slot
+    +--K slot0--+--K slot1--+ ... +--V slot0--+   +----K part----+----V part----+
+    ^offset_0   ^offset_0+stride_0  ^offset_1     ^entry.offset  ^+size_0
+
+A copy plan is a list of (dst_address, src_address, nbytes), coalesced where runs touch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from sidecar.errors import BadRequest, GeometryMismatch
+
+MAX_CHUNKS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    offset: int
+    stride: int
+    size: int
+
+
+def _nonneg_int(value: Any, what: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise BadRequest(f"{what} must be an integer >= {minimum}")
+    return value
+
+
+def parse_chunks(raw: Any, page_bytes: int, size: int, slots: int) -> tuple[Chunk, ...]:
+    """Validate chunk descriptors against the namespace page size and the buffer size."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'chunks' must be a non-empty list of {offset, stride, size}")
+    if len(raw) > MAX_CHUNKS:
+        raise BadRequest(f"'chunks' has {len(raw)} entries; at most {MAX_CHUNKS}")
+    chunks = []
+    for i, c in enumerate(raw):
+        if not isinstance(c, dict) or set(c) != {"offset", "stride", "size"}:
+            raise BadRequest(f"chunks[{i}] must be an object with exactly offset, stride, size")
+        chunk = Chunk(_nonneg_int(c["offset"], f"chunks[{i}].offset"),
+                      _nonneg_int(c["stride"], f"chunks[{i}].stride"),
+                      _nonneg_int(c["size"], f"chunks[{i}].size", 1))
+        end = chunk.offset + (slots - 1) * chunk.stride + chunk.size
+        if end > size:
+            raise GeometryMismatch(f"chunks[{i}] of slot {slots - 1} ends at byte {end}, "
+                                   f"past the buffer's size {size}")
+        chunks.append(chunk)
+    total = sum(c.size for c in chunks)
+    if total != page_bytes:
+        raise GeometryMismatch(f"chunk sizes sum to {total} bytes; the namespace's page_bytes "
+                               f"is {page_bytes}")
+    return tuple(chunks)
+
+
+def check_slots(slots: Any, count: int, buffer_slots: int) -> list[int]:
+    """One slot per key, each in range of the buffer."""
+    if not isinstance(slots, list) or len(slots) != count:
+        raise BadRequest(f"'slots' must be a list with one entry per key ({count})")
+    for s in slots:
+        if not isinstance(s, int) or isinstance(s, bool):
+            raise BadRequest("'slots' must hold integers")
+        if not 0 <= s < buffer_slots:
+            raise GeometryMismatch(f"slot {s} is out of range: the buffer has {buffer_slots} slots")
+    return slots
+
+
+def page_runs(chunks: Sequence[Chunk], base: int, slot: int) -> Iterable[tuple[int, int, int]]:
+    """(buffer address, page offset, nbytes) of each chunk of `slot`."""
+    page_off = 0
+    for c in chunks:
+        yield base + c.offset + slot * c.stride, page_off, c.size
+        page_off += c.size
+
+
+def coalesce(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge consecutive copies whose source and destination runs are both adjacent."""
+    out: list[list[int]] = []
+    for dst, src, n in plan:
+        if out and out[-1][0] + out[-1][2] == dst and out[-1][1] + out[-1][2] == src:
+            out[-1][2] += n
+        else:
+            out.append([dst, src, n])
+    return [tuple(x) for x in out]

@@ -1,0 +1,167 @@
+"""Fixtures: a real uvicorn server on loopback (in a thread, so tests can check the pool's
+invariants on its own loop), and a helper to run `python -m sidecar serve` as a process."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import uvicorn
+
+from api.app import create_app
+from api.client import SidecarClient
+from sidecar.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _has_cuda() -> bool:
+    try:
+        from sidecar.transports.cuda_ipc import cuda_available
+        return cuda_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class LiveServer:
+    """uvicorn serving `create_app(config)` in a background thread."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.app = create_app(config)
+        self.url = f"http://127.0.0.1:{config.port}"
+        uv = uvicorn.Config(self.app, host="127.0.0.1", port=config.port, loop="uvloop",
+                            http="httptools", lifespan="on", log_level="warning")
+        self.server = uvicorn.Server(uv)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        self.server.run()
+
+    def start(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("live server did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def ctx(self):
+        return self.app.state.ctx
+
+    def on_loop(self, fn):
+        """Run `fn()` on the server's event loop (where the index lives) and return its result."""
+        fut = asyncio.run_coroutine_threadsafe(_call(fn), self.ctx.loop)
+        return fut.result(10)
+
+    def invariants(self) -> None:
+        self.on_loop(self.ctx.host_pool.invariants)
+
+    def client(self, **kw) -> SidecarClient:
+        return SidecarClient(self.url, token=self.config.token, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+async def _call(fn):
+    return fn()
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(**overrides) -> LiveServer:
+        base = Config(port=free_port(), host_pool=64 * 2**20, segment_size=2**20,
+                      file_tier=False, copy_threads=2)
+        srv = LiveServer(replace(base, **overrides)).start()
+        servers.append(srv)
+        return srv
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+@pytest.fixture
+def server(make_server) -> LiveServer:
+    return make_server()
+
+
+@pytest.fixture
+def client(server) -> SidecarClient:
+    c = server.client()
+    yield c
+    c.close()
+
+
+class SidecarProcess:
+    """`python -m sidecar serve` as a child process on a free loopback port."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, token: str | None = None, timeout: float = 30) -> "SidecarProcess":
+        c = SidecarClient(self.url, token=token, timeout=2)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            if c.ready():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("sidecar did not become ready")
+
+    def terminate(self, timeout: float = 30) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def spawn():
+    procs = []
+
+    def make(*args: str, env: dict | None = None) -> SidecarProcess:
+        p = SidecarProcess(*args, env=env)
+        procs.append(p)
+        return p
+    yield make
+    for p in procs:
+        p.kill()

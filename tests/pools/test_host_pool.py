@@ -1,0 +1,97 @@
+"""HostPool: the arena, explicit shares, fair-share growth and reclaim, draining drops."""
+import os
+
+import pytest
+
+from pools import Arena, HostPool, PoolFull
+from pools.page_pool import PRESENT
+
+SEG = 64 * 1024
+
+
+@pytest.fixture
+def host():
+    arena = Arena(16 * SEG)
+    yield HostPool(arena, SEG)
+    arena.close()
+
+
+def fill(pool, prefix, n):
+    for i in range(n):
+        e = pool.reserve(f"{prefix}{i}")
+        if e is None:
+            return i
+        assert e is not PRESENT
+        pool.commit(e)
+    return n
+
+
+def test_arena_is_shared_memory_visible_through_proc_fd(host):
+    view = host.view(SEG, 4)
+    view[:] = b"abcd"
+    path = f"/proc/{os.getpid()}/fd/{host.arena.fd}"
+    with open(path, "rb") as f:
+        f.seek(SEG)
+        assert f.read(4) == b"abcd"  # another process mapping the memfd sees the bytes
+    assert os.readlink(path).startswith("/memfd:")
+    with pytest.raises(ValueError):
+        host.view(16 * SEG - 2, 4)
+
+
+def test_explicit_share_is_exact_and_reserved(host):
+    pool = host.create("x", 4096, capacity_bytes=20 * 4096)  # 20 pages: 2 segments
+    assert pool.capacity_pages == 20 and len(pool.segments) == 2
+    assert fill(pool, "k", 25) == 25  # LRU keeps the last 20
+    assert pool.ready_pages == 20 and pool.evictions == 5
+    assert host.explicit_segments == 2
+    host.invariants()
+
+
+def test_explicit_share_larger_than_free_raises(host):
+    with pytest.raises(PoolFull):
+        host.create("x", 4096, capacity_bytes=17 * SEG)
+    with pytest.raises(ValueError):
+        host.create("y", 4096, capacity_bytes=100)  # holds no page
+    with pytest.raises(ValueError):
+        host.create("z", 2 * SEG)  # page bigger than a segment
+
+
+def test_shared_pools_grow_then_split_fairly(host):
+    a = host.create("a", 4096)
+    fill(a, "a", 16 * 16)  # a alone takes the whole arena
+    assert len(a.segments) == 16 and not host.free_segments
+    b = host.create("b", 4096)
+    fill(b, "b", 16 * 16)  # b reclaims a's coldest segments up to its fair share
+    assert len(a.segments) == 8 and len(b.segments) == 8
+    assert a.present(["a0", f"a{255}"]) == [False, True]  # the coldest pages of a went
+    host.invariants()
+
+
+def test_reclaim_skips_pinned_segments(host):
+    a = host.create("a", 4096)
+    fill(a, "a", 16 * 16)
+    for k in list(a.entries):
+        a.pin(k)
+    b = host.create("b", 4096)
+    assert b.reserve("b0") is None  # nothing of a can be reclaimed and b has nothing
+    host.invariants()
+
+
+def test_explicit_share_takes_idle_segments_from_shared_pools(host):
+    a = host.create("a", 4096)
+    fill(a, "a", 16 * 16)
+    x = host.create("x", 4096, capacity_bytes=4 * SEG)
+    assert len(x.segments) == 4 and len(a.segments) == 12
+    host.invariants()
+
+
+def test_drop_with_pinned_page_returns_segments_after_unpin(host):
+    a = host.create("a", 4096)
+    fill(a, "a", 3)
+    e = a.pin("a1")
+    host.drop("a")
+    assert len(host.free_segments) == 15  # a's segment is held by the pin
+    host.invariants()
+    a.unpin(e)
+    assert len(host.free_segments) == 16
+    host.invariants()

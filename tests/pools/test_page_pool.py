@@ -1,0 +1,135 @@
+"""PagePool: the reserve/commit/abort protocol, pins, LRU eviction order, doomed deletes."""
+import pytest
+
+from pools.page_pool import PRESENT, READY, RESERVED, PagePool, PoolInvariantError
+
+
+def make(pages=4, page=16):
+    pool = PagePool("t", page, page * pages, max_pages=pages)
+    pool.add_segment(0)
+    return pool
+
+
+def put(pool, key):
+    e = pool.reserve(key)
+    assert e is not None and e is not PRESENT
+    assert pool.commit(e)
+    pool.invariants()
+    return e
+
+
+def test_reserved_is_invisible_until_commit():
+    pool = make()
+    e = pool.reserve("a")
+    assert e.state == RESERVED
+    assert not pool.contains("a") and pool.prefix(["a"]) == 0 and pool.pin("a") is None
+    assert pool.reserve("a") is PRESENT  # a second writer does not copy again
+    pool.invariants()
+    pool.commit(e)
+    assert e.state == READY and pool.contains("a") and pool.prefix(["a", "b"]) == 1
+    pool.invariants()
+
+
+def test_abort_frees_the_slot_and_hides_the_key():
+    pool = make(pages=1)
+    e = pool.reserve("a")
+    pool.abort(e)
+    pool.invariants()
+    assert not pool.contains("a") and len(pool.free) == 1
+    put(pool, "b")
+
+
+def test_lru_eviction_order_and_touch():
+    pool = make(pages=3)
+    for k in "abc":
+        put(pool, k)
+    assert pool.pin("a") is not None  # touch a: b is now least recent
+    pool.unpin(pool.entries["a"])
+    put(pool, "d")
+    assert pool.present(list("abcd")) == [True, False, True, True]
+    assert pool.evictions == 1
+    assert pool.reserve("c") is PRESENT  # a set of a present key touches it too
+    put(pool, "e")
+    assert pool.present(list("acde")) == [False, True, True, True]
+    pool.invariants()
+
+
+def test_pinned_pages_are_not_evicted_and_full_pool_says_none():
+    pool = make(pages=2)
+    a, b = put(pool, "a"), put(pool, "b")
+    pool.pin("a"), pool.pin("b")
+    assert pool.reserve("c") is None
+    pool.unpin(a)
+    c = pool.reserve("c")
+    assert c is not None and c.offset == a.offset
+    pool.commit(c)
+    pool.unpin(b)
+    pool.invariants()
+
+
+def test_reserved_pages_are_not_evicted():
+    pool = make(pages=1)
+    r = pool.reserve("a")
+    assert pool.reserve("b") is None
+    pool.commit(r)
+    pool.invariants()
+
+
+def test_delete_of_pinned_page_defers_the_slot():
+    pool = make(pages=1)
+    put(pool, "a")
+    e = pool.pin("a")
+    assert pool.delete("a") is True
+    assert not pool.contains("a") and pool.reserve("b") is None  # slot still held
+    pool.invariants()
+    pool.unpin(e)
+    pool.invariants()
+    put(pool, "b")
+
+
+def test_delete_of_reserved_page_wins_over_commit():
+    pool = make(pages=1)
+    r = pool.reserve("a")
+    assert pool.delete("a") is False
+    assert pool.commit(r) is False
+    assert not pool.contains("a") and len(pool.free) == 1
+    pool.invariants()
+
+
+def test_broken_counts_raise_not_clamp():
+    pool = make()
+    e = put(pool, "a")
+    with pytest.raises(PoolInvariantError):
+        pool.unpin(e)
+    with pytest.raises(PoolInvariantError):
+        pool.commit(e)
+    pool.entries["a"].pins = 1  # corrupt a count behind the pool's back
+    with pytest.raises(PoolInvariantError):
+        pool.invariants()
+
+
+def test_slot_offsets_are_page_aligned_and_distinct():
+    pool = make(pages=4, page=24)
+    offsets = sorted(put(pool, k).offset for k in "abcd")
+    assert offsets == [0, 24, 48, 72]
+
+
+def test_reclaim_segment_evicts_its_pages_and_skips_busy_ones():
+    pool = PagePool("t", 16, 32)  # 2 slots a segment, grows without limit
+    pool.add_segment(0)
+    pool.add_segment(1)
+    for k in "abcd":
+        put(pool, k)
+    busy = pool.pin("a").offset // 32  # a's segment is busy
+    other = [k for k in "bcd" if pool.entries[k].offset // 32 != busy]
+    seg = pool.reclaim_segment()
+    assert seg == 1 - busy
+    assert pool.present(list("abcd")) == [k not in other for k in "abcd"]
+    assert pool.capacity_pages == 2
+    pool.invariants()
+    assert pool.reclaim_segment() is None  # the only segment left has a pinned page
+
+
+def test_page_larger_than_segment_is_refused():
+    with pytest.raises(ValueError):
+        PagePool("t", 64, 32)
