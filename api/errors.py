@@ -6,7 +6,7 @@ import logging
 import orjson
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from sidecar import errors as e
@@ -58,6 +58,11 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
     return error_response(400, "bad_request", f"{where}: {first.get('msg', 'invalid request')}")
 
 
+async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+    """The client went away mid-body; whatever was reserved is already aborted."""
+    return error_response(400, "client_disconnected", "the client closed the connection")
+
+
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, "internal", "internal error; see the sidecar log")
@@ -67,5 +72,6 @@ HANDLERS = {
     e.SidecarError: on_domain_error,
     HTTPException: on_http_error,
     RequestValidationError: on_validation_error,
+    ClientDisconnect: on_disconnect,
     Exception: on_unexpected,
 }

@@ -58,11 +58,13 @@ class HostPool:
             raise ValueError(f"capacity {capacity_bytes} holds no page of {page_bytes} bytes")
         pool = PagePool(name, page_bytes, self.segment_size, max_pages=pages)
         need = math.ceil(pages / pool.slots_per_segment)
-        while len(self.free_segments) < need and self._reclaim_any():
-            pass
-        if len(self.free_segments) < need:
+        idle = sum(p.idle_segments() for p in self.shared_pools())
+        if len(self.free_segments) + idle < need:  # fail before evicting anything
             raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes, "
-                           f"{len(self.free_segments)} free")
+                           f"{len(self.free_segments)} free and {idle} reclaimable")
+        while len(self.free_segments) < need:
+            reclaimed = self._reclaim_any()
+            assert reclaimed, "idle segment count was wrong"
         for _ in range(need):
             pool.add_segment(self.free_segments.pop())
         self.explicit_segments += need

@@ -212,6 +212,11 @@ class PagePool:
                 return e.offset
         return None
 
+    def idle_segments(self) -> int:
+        """Segments that `reclaim_segment` could give back now."""
+        busy = {e.offset // self.segment_size for e in self._busy_entries()}
+        return sum(1 for s in self.segments if s not in busy)
+
     def reclaim_segment(self) -> Optional[int]:
         """Give back one segment with no busy slot, coldest first; its pages are evicted."""
         busy = {e.offset // self.segment_size for e in self._busy_entries()}

@@ -77,6 +77,15 @@ def test_reclaim_skips_pinned_segments(host):
     host.invariants()
 
 
+def test_refused_explicit_share_evicts_nothing(host):
+    a = host.create("a", 4096)
+    fill(a, "a", 16 * 16)
+    with pytest.raises(PoolFull):
+        host.create("x", 4096, capacity_bytes=17 * SEG)
+    assert a.ready_pages == 256 and len(a.segments) == 16
+    host.invariants()
+
+
 def test_explicit_share_takes_idle_segments_from_shared_pools(host):
     a = host.create("a", 4096)
     fill(a, "a", 16 * 16)
