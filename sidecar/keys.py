@@ -27,7 +27,8 @@ def check_keys(keys: object, field: str = "keys") -> list[str]:
         joined = "\n".join(keys) + "\n" if keys else ""
     except TypeError:
         joined = None
-    if joined is None or not _KEYS.fullmatch(joined):
+    # the separator count catches a key with a newline inside it
+    if joined is None or joined.count("\n") != len(keys) or not _KEYS.fullmatch(joined):
         for k in keys:
             check_key(k)
     return keys

@@ -1,0 +1,47 @@
+import pytest
+
+from sidecar.config import Config, load, parse_size
+
+
+@pytest.mark.parametrize("text,value", [
+    ("4096", 4096), (4096, 4096), ("1GiB", 2**30), ("512MiB", 512 * 2**20), ("2g", 2 * 10**9),
+    ("1.5KiB", 1536), ("64 kb", 64000),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1", "1XB", "1e3"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_precedence_file_env_flags(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('port = 9000\nhost_pool = "1GiB"\nwrite_policy = "none"\n')
+    cfg = load(str(f), env={"SIDECAR_PORT": "9100", "SIDECAR_FILE_TIER": "0"},
+               overrides={"port": "9200", "host": None})
+    assert (cfg.port, cfg.host_pool, cfg.write_policy, cfg.file_tier) == (9200, 2**30, "none", False)
+    assert cfg.host == "127.0.0.1"  # secure default bind
+
+
+def test_rejects_unknown_file_keys_and_bad_values(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("prot = 1\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load(str(f), env={})
+    with pytest.raises(ValueError):
+        load(None, env={"SIDECAR_PORT": "0"})
+    with pytest.raises(ValueError):
+        load(None, env={"SIDECAR_WRITE_POLICY": "maybe"})
+
+
+def test_token_not_in_repr():
+    assert "hunter2" not in repr(Config(token="hunter2"))
+
+
+def test_segment_size_default_is_clamped():
+    assert Config(host_pool=2**30).effective_segment_size == 16 * 2**20
+    assert Config(host_pool=8 * 2**20).effective_segment_size == 2**20
+    assert Config(host_pool=64 * 2**30).effective_segment_size == 64 * 2**20
