@@ -40,7 +40,8 @@ def create_app(config: Config) -> FastAPI:
     app = FastAPI(title="kv-sidecar", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.ctx = None
-    for router in (routes_health.router, routes_namespaces.router, routes_pages.router):
+    # the page routes first: routing tries routes in order, and they are the hot path
+    for router in (routes_pages.router, routes_namespaces.router, routes_health.router):
         app.include_router(router)
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)

@@ -1,4 +1,6 @@
-"""The dependency through which routes reach the context: 503 until the sidecar is ready."""
+"""The dependency through which routes reach the context: 503 until the sidecar is ready.
+
+It is `async` on purpose: FastAPI runs a sync dependency in a worker thread per request."""
 from __future__ import annotations
 
 from starlette.requests import Request
@@ -7,7 +9,7 @@ from sidecar.context import Context
 from sidecar.errors import NotReady
 
 
-def context(request: Request) -> Context:
+async def context(request: Request) -> Context:
     ctx = getattr(request.app.state, "ctx", None)
     if ctx is None or not ctx.ready:
         raise NotReady("the sidecar is starting or shutting down; retry shortly")

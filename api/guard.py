@@ -43,12 +43,15 @@ class Guard:
             self.stats.observe(scope["method"], path, status[0], time.perf_counter() - start)
 
     def _refuse(self, scope) -> Optional[tuple[int, str, str]]:
-        headers = dict(scope["headers"])
+        auth = length = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"authorization":
+                auth = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            got = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            if not hmac.compare_digest(auth or b"", self.expected):
                 return 401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'"
-        length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
                 return 400, "bad_request", "Content-Length is not a number"

@@ -12,14 +12,19 @@ from sidecar.errors import BadRequest, PayloadTooLarge
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; 400 for bad JSON, 413 past `limit` bytes."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"JSON body is over {limit} bytes")
-        chunks.append(chunk)
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) <= limit:
+        raw = await request.body()  # the guard holds the stream to its declared length
+    else:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"JSON body is over {limit} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
     try:
-        body = orjson.loads(b"".join(chunks))
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):

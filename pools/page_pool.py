@@ -18,6 +18,7 @@ event loop only; copies run elsewhere between reserve/pin and commit/unpin).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Callable, Iterable, Optional
 
 from pools.lru import LruList
@@ -60,7 +61,8 @@ class PagePool:
         self.segment_size = segment_size
         self.max_pages = max_pages
         self.segments: list[int] = []
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, Entry] = {}   # every key: RESERVED and READY
+        self.ready: dict[str, Entry] = {}     # READY keys only: the lookup fast path
         self.free: list[int] = []
         self.lru = LruList()
         self.closed = False
@@ -109,22 +111,14 @@ class PagePool:
 
     # -- lookups ----------------------------------------------------------------------
     def contains(self, key: str) -> bool:
-        e = self.entries.get(key)
-        return e is not None and e.state == READY
+        return key in self.ready
 
     def prefix(self, keys: Iterable[str]) -> int:
-        """Length of the leading run of READY keys (no LRU touch)."""
-        n, entries = 0, self.entries
-        for k in keys:
-            e = entries.get(k)
-            if e is None or e.state != READY:
-                break
-            n += 1
-        return n
+        """Length of the leading run of READY keys (no LRU touch); stops at the first miss."""
+        return len(list(takewhile(self.ready.__contains__, keys)))
 
     def present(self, keys: Iterable[str]) -> list[bool]:
-        entries = self.entries
-        return [(e := entries.get(k)) is not None and e.state == READY for k in keys]
+        return list(map(self.ready.__contains__, keys))
 
     # -- writers ----------------------------------------------------------------------
     def reserve(self, key: str):
@@ -151,6 +145,7 @@ class PagePool:
             self._bury(e)
             return False
         e.state = READY
+        self.ready[e.key] = e
         self.lru.push_mru(e)
         self._after_release()
         return True
@@ -168,8 +163,8 @@ class PagePool:
     # -- readers ----------------------------------------------------------------------
     def pin(self, key: str) -> Optional[Entry]:
         """Pin a READY page (and mark it most recent); None when absent."""
-        e = self.entries.get(key)
-        if e is None or e.state != READY:
+        e = self.ready.get(key)
+        if e is None:
             return None
         if e.pins == 0:
             self._pinned += 1
@@ -196,6 +191,7 @@ class PagePool:
             return False
         was_ready = e.state == READY
         if was_ready:
+            del self.ready[key]
             self.lru.remove(e)
         if e.state == RESERVED or e.pins > 0:
             e.doomed = True
@@ -257,6 +253,7 @@ class PagePool:
             self.on_evict(self, e)
         self.lru.remove(e)
         del self.entries[e.key]
+        del self.ready[e.key]
         self.free.append(e.offset)
         self.evictions += 1
 
@@ -305,6 +302,8 @@ class PagePool:
             pinned += e.pins > 0
             offsets.append(e.offset)
         assert ready == sum(e.state == READY for e in self.entries.values()), "LRU != ready"
+        assert self.ready == {k: e for k, e in self.entries.items() if e.state == READY}, \
+            "ready index differs from the READY entries"
         assert reserved == self._reserved, f"reserved count {self._reserved} != {reserved}"
         assert pinned == self._pinned, f"pinned count {self._pinned} != {pinned}"
         assert len(offsets) == len(set(offsets)) == self._slots, "slot lost or shared"

@@ -38,7 +38,7 @@ class Context:
         arena = Arena(config.host_pool)
         host_pool = HostPool(arena, config.effective_segment_size)
         executor = ThreadPoolExecutor(config.copy_threads, thread_name_prefix="kv-copy")
-        store = Store(host_pool, executor, config.shm_dirs)
+        store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, 2))
         ctx = cls(config, arena, host_pool, store, executor)
         ctx.cuda_registered = cuda_ipc.register_host_memory(arena.address, arena.size)
         log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s)",

@@ -16,9 +16,9 @@ from pools.page_pool import PRESENT, Entry
 from sidecar.buffers import Buffer, open_buffer
 from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
                             NoRoom)
-from sidecar.keys import check_key, check_keys
+from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import check_slots, coalesce, page_runs
+from sidecar.transports.base import check_slots, coalesce, page_runs, split_plan
 from sidecar.transports.shm import run_plan
 
 
@@ -53,9 +53,11 @@ class Namespace:
 class Store:
     """Every namespace of the process, over one host pool."""
 
-    def __init__(self, host_pool: HostPool, executor: Executor, shm_dirs: Sequence[str]):
+    def __init__(self, host_pool: HostPool, executor: Executor, shm_dirs: Sequence[str],
+                 copy_parallel: int = 2):
         self.host_pool = host_pool
         self.executor = executor
+        self.copy_parallel = copy_parallel
         self.shm_dirs = tuple(shm_dirs)
         self.namespaces: dict[str, Namespace] = {}
         self._base = host_pool.arena.address
@@ -115,11 +117,26 @@ class Store:
         return dead
 
     # -- lookups ----------------------------------------------------------------------
+    # A key found in the index was validated when it was stored, so look-ups validate only
+    # the keys they do not find (an unhashable entry falls through to the full check).
     def prefix(self, name: str, keys: list[str]) -> int:
-        return self.namespace(name).pool.prefix(check_keys(keys))
+        pool = self.namespace(name).pool
+        try:
+            n = pool.prefix(check_batch(keys))
+        except TypeError:
+            n = 0
+        check_keys(keys[n:])
+        return n
 
     def present(self, name: str, keys: list[str]) -> list[bool]:
-        return self.namespace(name).pool.present(check_keys(keys))
+        pool = self.namespace(name).pool
+        try:
+            found = pool.present(check_batch(keys))
+        except TypeError:
+            check_keys(keys)
+            raise AssertionError("an unhashable key passed validation")
+        check_keys([k for k, hit in zip(keys, found) if not hit])
+        return found
 
     def delete(self, name: str, keys: list[str]) -> int:
         pool = self.namespace(name).pool
@@ -181,16 +198,19 @@ class Store:
         return loaded
 
     async def _copy(self, buf: Buffer, plan: list) -> None:
-        """Run a plan in the executor; a cancelled request still waits for the copy to end."""
+        """Run a plan in the executor, large ones in parallel slices; a cancelled request
+        still waits for every slice to end before its slots are released."""
         if not plan:
             return
         buf.acquire()
         try:
-            fut = asyncio.get_running_loop().run_in_executor(self.executor, run_plan, coalesce(plan))
+            loop = asyncio.get_running_loop()
+            futs = [loop.run_in_executor(self.executor, run_plan, part)
+                    for part in split_plan(coalesce(plan), self.copy_parallel)]
             try:
-                await asyncio.shield(fut)
+                await asyncio.shield(asyncio.gather(*futs))
             except asyncio.CancelledError:
-                await asyncio.wait([fut])
+                await asyncio.wait(futs)
                 raise
         finally:
             buf.release_ref()

@@ -86,3 +86,23 @@ def coalesce(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         else:
             out.append([dst, src, n])
     return [tuple(x) for x in out]
+
+
+def split_plan(plan: list[tuple[int, int, int]], parts: int, minimum: int = 8 << 20) -> list[list]:
+    """Cut a plan into up to `parts` slices of about equal bytes (runs are split too), so
+    one large request copies on several threads. Plans under `minimum` bytes stay whole."""
+    total = sum(n for _, _, n in plan)
+    if parts <= 1 or total < minimum:
+        return [plan]
+    share = -(-total // parts)
+    out: list[list] = [[]]
+    room = share
+    for dst, src, n in plan:
+        while n:
+            take = min(n, room)
+            out[-1].append((dst, src, take))
+            dst, src, n, room = dst + take, src + take, n - take, room - take
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = share
+    return [p for p in out if p]

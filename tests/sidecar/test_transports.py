@@ -79,3 +79,20 @@ def test_cuda_ipc_validation_without_a_gpu():
         {"handle": "AB" * 64, "offset": 4096, "device_uuid": "GPU-12345678-1234-1234-1234-123456789abc"})
     assert len(handle) == 64 and offset == 4096
     assert cuda_ipc.register_host_memory(0, 0) in (False, True)  # never raises
+
+
+def test_split_plan_keeps_every_byte_once():
+    from sidecar.transports.base import split_plan
+    plan = [(0, 10_000, 5 << 20), (5 << 20, 20_000_000, 7 << 20)]
+    parts = split_plan(plan, 2)
+    assert len(parts) == 2
+    sizes = [sum(n for _, _, n in p) for p in parts]
+    assert sum(sizes) == 12 << 20 and abs(sizes[0] - sizes[1]) <= 1
+    flat = sorted(run for p in parts for run in p)
+    pos = 0
+    for dst, src, n in flat:  # contiguous, in order, no overlap, sources follow destinations
+        assert dst == pos
+        assert src - dst in (10_000, 20_000_000 - (5 << 20))
+        pos += n
+    assert split_plan(plan, 1) == [plan]
+    assert split_plan([(0, 0, 100)], 4) == [[(0, 0, 100)]]

@@ -1,0 +1,1 @@
+"""Benchmarks, load tests and trace replay for kv-sidecar (loopback only)."""

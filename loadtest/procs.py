@@ -1,0 +1,58 @@
+"""Start the sidecar and the bare baseline as separate processes on loopback ports."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from api.client import SidecarClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child server process; `url` once it answers /healthz."""
+
+    def __init__(self, cmd: list[str], port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        client, deadline = SidecarClient(self.url, timeout=2), time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd} exited: {self.proc.stderr.read().decode()[-2000:]}")
+            if client.ready():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{cmd} did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_sidecar(*args: str) -> Proc:
+    port = free_port()
+    return Proc([sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--log-level", "warning",
+                 *args], port)
+
+
+def start_bare() -> Proc:
+    port = free_port()
+    code = ("import uvicorn; from loadtest.bare_app import create_bare_app; "
+            f"uvicorn.run(create_bare_app(), host='127.0.0.1', port={port}, loop='uvloop', "
+            "http='httptools', log_level='warning', access_log=False)")
+    return Proc([sys.executable, "-c", code], port)
