@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI
 
-from api import routes_health, routes_namespaces, routes_pages
+from api import routes_batch, routes_health, routes_namespaces, routes_pages
 from api.errors import HANDLERS
 from api.guard import Guard
 from sidecar import __version__
@@ -41,7 +41,8 @@ def create_app(config: Config) -> FastAPI:
                   docs_url=None, redoc_url=None)
     app.state.ctx = None
     # the page routes first: routing tries routes in order, and they are the hot path
-    for router in (routes_pages.router, routes_namespaces.router, routes_health.router):
+    for router in (routes_pages.router, routes_batch.router, routes_namespaces.router,
+                   routes_health.router):
         app.include_router(router)
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)

@@ -150,6 +150,19 @@ class SidecarClient:
     def delete(self, namespace: str, keys: Sequence[str]) -> int:
         return self.request("POST", self._ns(namespace, "/delete"), {"keys": keys})[1]["deleted"]
 
+    # -- several pools at once (hybrid models) ----------------------------------------
+    def batch_exists(self, keys: Sequence[str], kv: str, extra: Sequence[dict] = ()) -> dict:
+        """{"hit", "kv", "pools"}; `extra` items: {"namespace", "policy", "window"}."""
+        return self.request("POST", "/v1/batch/exists", {"keys": keys, "kv": kv, "extra": list(extra)})[1]
+
+    def batch_set(self, items: Sequence[dict]) -> dict[str, list[bool]]:
+        """`items`: {"namespace", "keys", "buffer_id", "slots"} each; answers per namespace."""
+        return self.request("POST", "/v1/batch/set", {"items": list(items)})[1]["stored"]
+
+    def batch_get(self, items: Sequence[dict], kv: Optional[str] = None) -> dict[str, list[bool]]:
+        body = {"items": list(items), **({"kv": kv} if kv is not None else {})}
+        return self.request("POST", "/v1/batch/get", body)[1]["loaded"]
+
     def put_page(self, namespace: str, key: str, data) -> bool:
         """Store one page inline; True when new, False when it was already present."""
         path = self._ns(namespace, f"/pages/{quote(key, safe='')}")

@@ -87,6 +87,34 @@ def bench_exists(sidecar_url: str, bare_url: str, n: int, rounds: int) -> dict:
             "bare_p50_ms": pct(bare_lat, 0.5) * 1e3, "bare_p99_ms": pct(bare_lat, 0.99) * 1e3}
 
 
+def bench_batch_exists(url: str, n: int, rounds: int) -> dict:
+    """batch/exists over 1,000 keys with three extra pools vs single-pool exists, one run."""
+    c = SidecarClient(url)
+    keys = [f"{i:064x}" for i in range(1000)]
+    pools = [("bench-b-kv", "kv"), ("bench-b-mamba", "mamba"), ("bench-b-swa", "swa"),
+             ("bench-b-idx", "indexer")]
+    for name, kind in pools:
+        c.put_namespace(name, 256, pool=kind)
+        for k in keys[:600]:
+            c.put_page(name, k, b"\0" * 256)
+    extra = [{"namespace": "bench-b-mamba", "policy": "trailing_pages", "window": 1},
+             {"namespace": "bench-b-swa", "policy": "trailing_pages", "window": 8},
+             {"namespace": "bench-b-idx", "policy": "all_pages"}]
+    single = orjson.dumps({"keys": keys})
+    batch = orjson.dumps({"keys": keys, "kv": "bench-b-kv", "extra": extra})
+    one, multi, ratios = [], [], []
+    for _ in range(rounds):
+        a = n / sum(post_loop(url, "/v1/namespaces/bench-b-kv/exists", single, n))
+        b = n / sum(post_loop(url, "/v1/batch/exists", batch, n))
+        one.append(a)
+        multi.append(b)
+        ratios.append(b / a)
+    for name, _ in pools:
+        c.delete_namespace(name)
+    return {"exists_rps": statistics.median(one), "batch_rps": statistics.median(multi),
+            "ratio": statistics.median(ratios)}
+
+
 def torch_copy_gbps(nbytes: int, reps: int) -> float:
     """The limit: one-thread torch copy of the same bytes between prefaulted buffers."""
     torch.set_num_threads(1)
@@ -174,6 +202,7 @@ def main(argv=None) -> int:
     sidecar, bare = start_sidecar("--host-pool", pool, "--no-file-tier"), start_bare()
     try:
         res = {"exists": bench_exists(sidecar.url, bare.url, n, rounds),
+               "batch_exists": bench_batch_exists(sidecar.url, n, rounds),
                "shm": bench_shm(sidecar.url, pages, page, reps),
                "inline": bench_inline(sidecar.url, page, max(reps * 2, 4))}
     finally:
@@ -194,6 +223,9 @@ def report(res: dict) -> None:
         print(f"shm {op} {mib:.0f} MiB/request: {s[op + '_gbps']:.2f} GB/s vs torch 1-thread copy "
               f"{s['copy_gbps']:.2f} GB/s -> {s[op + '_ratio']:.2f}x (target >= {TARGETS['shm_' + op]}x); "
               f"vs memmove {s['memmove_gbps']:.2f} GB/s -> {s[op + '_ratio_memmove']:.2f}x")
+    b = res["batch_exists"]
+    print(f"batch/exists 1000 keys, kv + 3 extra pools: {b['batch_rps']:.0f} req/s vs single-pool exists "
+          f"{b['exists_rps']:.0f} req/s -> {b['ratio']:.2f}x")
     print(f"inline page PUT {i['put_gbps']:.2f} GB/s, GET {i['get_gbps']:.2f} GB/s")
 
 

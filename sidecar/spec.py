@@ -57,12 +57,10 @@ class NamespaceSpec:
     def identity(self) -> str:
         """A digest of what makes pages interchangeable: equal on every node and process.
 
-        Capacity is not part of it; for a replicated pool the TP rank is not either.
+        Capacity is not part of it; a replicated pool's TP rank is always 0 (see parse_spec).
         """
         data = self.to_json()
         data.pop("host_capacity_bytes")
-        if self.replicated:
-            data["rank"]["tp"] = 0
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
@@ -110,9 +108,12 @@ def parse_spec(body: Any) -> NamespaceSpec:
     replicated = body.get("replicated", False)
     if not isinstance(replicated, bool):
         raise BadRequest("'replicated' must be true or false")
+    rank = _rank(body.get("rank"))
+    if replicated:  # identical on every TP rank: one namespace, whichever rank registers it
+        rank = Rank(0, rank.tp_size, rank.pp, rank.pp_size, rank.cp, rank.cp_size)
     return NamespaceSpec(
         page_bytes=_int(body, "page_bytes", None, 1), pool=pool,
         model=_str(body, "model", ""), layout=_str(body, "layout", "page_first"),
         dtype=_str(body, "dtype", ""), page_tokens=_int(body, "page_tokens", 0, 0),
-        rank=_rank(body.get("rank")), replicated=replicated,
+        rank=rank, replicated=replicated,
         host_capacity_bytes=_int(body, "host_capacity_bytes", None, 1))

@@ -143,12 +143,17 @@ class Store:
         return sum(pool.delete(k) for k in check_keys(keys))
 
     # -- page moves through engine buffers --------------------------------------------
-    async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
-        """Copy pages from engine slots into the host pool; present keys are True, no copy."""
+    def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any) -> tuple[Namespace, Buffer]:
+        """Validate a set/get before anything moves: namespace, keys, buffer, slots."""
         ns = self.namespace(name)
         check_keys(keys)
         buf = ns.buffer(buffer_id)
         check_slots(slots, len(keys), buf.slots)
+        return ns, buf
+
+    async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
+        """Copy pages from engine slots into the host pool; present keys are True, no copy."""
+        ns, buf = self.check_move(name, keys, buffer_id, slots)
         stored, todo = [False] * len(keys), []
         for i, key in enumerate(keys):
             r = ns.pool.reserve(key)
@@ -176,10 +181,7 @@ class Store:
 
     async def get(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
         """Copy host-pool pages into engine slots; misses are False."""
-        ns = self.namespace(name)
-        check_keys(keys)
-        buf = ns.buffer(buffer_id)
-        check_slots(slots, len(keys), buf.slots)
+        ns, buf = self.check_move(name, keys, buffer_id, slots)
         pinned = [ns.pool.pin(k) for k in keys]
         plan = [(dst, self._base + e.offset + off, n)
                 for i, e in enumerate(pinned) if e is not None

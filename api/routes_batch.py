@@ -1,0 +1,36 @@
+"""Several pools at once: batch exists / set / get (hybrid models)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.deps import context
+from api.wire import json, read_json
+from sidecar import hybrid
+from sidecar.context import Context
+from sidecar.errors import BadRequest
+
+router = APIRouter(prefix="/v1/batch")
+
+
+@router.post("/exists")
+async def batch_exists(request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    extra = hybrid.parse_extra(body.get("extra"))
+    return json(hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"), extra))
+
+
+@router.post("/set")
+async def batch_set(request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    return json({"stored": await hybrid.batch_set(ctx.store, body.get("items"))})
+
+
+@router.post("/get")
+async def batch_get(request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    kv = body.get("kv")
+    if kv is not None and not isinstance(kv, str):
+        raise BadRequest("'kv' must name the KV namespace of the items")
+    return json({"loaded": await hybrid.batch_get(ctx.store, body.get("items"), kv)})
