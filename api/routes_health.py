@@ -1,6 +1,8 @@
 """Health, readiness, metrics and stats."""
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
@@ -8,6 +10,7 @@ from starlette.responses import Response
 from api.deps import context
 from api.errors import error_response
 from api.wire import json
+from sidecar.errors import BadRequest
 from sidecar.context import Context
 from sidecar.metrics import exposition
 
@@ -35,5 +38,24 @@ async def metrics(ctx: Context = Depends(context)) -> Response:
 
 @router.get("/v1/stats")
 async def stats(ctx: Context = Depends(context)) -> Response:
-    return json({"uptime_s": round(__import__("time").time() - ctx.started, 3),
+    return json({"uptime_s": round(time.time() - ctx.started, 3),
                  "cuda_host_registered": ctx.cuda_registered, **ctx.store.stats()})
+
+
+@router.post("/v1/flush")
+async def flush(request: Request, ctx: Context = Depends(context)) -> Response:
+    raw = request.query_params.get("timeout", "60")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise BadRequest(f"'timeout' must be a number of seconds, got {raw[:20]!r}") from None
+    if not 0 <= timeout <= 3600:
+        raise BadRequest("'timeout' must be between 0 and 3600 seconds")
+    pending = await ctx.flush(timeout)
+    failed = ctx.store.tiering.writer.failed if ctx.store.tiering.writer else 0
+    return json({"pending": pending, "failed": failed}, 200 if pending == 0 else 504)
+
+
+@router.get("/v1/prefetch/{ticket}")
+async def prefetch_state(ticket: str, ctx: Context = Depends(context)) -> Response:
+    return json(ctx.store.ticket(ticket))

@@ -38,7 +38,7 @@ async def get_namespace(name: str, ctx: Context = Depends(context)) -> Response:
 
 @router.delete("/{name}")
 async def delete_namespace(name: str, ctx: Context = Depends(context)) -> Response:
-    ctx.store.delete_namespace(name)
+    await ctx.store.drop_tiers(ctx.store.delete_namespace(name))
     return json({"deleted": name})
 
 

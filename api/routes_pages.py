@@ -8,7 +8,7 @@ from starlette.responses import Response
 from api.deps import context
 from api.wire import flag, json, read_json
 from sidecar.context import Context
-from sidecar.errors import KeyNotFound
+from sidecar.errors import BadRequest, KeyNotFound
 
 router = APIRouter(prefix="/v1/namespaces/{name}")
 OCTETS = "application/octet-stream"
@@ -25,7 +25,11 @@ async def exists(name: str, request: Request, ctx: Context = Depends(context)) -
 @router.post("/set")
 async def set_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    stored = await ctx.store.set(name, body.get("keys"), body.get("buffer_id"), body.get("slots"))
+    durable = body.get("durable", False)
+    if not isinstance(durable, bool):
+        raise BadRequest("'durable' must be true or false")
+    stored = await ctx.store.set(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
+                                 durable)
     return json({"stored": stored})
 
 
@@ -39,7 +43,7 @@ async def get_pages(name: str, request: Request, ctx: Context = Depends(context)
 @router.post("/delete")
 async def delete_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json({"deleted": ctx.store.delete(name, body.get("keys"))})
+    return json({"deleted": await ctx.store.delete(name, body.get("keys"))})
 
 
 @router.put("/pages/{key}")
@@ -50,7 +54,13 @@ async def put_page(name: str, key: str, request: Request, ctx: Context = Depends
 
 @router.get("/pages/{key}")
 async def get_page(name: str, key: str, ctx: Context = Depends(context)) -> Response:
-    page = ctx.store.read_page(name, key)
+    page = await ctx.store.read_page(name, key)
     if page is None:
         raise KeyNotFound(f"page {key!r} is not in namespace {name!r}")
     return Response(memoryview(page), media_type=OCTETS)
+
+
+@router.post("/prefetch")
+async def prefetch(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    body = await read_json(request, ctx.config.max_json_body)
+    return json(ctx.store.prefetch(name, body.get("keys")))

@@ -17,9 +17,13 @@ _FLAGS = [
     ("--data-dir", "data_dir", "local file tier directory (default ~/.cache/kv-sidecar)"),
     ("--file-tier-size", "file_tier_size", "local file tier size limit (default 64GiB)"),
     ("--hf3fs-dir", "hf3fs_dir", "3FS mount directory for the shared tier (off by default)"),
+    ("--hf3fs-size", "hf3fs_size", "size limit of this node's view of the 3FS tier (default: none)"),
+    ("--hf3fs-rescan", "hf3fs_rescan", "seconds between scans for other nodes' 3FS pages (30)"),
     ("--write-policy", "write_policy", "write_through (default), write_back or none"),
     ("--max-body", "max_body", "largest request body (default 256MiB)"),
     ("--copy-threads", "copy_threads", "copy worker threads (default 4)"),
+    ("--tier-threads", "tier_threads", "tier writer threads (default 2)"),
+    ("--write-queue-pages", "write_queue_pages", "pages queued for the tiers before set waits (1024)"),
     ("--shutdown-timeout", "shutdown_timeout", "seconds to drain on SIGTERM (default 30)"),
     ("--log-level", "log_level", "debug, info, warning, error"),
 ]

@@ -57,11 +57,15 @@ class Config:
     file_tier: bool = True
     file_tier_size: int = 64 * 2**30
     hf3fs_dir: Optional[str] = None
+    hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
+    hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
     write_policy: str = "write_through"
     max_body: int = 256 * 2**20           # any request body
     max_json_body: int = 16 * 2**20       # JSON request bodies
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
     copy_threads: int = 4
+    tier_threads: int = 2
+    write_queue_pages: int = 1024
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -72,8 +76,8 @@ class Config:
             raise ValueError(f"host pool must be at least 4096 bytes, got {self.host_pool}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        if self.copy_threads < 1:
-            raise ValueError("copy threads must be >= 1")
+        if self.copy_threads < 1 or self.tier_threads < 1 or self.write_queue_pages < 1:
+            raise ValueError("copy threads, tier threads and write queue pages must be >= 1")
         if self.segment_size and not 0 < self.segment_size <= self.host_pool:
             raise ValueError("segment size must be in 1..host pool size")
 
@@ -85,10 +89,10 @@ class Config:
         return max(size // 4096 * 4096, 4096)
 
 
-_SIZES = {"host_pool", "segment_size", "file_tier_size", "max_body", "max_json_body"}
+_SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body"}
 _BOOLS = {"file_tier"}
-_INTS = {"port", "copy_threads"}
-_FLOATS = {"shutdown_timeout"}
+_INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages"}
+_FLOATS = {"shutdown_timeout", "hf3fs_rescan"}
 
 
 def coerce(name: str, value: Any) -> Any:

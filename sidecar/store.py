@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
@@ -15,7 +16,8 @@ from pools import HostPool, PagePool, PoolFull
 from pools.page_pool import PRESENT, Entry
 from sidecar.buffers import Buffer, open_buffer
 from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
-                            NoRoom)
+                            NoRoom, TicketNotFound)
+from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.spec import NamespaceSpec, check_name
 from sidecar.transports.base import check_slots, coalesce, page_runs, split_plan
@@ -32,6 +34,7 @@ class Counters:
     bytes_in: int = 0
     bytes_out: int = 0
     no_room: int = 0
+    tier_hits: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +42,7 @@ class Namespace:
     name: str
     spec: NamespaceSpec
     pool: PagePool
+    identity: str
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
 
@@ -54,10 +58,12 @@ class Store:
     """Every namespace of the process, over one host pool."""
 
     def __init__(self, host_pool: HostPool, executor: Executor, shm_dirs: Sequence[str],
-                 copy_parallel: int = 2):
+                 copy_parallel: int = 2, tiering: Optional[Tiering] = None):
         self.host_pool = host_pool
         self.executor = executor
         self.copy_parallel = copy_parallel
+        self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
+        self.tickets: dict[str, dict[str, Any]] = {}
         self.shm_dirs = tuple(shm_dirs)
         self.namespaces: dict[str, Namespace] = {}
         self._base = host_pool.arena.address
@@ -78,7 +84,10 @@ class Store:
             raise NoRoom(f"host pool cannot hold namespace {name!r}: {exc}") from exc
         except ValueError as exc:
             raise GeometryMismatch(str(exc)) from exc
-        self.namespaces[name] = Namespace(name, spec, pool)
+        ns = Namespace(name, spec, pool, spec.identity())
+        if self.tiering.policy == "write_back":
+            pool.on_evict = self.tiering.on_evict(ns.identity)
+        self.namespaces[name] = ns
         return True
 
     def namespace(self, name: str) -> Namespace:
@@ -88,12 +97,19 @@ class Store:
                                     f"PUT /v1/namespaces/{{name}}")
         return ns
 
-    def delete_namespace(self, name: str) -> None:
+    def delete_namespace(self, name: str) -> Namespace:
+        """Drop a namespace from the host pool; the caller drops its tier pages (`drop_tiers`)."""
         ns = self.namespace(name)
         del self.namespaces[name]
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(name)
+        return ns
+
+    async def drop_tiers(self, ns: Namespace) -> None:
+        """Remove a deleted namespace's tier pages, unless another namespace has its spec."""
+        if not any(o.identity == ns.identity for o in self.namespaces.values()):
+            await self.tiering.drop(ns.identity)
 
     # -- buffers ----------------------------------------------------------------------
     def register_buffer(self, name: str, body: Any) -> Buffer:
@@ -120,27 +136,40 @@ class Store:
     # A key found in the index was validated when it was stored, so look-ups validate only
     # the keys they do not find (an unhashable entry falls through to the full check).
     def prefix(self, name: str, keys: list[str]) -> int:
-        pool = self.namespace(name).pool
+        """Longest run of keys from index 0 present in the host pool or any tier."""
+        ns = self.namespace(name)
         try:
-            n = pool.prefix(check_batch(keys))
+            n = ns.pool.prefix(check_batch(keys))
         except TypeError:
             n = 0
         check_keys(keys[n:])
+        if self.tiering.enabled:
+            ready, present = ns.pool.ready, self.tiering.present
+            while n < len(keys) and (keys[n] in ready or present(ns.identity, keys[n])):
+                n += 1
         return n
 
     def present(self, name: str, keys: list[str]) -> list[bool]:
-        pool = self.namespace(name).pool
+        ns = self.namespace(name)
         try:
-            found = pool.present(check_batch(keys))
+            found = ns.pool.present(check_batch(keys))
         except TypeError:
             check_keys(keys)
             raise AssertionError("an unhashable key passed validation")
         check_keys([k for k, hit in zip(keys, found) if not hit])
+        if self.tiering.enabled:
+            found = [hit or self.tiering.present(ns.identity, k) for k, hit in zip(keys, found)]
         return found
 
-    def delete(self, name: str, keys: list[str]) -> int:
-        pool = self.namespace(name).pool
-        return sum(pool.delete(k) for k in check_keys(keys))
+    async def delete(self, name: str, keys: list[str]) -> int:
+        """Drop keys from every tier; the count is of keys that were present anywhere."""
+        ns = self.namespace(name)
+        check_keys(keys)
+        was = self.present(name, keys)
+        for k in keys:
+            ns.pool.delete(k)
+        await self.tiering.delete(ns.identity, keys)
+        return sum(was)
 
     # -- page moves through engine buffers --------------------------------------------
     def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any) -> tuple[Namespace, Buffer]:
@@ -151,8 +180,10 @@ class Store:
         check_slots(slots, len(keys), buf.slots)
         return ns, buf
 
-    async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
-        """Copy pages from engine slots into the host pool; present keys are True, no copy."""
+    async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
+                  durable: bool = False) -> list[bool]:
+        """Copy pages from engine slots into the host pool; present keys are True, no copy.
+        With `durable`, a key is True only once it is written to every write-through tier."""
         ns, buf = self.check_move(name, keys, buffer_id, slots)
         stored, todo = [False] * len(keys), []
         for i, key in enumerate(keys):
@@ -177,11 +208,25 @@ class Store:
                     ns.pool.abort(e)
         ns.counters.stored += len(todo)
         ns.counters.bytes_in += len(todo) * ns.spec.page_bytes
+        committed = [e for i, e in todo if stored[i]]
+        futures = await self.tiering.write_through(ns.identity, ns.pool, committed)
+        if durable and self.tiering.policy == "write_through":
+            await self._await_durable(ns, keys, stored, dict(zip((e.key for e in committed), futures)))
         return stored
 
+    async def _await_durable(self, ns: Namespace, keys: list[str], stored: list[bool],
+                             futures: dict) -> None:
+        for i, key in enumerate(keys):
+            if not stored[i]:
+                continue
+            fut = futures.get(key)
+            stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
+
     async def get(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
-        """Copy host-pool pages into engine slots; misses are False."""
+        """Copy pages into engine slots, promoting tier-only pages first; misses are False."""
         ns, buf = self.check_move(name, keys, buffer_id, slots)
+        if self.tiering.enabled:
+            ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, keys)
         pinned = [ns.pool.pin(k) for k in keys]
         plan = [(dst, self._base + e.offset + off, n)
                 for i, e in enumerate(pinned) if e is not None
@@ -239,9 +284,14 @@ class Store:
                                        f"are exactly {size} bytes")
             ok = True
         finally:
-            ns.pool.commit(r) if ok else ns.pool.abort(r)
+            if ok:
+                ok = ns.pool.commit(r)
+            else:
+                ns.pool.abort(r)
         ns.counters.stored += 1
         ns.counters.bytes_in += size
+        if ok:
+            await self.tiering.write_through(ns.identity, ns.pool, [r])
         return True
 
     async def _fill(self, e: Entry, body: AsyncIterator[bytes], size: int) -> int:
@@ -254,11 +304,13 @@ class Store:
             got += n
         return got
 
-    def read_page(self, name: str, key: str) -> Optional[bytearray]:
+    async def read_page(self, name: str, key: str) -> Optional[bytearray]:
         """A copy of one page, or None (pinned only for the copy: the transport may keep
         the response buffer after the request ends, so it must not alias a slot)."""
         ns = self.namespace(name)
         check_key(key)
+        if self.tiering.enabled and not ns.pool.contains(key):
+            ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, [key])
         e = ns.pool.pin(key)
         if e is None:
             ns.counters.misses += 1
@@ -280,11 +332,49 @@ class Store:
             c, pool = ns.counters, ns.pool
             spaces[name] = {
                 "pool": ns.spec.pool, "page_bytes": ns.spec.page_bytes,
-                "pages": {"host": pool.ready_pages}, "capacity_pages": pool.capacity_pages,
+                "pages": {"host": pool.ready_pages, **self.tiering.counts(ns.identity)},
+                "capacity_pages": pool.capacity_pages, "tier_hits": c.tier_hits,
                 "capacity_bytes": pool.capacity_pages * ns.spec.page_bytes,
                 "hits": c.hits, "misses": c.misses, "evictions": pool.evictions,
                 "stored": c.stored, "no_room": c.no_room, "buffers": len(ns.buffers),
                 "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
+        tiering = self.tiering
+        writer = tiering.writer
         return {"host_pool": {"bytes": hp.arena.size, "segment_size": hp.segment_size,
                               "segments": hp.n_segments, "free_segments": len(hp.free_segments)},
+                "tiers": {t.name: t.describe() for t in tiering.tiers},
+                "write_policy": tiering.policy,
+                "write_queue": {"pending": writer.pending if writer else 0,
+                                "failed": writer.failed if writer else 0,
+                                "dropped": writer.dropped if writer else 0},
                 "namespaces": spaces}
+
+    # -- prefetch ---------------------------------------------------------------------
+    def prefetch(self, name: str, keys: list[str]) -> dict[str, Any]:
+        """Start bringing the leading run of present keys up to the host pool."""
+        ns = self.namespace(name)
+        n = self.prefix(name, keys)
+        ticket = "t-" + secrets.token_hex(8)
+        state = {"state": "running", "done": 0, "pages": n}
+        self.tickets[ticket] = state
+        while len(self.tickets) > 4096:
+            self.tickets.pop(next(iter(self.tickets)))
+        asyncio.get_running_loop().create_task(self._prefetch(ns, keys[:n], state))
+        return {"ticket": ticket, "pages": n}
+
+    async def _prefetch(self, ns: Namespace, keys: list[str], state: dict) -> None:
+        try:
+            for i in range(0, len(keys), 64):
+                chunk = keys[i:i + 64]
+                ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, chunk)
+                state["done"] = i + sum(ns.pool.present(chunk))
+            state["state"] = "done"
+        except Exception as exc:  # reported through the ticket, never raised into the loop
+            state["state"] = "failed"
+            state["error"] = str(exc)
+
+    def ticket(self, ticket: str) -> dict[str, Any]:
+        state = self.tickets.get(ticket)
+        if state is None:
+            raise TicketNotFound(f"prefetch ticket {ticket[:40]!r} is unknown or expired")
+        return state

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -128,15 +129,20 @@ class SidecarProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the server
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def wait_ready(self, token: str | None = None, timeout: float = 30) -> "SidecarProcess":
         c = SidecarClient(self.url, token=token, timeout=2)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.proc.stdout.read()}")
+                raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.output()}")
             if c.ready():
                 return self
             time.sleep(0.05)
@@ -145,13 +151,13 @@ class SidecarProcess:
     def terminate(self, timeout: float = 30) -> tuple[int, str]:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out
+        self.proc.wait(timeout=timeout)
+        return self.proc.returncode, self.output()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.communicate()
+            self.proc.wait()
 
 
 @pytest.fixture

@@ -1,0 +1,254 @@
+"""A directory of page files: the local file tier (embedded default) and, with `shared=True`,
+the 3FS tier (a directory on the 3FS FUSE mount that every node sees).
+
+    <root>/<spec identity (32 hex)>/<xxh3(key) & 0xff, 2 hex>/<key>.pg     (see pagefile.py)
+
+Content-addressed by the namespace spec's identity and the key, so any process or node with
+the same spec finds the same pages, and concurrent writers of one key publish identical
+bytes by rename. The index (identity -> key -> file size, plus a global LRU) lives in memory
+and is rebuilt by one scan at start; requests never scan. A shared tier also checks the
+file system on an index miss (another node may have written the page) and rescans in the
+background. Every I/O error degrades to a miss or a `False`, with a counter and a log line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from sidecar.tiers import pagefile
+
+log = logging.getLogger("kv_sidecar.tiers")
+_IDENTITY_LEN = 32
+
+
+@dataclass(slots=True)
+class TierStats:
+    pages_written: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    read_errors: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+
+
+class FileTier:
+    """Pages as files under `root`, at most `capacity` bytes (None: no limit)."""
+
+    def __init__(self, name: str, root: str, capacity: Optional[int] = None, shared: bool = False):
+        self.name = name
+        self.root = os.path.abspath(root)
+        self.capacity = capacity
+        self.shared = shared
+        self.keys: dict[str, dict[str, int]] = {}
+        self.lru: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.used = 0
+        self.stats = TierStats()
+        self.degraded: Optional[str] = None
+        self._lock = threading.Lock()
+        self._dirs: set[str] = set()
+        self._last_log = 0.0
+
+    # -- index ------------------------------------------------------------------------
+    def contains(self, identity: str, key: str) -> bool:
+        keys = self.keys.get(identity)
+        if keys is not None and key in keys:
+            return True
+        return self.shared and self._adopt(identity, key)
+
+    def count(self, identity: str) -> int:
+        return len(self.keys.get(identity, ()))
+
+    def _adopt(self, identity: str, key: str) -> bool:
+        """Shared tier: another node may have published the page; take it into the index."""
+        try:
+            size = os.stat(self._path(identity, key)).st_size
+        except OSError:
+            return False
+        with self._lock:
+            self._add(identity, key, size)
+        return True
+
+    def _add(self, identity: str, key: str, size: int) -> None:
+        keys = self.keys.setdefault(identity, {})
+        old = keys.get(key)
+        if old is not None:
+            self.used -= old
+        keys[key] = size
+        self.lru[(identity, key)] = size
+        self.lru.move_to_end((identity, key))
+        self.used += size
+
+    def _forget(self, identity: str, key: str) -> bool:
+        keys = self.keys.get(identity)
+        if keys is None or key not in keys:
+            return False
+        self.used -= keys.pop(key)
+        del self.lru[(identity, key)]
+        return True
+
+    def _path(self, identity: str, key: str) -> str:
+        return os.path.join(self.root, identity, pagefile.shard(key), pagefile.page_name(key))
+
+    # -- writes (tier writer threads) -------------------------------------------------
+    def write_batch(self, jobs: list[tuple[str, str, memoryview]]) -> list[bool]:
+        """Publish pages: write+fsync each under a temporary name, rename, fsync the dirs."""
+        ok, done, dirs = [False] * len(jobs), [], set()
+        for i, (identity, key, page) in enumerate(jobs):
+            size = pagefile.HEADER_SIZE + len(page)
+            if self.capacity is not None and size > self.capacity:
+                continue
+            directory = os.path.dirname(self._path(identity, key))
+            try:
+                self._ensure_dir(directory)
+                tmp = pagefile.write_temp(directory, key, page)
+            except OSError as exc:
+                self._failed("write", exc)
+                self._dirs.discard(directory)  # it may have vanished: make it again next time
+                continue
+            done.append((i, identity, key, size, tmp))
+            dirs.add(directory)
+        for i, identity, key, size, tmp in done:
+            try:
+                self._make_room(size)
+                os.rename(tmp, self._path(identity, key))
+            except OSError as exc:
+                self._failed("publish", exc)
+                pagefile._unlink(tmp)
+                continue
+            ok[i] = True
+        try:
+            for d in dirs:
+                pagefile.fsync_dir(d)
+        except OSError as exc:
+            self._failed("fsync", exc)
+            return [False] * len(jobs)
+        with self._lock:
+            for i, identity, key, size, _ in done:
+                if ok[i]:
+                    self._add(identity, key, size)
+                    self.stats.pages_written += 1
+                    self.stats.bytes_written += size
+        return ok
+
+    def _ensure_dir(self, directory: str) -> None:
+        if directory not in self._dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._dirs.add(directory)
+
+    def _make_room(self, size: int) -> None:
+        if self.capacity is None:
+            return
+        while True:
+            with self._lock:
+                if self.used + size <= self.capacity or not self.lru:
+                    return
+                (identity, key), _ = next(iter(self.lru.items()))
+                self._forget(identity, key)
+                self.stats.evictions += 1
+            pagefile._unlink(self._path(identity, key))
+
+    # -- reads (copy executor threads) ------------------------------------------------
+    def read(self, identity: str, key: str, dst: memoryview) -> bool:
+        """Fill `dst` with a verified page; a missing, torn or corrupt file is a miss."""
+        path = self._path(identity, key)
+        try:
+            good = pagefile.read_into(path, key, dst)
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(identity, key)
+            return False
+        except OSError as exc:
+            self._failed("read", exc)
+            return False
+        if not good:
+            with self._lock:
+                self._forget(identity, key)
+                self.stats.corrupt += 1
+            log.warning("%s tier: %s/%s is torn or corrupt; removed", self.name, identity, key)
+            pagefile._unlink(path)
+            return False
+        with self._lock:
+            if (identity, key) in self.lru:
+                self.lru.move_to_end((identity, key))
+            self.stats.pages_read += 1
+            self.stats.bytes_read += len(dst)
+        return True
+
+    def delete(self, identity: str, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            with self._lock:
+                known = self._forget(identity, key)
+            if known or self.shared:
+                pagefile._unlink(self._path(identity, key))
+                n += known
+        return n
+
+    def drop(self, identity: str) -> None:
+        """Remove every page of one identity (a deleted namespace)."""
+        with self._lock:
+            keys = list(self.keys.get(identity, ()))
+        self.delete(identity, keys)
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        with self._lock:
+            if what == "read":
+                self.stats.read_errors += 1
+            else:
+                self.stats.write_errors += 1
+            self.degraded = f"{what}: {exc.strerror or exc}"
+        now = time.monotonic()
+        if now - self._last_log > 10:  # one line per 10 s, not one per page
+            self._last_log = now
+            log.error("%s tier %s failed: %s (serving from the host pool)", self.name, what, exc)
+
+    # -- recovery ---------------------------------------------------------------------
+    def recover(self) -> int:
+        """Rebuild the index from the directory (LRU order by mtime); drop temporaries."""
+        found = []
+        os.makedirs(self.root, exist_ok=True)
+        for ident in _subdirs(self.root, _IDENTITY_LEN):
+            for sh in _subdirs(os.path.join(self.root, ident), 2):
+                found += self._scan_shard(ident, os.path.join(self.root, ident, sh))
+        found.sort()
+        with self._lock:
+            self.keys.clear()
+            self.lru.clear()
+            self.used = 0
+            for _, ident, key, size in found:
+                self._add(ident, key, size)
+        self._make_room(0)
+        return len(found)
+
+    def _scan_shard(self, ident: str, directory: str) -> list:
+        out = []
+        with os.scandir(directory) as it:
+            for entry in it:
+                name = entry.name
+                if pagefile.TMP_MARK in name:
+                    pagefile._unlink(entry.path)  # a write that never published
+                elif name.endswith(pagefile.SUFFIX) and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    out.append((st.st_mtime_ns, ident, name[:-len(pagefile.SUFFIX)], st.st_size))
+        return out
+
+    def describe(self) -> dict:
+        return {"root": self.root, "pages": len(self.lru), "bytes": self.used,
+                "capacity": self.capacity, "shared": self.shared, "degraded": self.degraded,
+                **asdict(self.stats)}
+
+
+def _subdirs(path: str, length: int) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.name for e in it if len(e.name) == length and e.is_dir(follow_symlinks=False)
+                    and all(c in "0123456789abcdef" for c in e.name)]
+    except FileNotFoundError:
+        return []

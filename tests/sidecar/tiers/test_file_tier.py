@@ -1,0 +1,107 @@
+"""Page files and the file tier: publish, verify, recover, evict, degrade."""
+import errno
+import os
+
+import pytest
+
+from sidecar.tiers import pagefile
+from sidecar.tiers.file_tier import FileTier
+
+ID = "0123456789abcdef0123456789abcdef"
+
+
+def page(key, size=4096):
+    import hashlib
+    return hashlib.shake_256(key.encode()).digest(size)
+
+
+def read(tier, key, size=4096):
+    buf = bytearray(size)
+    return bytes(buf) if tier.read(ID, key, memoryview(buf)) else None
+
+
+def test_round_trip_and_recovery(tmp_path):
+    t = FileTier("file", str(tmp_path))
+    assert t.write_batch([(ID, k, memoryview(page(k))) for k in ("a", ".", "..", "x:y")]) == [True] * 4
+    assert all(t.contains(ID, k) for k in ("a", ".", "..", "x:y")) and t.count(ID) == 4
+    assert read(t, "..") == page("..")
+    fresh = FileTier("file", str(tmp_path))
+    assert fresh.count(ID) == 0 and fresh.recover() == 4
+    assert read(fresh, "x:y") == page("x:y") and read(fresh, "zz") is None
+
+
+def test_unpublished_temporaries_are_never_served_and_are_cleaned(tmp_path):
+    t = FileTier("file", str(tmp_path))
+    t.write_batch([(ID, "a", memoryview(page("a")))])
+    directory = os.path.dirname(t._path(ID, "b"))
+    os.makedirs(directory, exist_ok=True)
+    tmp = pagefile.write_temp(directory, "b", page("b"))  # crashed before the rename
+    fresh = FileTier("file", str(tmp_path))
+    assert fresh.recover() == 1 and not fresh.contains(ID, "b")
+    assert not os.path.exists(tmp)
+
+
+@pytest.mark.parametrize("damage", ["flip_page", "flip_header", "truncate", "extend", "wrong_key"])
+def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
+    t = FileTier("file", str(tmp_path))
+    t.write_batch([(ID, "a", memoryview(page("a"))), (ID, "b", memoryview(page("b")))])
+    path = t._path(ID, "a")
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip_page":
+        data[100] ^= 1
+    elif damage == "flip_header":
+        data[20] ^= 1
+    elif damage == "truncate":
+        data = data[:-10]
+    elif damage == "extend":
+        data += b"x"
+    else:
+        data = bytearray(open(t._path(ID, "b"), "rb").read())  # b's file under a's name
+    open(path, "wb").write(data)
+    fresh = FileTier("file", str(tmp_path))
+    fresh.recover()
+    assert read(fresh, "a") is None
+    assert not fresh.contains(ID, "a") and not os.path.exists(path)  # counted and cleaned up
+    assert fresh.stats.corrupt == 1
+    assert read(fresh, "b") == page("b")
+
+
+def test_lru_eviction_within_capacity(tmp_path):
+    size = pagefile.HEADER_SIZE + 4096
+    t = FileTier("file", str(tmp_path), capacity=3 * size)
+    for k in "abc":
+        t.write_batch([(ID, k, memoryview(page(k)))])
+    assert read(t, "a") == page("a")  # a is now most recent
+    t.write_batch([(ID, "d", memoryview(page("d")))])
+    assert [t.contains(ID, k) for k in "abcd"] == [True, False, True, True]
+    assert t.used == 3 * size and t.stats.evictions == 1
+    assert not os.path.exists(t._path(ID, "b"))
+    small = FileTier("file", str(tmp_path), capacity=2 * size)  # restart with a smaller limit
+    small.recover()
+    assert small.count(ID) == 2 and small.used == 2 * size
+
+
+def test_enospc_and_vanished_directory_degrade(tmp_path, monkeypatch):
+    t = FileTier("file", str(tmp_path / "tier"))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(pagefile, "write_temp", full)
+    assert t.write_batch([(ID, "a", memoryview(page("a")))]) == [False]
+    assert t.stats.write_errors == 1 and "No space" in t.degraded
+    monkeypatch.undo()
+    assert t.write_batch([(ID, "a", memoryview(page("a")))]) == [True]
+    import shutil
+    shutil.rmtree(tmp_path / "tier")  # the directory vanishes under the tier
+    assert read(t, "a") is None and not t.contains(ID, "a")
+    assert t.write_batch([(ID, "b", memoryview(page("b")))]) == [True]  # made again
+
+
+def test_shared_tier_adopts_pages_written_by_another_node(tmp_path):
+    a = FileTier("hf3fs", str(tmp_path), shared=True)
+    b = FileTier("hf3fs", str(tmp_path), shared=True)
+    a.recover(), b.recover()
+    a.write_batch([(ID, "k", memoryview(page("k")))])
+    assert b.contains(ID, "k") and read(b, "k") == page("k")
+    other = "f" * 32
+    assert not b.contains(other, "k")  # another spec never collides
