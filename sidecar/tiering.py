@@ -26,6 +26,7 @@ class Tiering:
         self.writer = writer
         self.host_pool = host_pool
         self.executor = executor
+        self.read_parallel = 2
         self.promoted = 0
 
     @property
@@ -82,14 +83,18 @@ class Tiering:
             todo.append((tier, r))
         if not todo:
             return 0
-        fut = asyncio.get_running_loop().run_in_executor(
-            self.executor, self._read_all, identity, pool.page_bytes, todo)
+        loop = asyncio.get_running_loop()
+        parts = [todo[i::self.read_parallel] for i in range(min(self.read_parallel, len(todo)))]
+        futs = [loop.run_in_executor(self.executor, self._read_all, identity, pool.page_bytes, p)
+                for p in parts]
         results = [False] * len(todo)
         try:
-            results = await asyncio.shield(fut)
+            done = await asyncio.shield(asyncio.gather(*futs))
+            results = [None] * len(todo)
+            for i, part in enumerate(done):
+                results[i::len(parts)] = part
         except asyncio.CancelledError:
-            await asyncio.wait([fut])  # the reads target reserved slots: let them end first
-            results = fut.result() if fut.exception() is None else results
+            await asyncio.wait(futs)  # the reads target reserved slots: let them end first
             raise
         finally:
             for (_, r), good in zip(todo, results):

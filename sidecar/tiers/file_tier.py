@@ -12,6 +12,7 @@ background. Every I/O error degrades to a miss or a `False`, with a counter and 
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -98,43 +99,46 @@ class FileTier:
 
     # -- writes (tier writer threads) -------------------------------------------------
     def write_batch(self, jobs: list[tuple[str, str, memoryview]]) -> list[bool]:
-        """Publish pages: write+fsync each under a temporary name, rename, fsync the dirs."""
-        ok, done, dirs = [False] * len(jobs), [], set()
+        """Publish pages: write each under a temporary name, fdatasync them, rename them,
+        then fsync each directory once."""
+        ok, written = [False] * len(jobs), []
         for i, (identity, key, page) in enumerate(jobs):
-            size = pagefile.HEADER_SIZE + len(page)
-            if self.capacity is not None and size > self.capacity:
-                continue
             directory = os.path.dirname(self._path(identity, key))
             try:
                 self._ensure_dir(directory)
-                tmp = pagefile.write_temp(directory, key, page)
+                tmp, fd = pagefile.write_temp(directory, key, page)
             except OSError as exc:
                 self._failed("write", exc)
                 self._dirs.discard(directory)  # it may have vanished: make it again next time
                 continue
-            done.append((i, identity, key, size, tmp))
-            dirs.add(directory)
-        for i, identity, key, size, tmp in done:
+            written.append((i, identity, key, tmp, fd, directory))
+        synced, dirs = [], set()
+        for i, identity, key, tmp, fd, directory in written:
             try:
+                os.fdatasync(fd)
+                size = os.fstat(fd).st_size
                 self._make_room(size)
                 os.rename(tmp, self._path(identity, key))
             except OSError as exc:
                 self._failed("publish", exc)
                 pagefile._unlink(tmp)
                 continue
-            ok[i] = True
+            finally:
+                os.close(fd)
+            synced.append((i, identity, key, size))
+            dirs.add(directory)
         try:
             for d in dirs:
                 pagefile.fsync_dir(d)
         except OSError as exc:
             self._failed("fsync", exc)
-            return [False] * len(jobs)
+            return ok
         with self._lock:
-            for i, identity, key, size, _ in done:
-                if ok[i]:
-                    self._add(identity, key, size)
-                    self.stats.pages_written += 1
-                    self.stats.bytes_written += size
+            for i, identity, key, size in synced:
+                ok[i] = True
+                self._add(identity, key, size)
+                self.stats.pages_written += 1
+                self.stats.bytes_written += size
         return ok
 
     def _ensure_dir(self, directory: str) -> None:
@@ -145,6 +149,8 @@ class FileTier:
     def _make_room(self, size: int) -> None:
         if self.capacity is None:
             return
+        if size > self.capacity:
+            raise OSError(errno.EFBIG, f"a page of {size} bytes is over the tier's capacity")
         while True:
             with self._lock:
                 if self.used + size <= self.capacity or not self.lru:

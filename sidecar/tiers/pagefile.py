@@ -1,31 +1,37 @@
-"""One page on disk: a 64-byte header, then the page bytes.
+"""One page on disk: a header, then the page bytes at the header's `data offset`.
 
-    offset 0                                                         64
-    +--------+---------+---------+-------------+-------------+--------+-------------------+
-    | magic  | version | flags   | page length | page xxh3   | key    | header xxh3       |
-    | 8 B    | u32     | u32     | u64         | u64         | xxh3   | (of bytes 0..48)  |
-    |"KVSPAGE"|        |         |             |             | u64    | u64, then 8 B pad |
-    +--------+---------+---------+-------------+-------------+--------+-------------------+
-    | page bytes (page length) ...                                                        |
+    offset 0                                                          64          data offset
+    +---------+---------+-------------+-------------+--------+-----------------+ ... +---------------+
+    | magic   | version | data offset | page length | page   | key     | head  |pad  | page bytes    |
+    | 8 B     | u32     | u32         | u64         | xxh3   | xxh3    | xxh3  |     | (page length) |
+    +---------+---------+-------------+-------------+--------+---------+-------+ ... +---------------+
 
-Published by writing a unique temporary name in the same directory, fsync, rename; the
-directory is fsynced after (one fsync per directory per batch). A file whose size, magic,
-header checksum, key or page checksum is wrong is not a page: readers treat it as a miss.
+The data offset is 4096 for pages written with O_DIRECT (a page of whole 4 KiB blocks in
+aligned memory, such as an arena slot: no page-cache copy), and 64 otherwise (small or
+unaligned pages, staged copies). Published by writing a unique temporary name in the same
+directory, fdatasync, rename; the directory is fsynced after (once per batch). A file whose
+size, magic, header checksum, key or page checksum is wrong is not a page: a miss.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import secrets
 import struct
+import threading
 
 import xxhash
 
 MAGIC = b"KVSPAGE\x01"
 VERSION = 1
-HEADER = struct.Struct("<8sIIQQQ")      # 40 bytes; + header xxh3 (8) + pad (16) = 64
+HEADER = struct.Struct("<8sIIQQQ")      # 40 bytes, then the header's own xxh3 (8 bytes)
 HEADER_SIZE = 64
+BLOCK = 4096                             # the O_DIRECT alignment and data offset
 SUFFIX = ".pg"
 TMP_MARK = ".tmp."
+_local = threading.local()
 
 
 def key_tag(key: str) -> int:
@@ -41,43 +47,79 @@ def page_name(key: str) -> str:
     return key + SUFFIX
 
 
-def encode_header(key: str, page) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, 0, len(page), xxhash.xxh3_64_intdigest(page), key_tag(key))
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(16)
+def encode_header(key: str, page, data_offset: int = HEADER_SIZE) -> bytes:
+    head = HEADER.pack(MAGIC, VERSION, data_offset, len(page), xxhash.xxh3_64_intdigest(page),
+                       key_tag(key))
+    head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    return head + bytes(data_offset - len(head))
 
 
-def check_header(raw: bytes, key: str, length: int) -> int:
-    """The page checksum from a header, or -1 when the header is not a valid one for `key`."""
-    if len(raw) != HEADER_SIZE:
-        return -1
-    magic, version, _, size, digest, tag = HEADER.unpack_from(raw)
+def parse_header(raw: bytes, key: str, length: int) -> tuple[int, int]:
+    """(data offset, page checksum), or (-1, -1) when it is not a valid header for `key`."""
+    if len(raw) < HEADER_SIZE:
+        return -1, -1
+    magic, version, offset, size, digest, tag = HEADER.unpack_from(raw)
     (head_sum,) = struct.unpack_from("<Q", raw, HEADER.size)
-    if magic != MAGIC or version != VERSION or size != length or tag != key_tag(key):
-        return -1
+    if (magic != MAGIC or version != VERSION or size != length or tag != key_tag(key)
+            or offset not in (HEADER_SIZE, BLOCK)):
+        return -1, -1
     if head_sum != xxhash.xxh3_64_intdigest(raw[:HEADER.size]):
-        return -1
-    return digest
+        return -1, -1
+    return offset, digest
+
+
+def _address(view: memoryview) -> int:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # read-only (a staged bytes copy): never O_DIRECT
+        return 1
+
+
+def direct_ok(page) -> bool:
+    view = memoryview(page).cast("B")
+    return len(view) % BLOCK == 0 and len(view) > 0 and _address(view) % BLOCK == 0
 
 
 def write_temp(directory: str, key: str, page) -> str:
-    """Write header + page to a new temporary file in `directory`, fsync it; return its path."""
+    """Write header + page to a new temporary file in `directory` (not yet synced)."""
+    view = memoryview(page).cast("B")
     tmp = os.path.join(directory, f".{page_name(key)}{TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    direct = direct_ok(view)
     try:
-        header = encode_header(key, page)
-        want, done = HEADER_SIZE + len(page), 0
-        bufs = [memoryview(header), memoryview(page).cast("B")]
-        while done < want:
-            n = os.writev(fd, bufs)
-            done += n
-            bufs = _advance(bufs, n)
-        os.fsync(fd)
+        fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o644)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        direct, fd = False, os.open(tmp, flags, 0o644)  # this file system has no O_DIRECT
+    try:
+        head = encode_header(key, view, BLOCK if direct else HEADER_SIZE)
+        if direct:
+            block = _header_block()
+            block[:] = head
+            head = block
+        _write_all(fd, [memoryview(head), view])
     except BaseException:
         os.close(fd)
         _unlink(tmp)
         raise
-    os.close(fd)
-    return tmp
+    return tmp, fd
+
+
+def _header_block() -> mmap.mmap:
+    block = getattr(_local, "block", None)
+    if block is None:
+        block = _local.block = mmap.mmap(-1, BLOCK)  # page-aligned, for O_DIRECT
+    return block
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    want = sum(len(b) for b in bufs)
+    done = 0
+    while done < want:
+        n = os.writev(fd, bufs)
+        done += n
+        bufs = _advance(bufs, n)
 
 
 def _advance(bufs: list, n: int) -> list:
@@ -99,23 +141,61 @@ def fsync_dir(directory: str) -> None:
 
 def read_into(path: str, key: str, dst: memoryview) -> bool:
     """Fill `dst` with the page at `path`; False when the file is not a whole, valid page.
-    Raises OSError for I/O errors (a missing file is FileNotFoundError)."""
+    Raises OSError for I/O errors (a missing file is FileNotFoundError).
+
+    An aligned destination is tried first as one O_DIRECT read of header + page (what an
+    aligned writer produced); anything else is read through the page cache."""
+    if direct_ok(dst):
+        got = _try_direct(path, key, dst)
+        if got is not None:
+            return got
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if os.fstat(fd).st_size != HEADER_SIZE + len(dst):
+        size = os.fstat(fd).st_size
+        offset, digest = parse_header(os.pread(fd, HEADER_SIZE, 0), key, len(dst))
+        if offset < 0 or size != offset + len(dst):
             return False
-        digest = check_header(os.pread(fd, HEADER_SIZE, 0), key, len(dst))
-        if digest < 0:
+        if not _read_all(fd, dst, offset):
             return False
-        got = 0
-        while got < len(dst):
-            n = os.preadv(fd, [dst[got:]], HEADER_SIZE + got)
+    finally:
+        os.close(fd)
+    return xxhash.xxh3_64_intdigest(dst) == digest
+
+
+def _try_direct(path: str, key: str, dst: memoryview):
+    """True/False for a page read with O_DIRECT, None when the file is not in that layout."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+    try:
+        if os.fstat(fd).st_size != BLOCK + len(dst):
+            return None
+        block = _header_block()
+        want, got, bufs = BLOCK + len(dst), 0, [memoryview(block), dst]
+        while got < want:
+            n = os.preadv(fd, _advance(bufs, got), got)
             if n == 0:
                 return False
             got += n
     finally:
         os.close(fd)
+    offset, digest = parse_header(bytes(block[:HEADER_SIZE]), key, len(dst))
+    if offset != BLOCK:
+        return None if offset == HEADER_SIZE else False
     return xxhash.xxh3_64_intdigest(dst) == digest
+
+
+def _read_all(fd: int, dst: memoryview, offset: int) -> bool:
+    got = 0
+    while got < len(dst):
+        n = os.preadv(fd, [dst[got:]], offset + got)
+        if n == 0:
+            return False
+        got += n
+    return True
 
 
 def _unlink(path: str) -> None:

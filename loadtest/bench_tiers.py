@@ -1,0 +1,179 @@
+"""`python -m loadtest.bench_tiers`: the file tier against the raw disk, in one run.
+
+    write-through: shm set of N x 2 MiB pages + flush   vs  O_DIRECT sequential write + fsync
+    promotion:     restart, shm get of the same pages   vs  O_DIRECT sequential read
+    recovery:      index rebuild for 100,000 page files (in-process and process start to ready)
+
+Same bytes, same thread count (--tier-threads), same directory's disk. Page cache is dropped
+(posix_fadvise DONTNEED) before each read phase, so reads come from the disk.
+"""
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import orjson
+
+from api.client import SidecarClient
+from api.shm import SharedBuffer, page_first_chunks
+from loadtest.procs import start_sidecar
+from sidecar.tiers import pagefile
+from sidecar.tiers.file_tier import FileTier
+
+PAGE = 2 << 20
+
+
+def raw_write_read(directory: str, total: int, threads: int) -> tuple[float, float]:
+    """GB/s of O_DIRECT sequential write (+fsync) and read, `threads` files in parallel."""
+    share = total // threads
+    buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(PAGE))
+    paths = [os.path.join(directory, f"raw-{i}") for i in range(threads)]
+
+    def write(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        for off in range(0, share, PAGE):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+        os.close(fd)
+
+    def read(path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        mine = mmap.mmap(-1, PAGE)
+        for off in range(0, share, PAGE):
+            os.preadv(fd, [mine], off)
+        os.close(fd)
+
+    w = _timed_threads(write, paths)
+    _drop_cache(directory)
+    r = _timed_threads(read, paths)
+    for p in paths:
+        os.unlink(p)
+    return total / w / 1e9, total / r / 1e9
+
+
+def _timed_threads(fn, args) -> float:
+    ts = [threading.Thread(target=fn, args=(a,)) for a in args]
+    t = time.perf_counter()
+    for x in ts:
+        x.start()
+    for x in ts:
+        x.join()
+    return time.perf_counter() - t
+
+
+def _drop_cache(directory: str) -> None:
+    for root, _, files in os.walk(directory):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(root, f), os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def sidecar_write_read(directory: str, pages: int, threads: int) -> tuple[float, float]:
+    """GB/s of write-through (set + flush) and of promotion (get after a restart)."""
+    args = ("--host-pool", "1GiB", "--data-dir", directory, "--tier-threads", str(threads),
+            "--segment-size", "64MiB")
+    batch = 64
+    buf = SharedBuffer(batch * PAGE)
+    buf.bytes.fill_(3)
+    proc = start_sidecar(*args)
+    try:
+        c = SidecarClient(proc.url, timeout=600)
+        c.put_namespace("bench", PAGE)
+        bid = buf.register(c, "bench", batch, page_first_chunks(PAGE))
+        t = time.perf_counter()
+        for i in range(0, pages, batch):
+            keys = [f"p{j}" for j in range(i, min(i + batch, pages))]
+            assert all(c.set("bench", keys, bid, list(range(len(keys)))))
+        assert c.request("POST", "/v1/flush?timeout=600")[1]["pending"] == 0
+        write = time.perf_counter() - t
+    finally:
+        proc.stop()
+    _drop_cache(directory)
+    proc = start_sidecar(*args)
+    try:
+        c = SidecarClient(proc.url, timeout=600)
+        c.put_namespace("bench", PAGE)
+        bid = buf.register(c, "bench", batch, page_first_chunks(PAGE))
+        t = time.perf_counter()
+        for i in range(0, pages, batch):
+            keys = [f"p{j}" for j in range(i, min(i + batch, pages))]
+            assert all(c.get("bench", keys, bid, list(range(len(keys)))))
+        read = time.perf_counter() - t
+    finally:
+        proc.stop()
+    buf.close()
+    total = pages * PAGE
+    return total / write / 1e9, total / read / 1e9
+
+
+def recovery(directory: str, n: int) -> dict:
+    """Write `n` small page files (no fsync: only the scan is timed), then rebuild the index."""
+    ident = "ab" * 16
+    page = b"\1" * 1024
+    made = set()
+    for i in range(n):
+        key = f"{i:064x}"
+        d = os.path.join(directory, ident, pagefile.shard(key))
+        if d not in made:
+            os.makedirs(d, exist_ok=True)
+            made.add(d)
+        with open(os.path.join(d, pagefile.page_name(key)), "wb") as f:
+            f.write(pagefile.encode_header(key, page) + page)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        assert FileTier("file", directory).recover() == n
+        times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    proc = start_sidecar("--host-pool", "64MiB", "--data-dir", directory)
+    ready = time.perf_counter() - t
+    proc.stop()
+    return {"pages": n, "recover_s": statistics.median(times), "start_to_ready_s": ready}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", help="a directory on the disk to measure (default: a temp dir)")
+    p.add_argument("--pages", type=int, default=384, help="2 MiB pages to write and read (384)")
+    p.add_argument("--threads", type=int, default=2, help="tier writer threads and raw I/O threads")
+    p.add_argument("--recovery-pages", type=int, default=100_000)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    base = tempfile.mkdtemp(prefix="kv-bench-", dir=args.dir)
+    try:
+        raw_w, raw_r = raw_write_read(base, args.pages * PAGE, args.threads)
+        side_w, side_r = sidecar_write_read(os.path.join(base, "tier"), args.pages, args.threads)
+        rec = recovery(os.path.join(base, "recovery"), args.recovery_pages)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    res = {"bytes": args.pages * PAGE, "threads": args.threads,
+           "raw_write_gbps": raw_w, "raw_read_gbps": raw_r,
+           "write_through_gbps": side_w, "promotion_gbps": side_r,
+           "write_ratio": side_w / raw_w, "read_ratio": side_r / raw_r, "recovery": rec}
+    mib = res["bytes"] / 2**20
+    print(f"write-through {mib:.0f} MiB, {args.threads} threads: {side_w:.2f} GB/s vs raw O_DIRECT write "
+          f"{raw_w:.2f} GB/s -> {res['write_ratio']:.2f}x (target >= 0.7x)")
+    print(f"promotion {mib:.0f} MiB: {side_r:.2f} GB/s vs raw O_DIRECT read {raw_r:.2f} GB/s -> "
+          f"{res['read_ratio']:.2f}x (target >= 0.7x)")
+    print(f"recovery of {rec['pages']} pages: index rebuilt in {rec['recover_s']:.2f} s; "
+          f"process start to ready {rec['start_to_ready_s']:.2f} s")
+    if args.json:
+        print(orjson.dumps(res).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
