@@ -14,6 +14,10 @@ POOL_KINDS = (
     "kv", "mamba", "swa", "indexer", "draft", "draft_indexer", "draft_swa",
     "deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128",
     "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state", "deepseek_v4_c128_state",
+    # added by SGLang 0.5.23's PoolName
+    "auxiliary_swa", "deepseek_v4_c1", "deepseek_v4_c1_indexer", "deepseek_v4_c1_indexer_scale",
+    "deepseek_v4_c2", "deepseek_v4_c2_indexer", "deepseek_v4_c2_indexer_scale",
+    "deepseek_v4_c4_indexer_scale", "deepseek_v4_c4_rope", "deepseek_v4_c128_rope",
 )
 _NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}")
 _RANK_FIELDS = ("tp", "tp_size", "pp", "pp_size", "cp", "cp_size")

@@ -124,8 +124,8 @@ def client(server) -> SidecarClient:
 class SidecarProcess:
     """`python -m sidecar serve` as a child process on a free loopback port."""
 
-    def __init__(self, *args: str, env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -164,8 +164,8 @@ class SidecarProcess:
 def spawn():
     procs = []
 
-    def make(*args: str, env: dict | None = None) -> SidecarProcess:
-        p = SidecarProcess(*args, env=env)
+    def make(*args: str, env: dict | None = None, port: int | None = None) -> SidecarProcess:
+        p = SidecarProcess(*args, env=env, port=port)
         procs.append(p)
         return p
     yield make

@@ -71,7 +71,7 @@ def test_every_pool_kind_is_a_namespace(client):
                                     rank={"tp": 1, "tp_size": 2, "pp": 0, "pp_size": 1})["spec"]
         assert spec["pool"] == kind and spec["replicated"] == (i % 2 == 0)
         assert spec["rank"]["tp"] == (0 if i % 2 == 0 else 1)  # replicated: one copy for all ranks
-    assert len(client.list_namespaces()) == len(POOL_KINDS) == 13
+    assert len(client.list_namespaces()) == len(POOL_KINDS) >= 13
 
 
 def test_round_trip_kv_mamba_indexer_draft(client, server):
