@@ -1,7 +1,11 @@
 """A directory of page files: the local file tier (embedded default) and, with `shared=True`,
 the 3FS tier (a directory on the 3FS FUSE mount that every node sees).
 
-    <root>/<spec identity (32 hex)>/<xxh3(key) & 0xff, 2 hex>/<key>.pg     (see pagefile.py)
+    <root>/<spec identity (32 hex)>/<key>.pg     (see pagefile.py)
+
+One flat directory per identity: a batch of writes then needs one directory fsync, where
+hash-sharded subdirectories cost one fsync per touched shard (ext4 indexes large
+directories, so a flat one stays fast).
 
 Content-addressed by the namespace spec's identity and the key, so any process or node with
 the same spec finds the same pages, and concurrent writers of one key publish identical
@@ -95,7 +99,7 @@ class FileTier:
         return True
 
     def _path(self, identity: str, key: str) -> str:
-        return os.path.join(self.root, identity, pagefile.shard(key), pagefile.page_name(key))
+        return os.path.join(self.root, identity, pagefile.page_name(key))
 
     # -- writes (tier writer threads) -------------------------------------------------
     def write_batch(self, jobs: list[tuple[str, str, memoryview]]) -> list[bool]:
@@ -106,17 +110,21 @@ class FileTier:
             directory = os.path.dirname(self._path(identity, key))
             try:
                 self._ensure_dir(directory)
-                tmp, fd = pagefile.write_temp(directory, key, page)
+                try:
+                    tmp, fd, size = pagefile.write_temp(directory, key, page)
+                except FileNotFoundError:  # the directory vanished: make it again, once
+                    self._dirs.discard(directory)
+                    self._ensure_dir(directory)
+                    tmp, fd, size = pagefile.write_temp(directory, key, page)
             except OSError as exc:
                 self._failed("write", exc)
                 self._dirs.discard(directory)  # it may have vanished: make it again next time
                 continue
-            written.append((i, identity, key, tmp, fd, directory))
+            written.append((i, identity, key, tmp, fd, directory, size))
         synced, dirs = [], set()
-        for i, identity, key, tmp, fd, directory in written:
+        for i, identity, key, tmp, fd, directory, size in written:
             try:
                 os.fdatasync(fd)
-                size = os.fstat(fd).st_size
                 self._make_room(size)
                 os.rename(tmp, self._path(identity, key))
             except OSError as exc:
@@ -221,8 +229,7 @@ class FileTier:
         found = []
         os.makedirs(self.root, exist_ok=True)
         for ident in _subdirs(self.root, _IDENTITY_LEN):
-            for sh in _subdirs(os.path.join(self.root, ident), 2):
-                found += self._scan_shard(ident, os.path.join(self.root, ident, sh))
+            found += self._scan_dir(ident, os.path.join(self.root, ident))
         found.sort()
         with self._lock:
             self.keys.clear()
@@ -233,7 +240,7 @@ class FileTier:
         self._make_room(0)
         return len(found)
 
-    def _scan_shard(self, ident: str, directory: str) -> list:
+    def _scan_dir(self, ident: str, directory: str) -> list:
         out = []
         with os.scandir(directory) as it:
             for entry in it:

@@ -38,10 +38,6 @@ def key_tag(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-def shard(key: str) -> str:
-    return f"{key_tag(key) & 0xFF:02x}"
-
-
 def page_name(key: str) -> str:
     """`<key>.pg`: keys are [0-9A-Za-z_.:-], so '.' and '..' become '..pg' and '...pg'."""
     return key + SUFFIX
@@ -80,8 +76,9 @@ def direct_ok(page) -> bool:
     return len(view) % BLOCK == 0 and len(view) > 0 and _address(view) % BLOCK == 0
 
 
-def write_temp(directory: str, key: str, page) -> str:
-    """Write header + page to a new temporary file in `directory` (not yet synced)."""
+def write_temp(directory: str, key: str, page) -> tuple[str, int, int]:
+    """Write header + page to a new temporary file in `directory` (not yet synced);
+    return (its path, its open fd, its size)."""
     view = memoryview(page).cast("B")
     tmp = os.path.join(directory, f".{page_name(key)}{TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -103,7 +100,7 @@ def write_temp(directory: str, key: str, page) -> str:
         os.close(fd)
         _unlink(tmp)
         raise
-    return tmp, fd
+    return tmp, fd, len(head) + len(view)
 
 
 def _header_block() -> mmap.mmap:

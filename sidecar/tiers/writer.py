@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from sidecar.tiers.file_tier import FileTier
 
-BATCH = 32
+BATCH = 64
 
 
 @dataclass(slots=True, eq=False)

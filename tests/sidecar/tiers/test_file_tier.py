@@ -35,7 +35,7 @@ def test_unpublished_temporaries_are_never_served_and_are_cleaned(tmp_path):
     t.write_batch([(ID, "a", memoryview(page("a")))])
     directory = os.path.dirname(t._path(ID, "b"))
     os.makedirs(directory, exist_ok=True)
-    tmp, fd = pagefile.write_temp(directory, "b", page("b"))  # crashed before the rename
+    tmp, fd, _ = pagefile.write_temp(directory, "b", page("b"))  # crashed before the rename
     os.close(fd)
     fresh = FileTier("file", str(tmp_path))
     assert fresh.recover() == 1 and not fresh.contains(ID, "b")
