@@ -8,13 +8,13 @@ SGLANG ?= sglang==0.5.23
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest]'
 	# SGLang's own storage interface, for the adapter tests: the released package without
 	# its dependencies (it would pull a CUDA torch and the whole serving stack)
 	$(PY) -m pip install -q --no-deps $(SGLANG)
 	touch $@
 
-.PHONY: install serve test bench
+.PHONY: install serve test bench loadtest replay
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
@@ -25,3 +25,12 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
+
+# Locust against a sidecar already running on $(URL) (bounded in users and time)
+URL ?= http://127.0.0.1:8411
+loadtest: $(VENV)/.installed
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host $(URL) --only-summary
+
+# replay the shared conversation trace against a sidecar started with --no-file-tier
+replay: $(VENV)/.installed
+	$(VENV)/bin/sidecar replay ../shared/traces/conversation_trace.jsonl --url $(URL) --capacity-pages 20000 $(ARGS)

@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.deps import context
+from api.openapi import body
 from api.wire import json, read_json
 from sidecar import hybrid
 from sidecar.context import Context
@@ -14,20 +15,20 @@ from sidecar.errors import BadRequest
 router = APIRouter(prefix="/v1/batch")
 
 
-@router.post("/exists")
+@router.post("/exists", openapi_extra=body("batch_exists"))
 async def batch_exists(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     extra = hybrid.parse_extra(body.get("extra"))
     return json(hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"), extra))
 
 
-@router.post("/set")
+@router.post("/set", openapi_extra=body("batch_move"))
 async def batch_set(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     return json({"stored": await hybrid.batch_set(ctx.store, body.get("items"))})
 
 
-@router.post("/get")
+@router.post("/get", openapi_extra=body("batch_move"))
 async def batch_get(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     kv = body.get("kv")

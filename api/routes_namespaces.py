@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.deps import context
+from api.openapi import body
 from api.wire import json, read_json
 from sidecar.context import Context
 from sidecar.spec import parse_spec
@@ -24,7 +25,7 @@ async def list_namespaces(ctx: Context = Depends(context)) -> Response:
     return json({"namespaces": [_describe(ctx, n) for n in ctx.store.namespaces]})
 
 
-@router.put("/{name}")
+@router.put("/{name}", openapi_extra=body("namespace"))
 async def put_namespace(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     spec = parse_spec(await read_json(request, ctx.config.max_json_body))
     created = ctx.store.put_namespace(name, spec)
@@ -42,7 +43,7 @@ async def delete_namespace(name: str, ctx: Context = Depends(context)) -> Respon
     return json({"deleted": name})
 
 
-@router.post("/{name}/buffers")
+@router.post("/{name}/buffers", openapi_extra=body("buffer"))
 async def register_buffer(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     buf = ctx.store.register_buffer(name, await read_json(request, ctx.config.max_json_body))
     return json({"buffer_id": buf.id}, 201)

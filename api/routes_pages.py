@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.deps import context
+from api.openapi import PAGE_BODY, body
 from api.wire import flag, json, read_json
 from sidecar.context import Context
 from sidecar.errors import BadRequest, KeyNotFound
@@ -14,7 +15,7 @@ router = APIRouter(prefix="/v1/namespaces/{name}")
 OCTETS = "application/octet-stream"
 
 
-@router.post("/exists")
+@router.post("/exists", openapi_extra=body("keys"))
 async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
@@ -22,7 +23,7 @@ async def exists(name: str, request: Request, ctx: Context = Depends(context)) -
     return json({"prefix": ctx.store.prefix(name, body.get("keys"))})
 
 
-@router.post("/set")
+@router.post("/set", openapi_extra=body("move"))
 async def set_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     durable = body.get("durable", False)
@@ -33,20 +34,20 @@ async def set_pages(name: str, request: Request, ctx: Context = Depends(context)
     return json({"stored": stored})
 
 
-@router.post("/get")
+@router.post("/get", openapi_extra=body("move"))
 async def get_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     loaded = await ctx.store.get(name, body.get("keys"), body.get("buffer_id"), body.get("slots"))
     return json({"loaded": loaded})
 
 
-@router.post("/delete")
+@router.post("/delete", openapi_extra=body("keys"))
 async def delete_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     return json({"deleted": await ctx.store.delete(name, body.get("keys"))})
 
 
-@router.put("/pages/{key}")
+@router.put("/pages/{key}", openapi_extra=PAGE_BODY)
 async def put_page(name: str, key: str, request: Request, ctx: Context = Depends(context)) -> Response:
     created = await ctx.store.put_page(name, key, request.stream())
     return json({"stored": True, "created": created}, 201 if created else 200)
@@ -60,7 +61,7 @@ async def get_page(name: str, key: str, ctx: Context = Depends(context)) -> Resp
     return Response(memoryview(page), media_type=OCTETS)
 
 
-@router.post("/prefetch")
+@router.post("/prefetch", openapi_extra=body("keys"))
 async def prefetch(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     return json(ctx.store.prefetch(name, body.get("keys")))

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
 from sidecar import __version__
+
+REPLAY = "loadtest.replay"  # a client of the API: loaded by name, sidecar never imports it
 from sidecar.config import load
 
 _FLAGS = [
@@ -23,7 +26,7 @@ _FLAGS = [
     ("--max-body", "max_body", "largest request body (default 256MiB)"),
     ("--copy-threads", "copy_threads", "copy worker threads (default 4)"),
     ("--tier-threads", "tier_threads", "tier writer threads (default 2)"),
-    ("--write-queue-pages", "write_queue_pages", "pages queued for the tiers before set waits (1024)"),
+    ("--write-queue-pages", "write_queue_pages", "pages queued for the tiers before set waits (256)"),
     ("--shutdown-timeout", "shutdown_timeout", "seconds to drain on SIGTERM (default 30)"),
     ("--log-level", "log_level", "debug, info, warning, error"),
 ]
@@ -41,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
                        help="keep pages in the host pool only")
     serve.add_argument("--shm-dir", dest="shm_dirs", action="append",
                        help="directory engines may register shm files from (repeatable; default /dev/shm)")
+    replay = sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar")
+    importlib.import_module(REPLAY).parser(replay)
     return p
 
 
@@ -55,4 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"sidecar: bad configuration: {exc}", file=sys.stderr)
             return 2
         return serve(config)
+    if args.command == "replay":
+        replay = importlib.import_module(REPLAY)
+        replay.print_report(replay.run(args), args.json)
+        return 0
     return 2

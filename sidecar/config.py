@@ -65,7 +65,7 @@ class Config:
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
     copy_threads: int = 4
     tier_threads: int = 2
-    write_queue_pages: int = 1024
+    write_queue_pages: int = 256          # pages pinned for the tiers before a set waits
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 

@@ -28,6 +28,7 @@ class Tiering:
         self.executor = executor
         self.read_parallel = 2
         self.promoted = 0
+        self.writing: dict[str, int] = {}   # pages pinned for the writer, per pool
 
     @property
     def enabled(self) -> bool:
@@ -47,18 +48,28 @@ class Tiering:
 
     # -- writes -----------------------------------------------------------------------
     async def write_through(self, identity: str, pool: PagePool, entries: list[Entry]) -> list:
-        """Queue committed pages (pinned until written); futures say which became durable."""
+        """Queue committed pages (pinned until written); futures say which became durable.
+
+        Back-pressure per namespace: at most half of a pool's pages are pinned for writing,
+        so a slow disk slows `set` down instead of filling the pool with unevictable pages."""
         if self.policy != "write_through":
             return []
         futures = []
         for e in entries:
+            while self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2):
+                await self.writer.wait_change()
             pinned = pool.pin(e.key)
             if pinned is None:   # deleted meanwhile
                 continue
             view = self.host_pool.view(pinned.offset, pool.page_bytes)
+            self.writing[pool.name] = self.writing.get(pool.name, 0) + 1
             futures.append(await self.writer.submit(identity, e.key, view,
-                                                    lambda p=pinned: pool.unpin(p)))
+                                                    lambda p=pinned: self._written(pool, p)))
         return futures
+
+    def _written(self, pool: PagePool, e: Entry) -> None:
+        self.writing[pool.name] -= 1
+        pool.unpin(e)
 
     def on_evict(self, identity: str):
         """For write_back: stage an evicted page's bytes and queue them (never blocks)."""

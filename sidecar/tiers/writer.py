@@ -74,6 +74,10 @@ class TierWriter:
         self._q.put(WriteJob(identity, key, page, self._seq, fut, release))
         return fut
 
+    async def wait_change(self) -> None:
+        """Return after the next batch of writes finishes."""
+        await self._wait_change()
+
     async def _wait_change(self) -> None:
         self._changed.clear()
         await self._changed.wait()
