@@ -223,11 +223,29 @@ class Store:
             stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
 
     async def get(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
-        """Copy pages into engine slots, promoting tier-only pages first; misses are False."""
+        """Copy pages into engine slots, promoting tier-only pages first; misses are False.
+        With tiers, a long get goes in chunks of a quarter of the pool, so promoting its
+        pages never needs more free slots than the pool can give."""
         ns, buf = self.check_move(name, keys, buffer_id, slots)
+        step = len(keys) or 1
         if self.tiering.enabled:
-            ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, keys)
+            step = max(8, ns.pool.capacity_pages // 4)
+        loaded: list[bool] = []
+        for i in range(0, len(keys), step):
+            loaded += await self._get_chunk(ns, buf, keys[i:i + step], slots[i:i + step])
+        hits = sum(loaded)
+        ns.counters.hits += hits
+        ns.counters.misses += len(keys) - hits
+        ns.counters.bytes_out += hits * ns.spec.page_bytes
+        return loaded
+
+    async def _get_chunk(self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]) -> list[bool]:
+        # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
+        missing = [k for k, e in zip(keys, pinned) if e is None]
+        if missing and self.tiering.enabled:
+            ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
+            pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
         plan = [(dst, self._base + e.offset + off, n)
                 for i, e in enumerate(pinned) if e is not None
                 for dst, off, n in page_runs(buf.chunks, buf.address, slots[i])]
@@ -237,12 +255,7 @@ class Store:
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
-        loaded = [e is not None for e in pinned]
-        hits = sum(loaded)
-        ns.counters.hits += hits
-        ns.counters.misses += len(keys) - hits
-        ns.counters.bytes_out += hits * ns.spec.page_bytes
-        return loaded
+        return [e is not None for e in pinned]
 
     async def _copy(self, buf: Buffer, plan: list) -> None:
         """Run a plan in the executor, large ones in parallel slices; a cancelled request
