@@ -72,7 +72,8 @@ class Buffer:
                 self.mapping.close()
 
 
-def open_buffer(namespace: str, body: Any, page_bytes: int, shm_dirs: Sequence[str]) -> Buffer:
+def open_buffer(namespace: str, body: Any, page_bytes: int, shm_dirs: Sequence[str],
+                cuda: Any = None) -> Buffer:
     """Validate a registration body and map the engine's memory."""
     if not isinstance(body, dict):
         raise BadRequest("buffer registration must be a JSON object")
@@ -81,13 +82,15 @@ def open_buffer(namespace: str, body: Any, page_bytes: int, shm_dirs: Sequence[s
         raise BadRequest(f"'transport' must be one of {list(TRANSPORTS)}")
     size = _nonneg_int(body.get("size"), "'size'", 1)
     slots = _nonneg_int(body.get("slots"), "'slots'", 1)
-    chunks = parse_chunks(body.get("chunks"), page_bytes, size, slots)
     pid = body.get("pid")
     if pid is not None:
         pid = _nonneg_int(pid, "'pid'", 1)
     if transport == "cuda_ipc":
-        mapping = cuda_ipc.open_buffer(body)
+        regions = cuda_ipc.parse_regions(body, size)
+        chunks = parse_chunks(body.get("chunks"), page_bytes, [r[3] for r in regions], slots)
+        mapping = cuda_ipc.open_buffer(body, cuda, pid, size)
     else:
+        chunks = parse_chunks(body.get("chunks"), page_bytes, size, slots)
         fd = body.get("fd")
         if body.get("path") is None and fd is not None:
             fd = _nonneg_int(fd, "'fd'")

@@ -53,9 +53,10 @@ class Context:
         tiers = build_tiers(config)
         writer = TierWriter(tiers, config.tier_threads, config.write_queue_pages) if tiers else None
         tiering = Tiering(tiers, config.write_policy, writer, host_pool, executor)
-        store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, 2), tiering)
+        cuda = cuda_ipc.CudaIpc.create()
+        store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, 2), tiering, cuda)
         ctx = cls(config, arena, host_pool, store, executor)
-        ctx.cuda_registered = cuda_ipc.register_host_memory(arena.address, arena.size)
+        ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(arena.address, arena.size)
         log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "
                  "tiers: %s, write policy %s", arena.size, host_pool.n_segments,
                  host_pool.segment_size, ctx.cuda_registered,

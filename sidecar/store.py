@@ -21,7 +21,6 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.spec import NamespaceSpec, check_name
 from sidecar.transports.base import check_slots, coalesce, page_runs, split_plan
-from sidecar.transports.shm import run_plan
 
 
 @dataclass(slots=True)
@@ -58,12 +57,13 @@ class Store:
     """Every namespace of the process, over one host pool."""
 
     def __init__(self, host_pool: HostPool, executor: Executor, shm_dirs: Sequence[str],
-                 copy_parallel: int = 2, tiering: Optional[Tiering] = None):
+                 copy_parallel: int = 2, tiering: Optional[Tiering] = None, cuda: Any = None):
         self.host_pool = host_pool
         self.executor = executor
         self.copy_parallel = copy_parallel
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
+        self.cuda = cuda  # the CUDA IPC registry on a GPU node, else None
         self.shm_dirs = tuple(shm_dirs)
         self.namespaces: dict[str, Namespace] = {}
         self._base = host_pool.arena.address
@@ -114,7 +114,7 @@ class Store:
     # -- buffers ----------------------------------------------------------------------
     def register_buffer(self, name: str, body: Any) -> Buffer:
         ns = self.namespace(name)
-        buf = open_buffer(name, body, ns.spec.page_bytes, self.shm_dirs)
+        buf = open_buffer(name, body, ns.spec.page_bytes, self.shm_dirs, self.cuda)
         ns.buffers[buf.id] = buf
         return buf
 
@@ -195,7 +195,7 @@ class Store:
             else:
                 todo.append((i, r))
         plan = [(self._base + e.offset + off, src, n)
-                for i, e in todo for src, off, n in page_runs(buf.chunks, buf.address, slots[i])]
+                for i, e in todo for src, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         ok = False
         try:
             await self._copy(buf, plan)
@@ -248,7 +248,7 @@ class Store:
             pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
         plan = [(dst, self._base + e.offset + off, n)
                 for i, e in enumerate(pinned) if e is not None
-                for dst, off, n in page_runs(buf.chunks, buf.address, slots[i])]
+                for dst, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         try:
             await self._copy(buf, plan)
         finally:
@@ -265,7 +265,7 @@ class Store:
         buf.acquire()
         try:
             loop = asyncio.get_running_loop()
-            futs = [loop.run_in_executor(self.executor, run_plan, part)
+            futs = [loop.run_in_executor(self.executor, buf.mapping.run_plan, part)
                     for part in split_plan(coalesce(plan), self.copy_parallel)]
             try:
                 await asyncio.shield(asyncio.gather(*futs))

@@ -24,6 +24,7 @@ class Chunk:
     offset: int
     stride: int
     size: int
+    region: int = 0       # which memory region of the buffer (cuda_ipc: one per allocation)
 
 
 def _nonneg_int(value: Any, what: str, minimum: int = 0) -> int:
@@ -32,23 +33,30 @@ def _nonneg_int(value: Any, what: str, minimum: int = 0) -> int:
     return value
 
 
-def parse_chunks(raw: Any, page_bytes: int, size: int, slots: int) -> tuple[Chunk, ...]:
-    """Validate chunk descriptors against the namespace page size and the buffer size."""
+def parse_chunks(raw: Any, page_bytes: int, size, slots: int) -> tuple[Chunk, ...]:
+    """Validate chunk descriptors against the namespace page size and the region sizes
+    (`size`: the buffer's size, or a list with one size per region)."""
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size]
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'chunks' must be a non-empty list of {offset, stride, size}")
     if len(raw) > MAX_CHUNKS:
         raise BadRequest(f"'chunks' has {len(raw)} entries; at most {MAX_CHUNKS}")
     chunks = []
     for i, c in enumerate(raw):
-        if not isinstance(c, dict) or set(c) != {"offset", "stride", "size"}:
-            raise BadRequest(f"chunks[{i}] must be an object with exactly offset, stride, size")
+        if not isinstance(c, dict) or not {"offset", "stride", "size"} <= set(c) <= \
+                {"offset", "stride", "size", "region"}:
+            raise BadRequest(f"chunks[{i}] must be an object with offset, stride, size (and region)")
         chunk = Chunk(_nonneg_int(c["offset"], f"chunks[{i}].offset"),
                       _nonneg_int(c["stride"], f"chunks[{i}].stride"),
-                      _nonneg_int(c["size"], f"chunks[{i}].size", 1))
+                      _nonneg_int(c["size"], f"chunks[{i}].size", 1),
+                      _nonneg_int(c.get("region", 0), f"chunks[{i}].region"))
+        if chunk.region >= len(sizes):
+            raise BadRequest(f"chunks[{i}].region {chunk.region} is not one of the buffer's "
+                             f"{len(sizes)} regions")
         end = chunk.offset + (slots - 1) * chunk.stride + chunk.size
-        if end > size:
+        if end > sizes[chunk.region]:
             raise GeometryMismatch(f"chunks[{i}] of slot {slots - 1} ends at byte {end}, "
-                                   f"past the buffer's size {size}")
+                                   f"past its region's size {sizes[chunk.region]}")
         chunks.append(chunk)
     total = sum(c.size for c in chunks)
     if total != page_bytes:
@@ -69,11 +77,12 @@ def check_slots(slots: Any, count: int, buffer_slots: int) -> list[int]:
     return slots
 
 
-def page_runs(chunks: Sequence[Chunk], base: int, slot: int) -> Iterable[tuple[int, int, int]]:
-    """(buffer address, page offset, nbytes) of each chunk of `slot`."""
+def page_runs(chunks: Sequence[Chunk], bases: Sequence[int], slot: int) -> Iterable[tuple[int, int, int]]:
+    """(buffer address, page offset, nbytes) of each chunk of `slot`; `bases` holds each
+    region's start address."""
     page_off = 0
     for c in chunks:
-        yield base + c.offset + slot * c.stride, page_off, c.size
+        yield bases[c.region] + c.offset + slot * c.stride, page_off, c.size
         page_off += c.size
 
 

@@ -1,16 +1,30 @@
-"""CUDA IPC engine buffers. The only module of the project that touches CUDA.
+"""CUDA IPC engine buffers. The only module of the sidecar that touches CUDA.
 
-This module validates registrations on any machine; opening handles needs a CUDA device
-with the engine's GPU visible. Without one, a registration answers `transport_unavailable`
-and engines use the shm transport instead.
+An engine exports its GPU memory as legacy IPC handles (one per allocation: per-layer K/V
+tensors are many allocations) and registers them as one buffer of one or more regions:
+
+    {"transport": "cuda_ipc", "pid": 4242, "size": ..., "slots": ...,
+     "handle": "<128 hex>", "offset": 0, "device_uuid": "GPU-..."}           one region, or
+     "regions": [{"handle", "offset", "device_uuid", "size"}, ...]           several;
+     "chunks": [{"offset", "stride", "size", "region"}, ...]
+
+The sidecar opens each handle once per engine process (`cudaIpcOpenMemHandle`), keeps it
+while any buffer uses it, and closes it exactly once after syncing the device. Copies run
+on non-default streams (one per copy thread) with `cudaMemcpyAsync` (unified addressing:
+host arena <-> device), then sync before answering. Without a CUDA device nothing here
+calls CUDA: registration answers `transport_unavailable`.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 import re
-from typing import Any
+import threading
+from typing import Any, Optional
 
-from sidecar.errors import BadRequest, TransportUnavailable
+from sidecar.errors import BadRequest, GeometryMismatch, TransportUnavailable
 
+log = logging.getLogger("kv_sidecar.cuda")
 _HANDLE = re.compile(r"[0-9a-fA-F]{128}")
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
@@ -26,30 +40,45 @@ def parse_handle(body: dict[str, Any]) -> tuple[bytes, int, str]:
     uuid = body.get("device_uuid")
     if not isinstance(uuid, str) or not _UUID.fullmatch(uuid):
         raise BadRequest("'device_uuid' must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
-    return bytes.fromhex(handle), offset, uuid
+    return bytes.fromhex(handle), offset, uuid.lower()
+
+
+def parse_regions(body: dict[str, Any], size: int) -> list[tuple[bytes, int, str, int]]:
+    """Every region as (handle, offset, uuid, size): `regions`, or the single-handle form."""
+    raw = body.get("regions")
+    if raw is None:
+        return [(*parse_handle(body), size)]
+    if not isinstance(raw, list) or not 1 <= len(raw) <= 4096:
+        raise BadRequest("'regions' must be a list of 1-4096 {handle, offset, device_uuid, size}")
+    out = []
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict):
+            raise BadRequest(f"regions[{i}] must be an object")
+        rsize = r.get("size")
+        if not isinstance(rsize, int) or isinstance(rsize, bool) or rsize < 1:
+            raise BadRequest(f"regions[{i}].size must be an integer >= 1")
+        out.append((*parse_handle(r), rsize))
+    return out
+
+
+def _runtime():
+    try:
+        from cuda.bindings import runtime  # type: ignore
+        return runtime
+    except Exception:
+        return None
 
 
 def cuda_available() -> bool:
     """True when a CUDA driver and at least one device answer. Never raises."""
-    try:
-        from cuda.bindings import runtime  # type: ignore
-    except Exception:
+    rt = _runtime()
+    if rt is None:
         return False
     try:
-        err, count = runtime.cudaGetDeviceCount()
+        err, count = rt.cudaGetDeviceCount()
         return int(err) == 0 and count > 0
     except Exception:
         return False
-
-
-def open_buffer(body: dict[str, Any]):
-    """Open an engine's IPC handle. Needs CUDA on this node."""
-    handle, offset, uuid = parse_handle(body)
-    if not cuda_available():
-        raise TransportUnavailable(
-            f"cuda_ipc needs a CUDA device on the sidecar's node and none is visible "
-            f"(device {uuid}); register the buffer with transport 'shm' instead")
-    raise TransportUnavailable("cuda_ipc copies are not enabled in this build; use 'shm'")
 
 
 def register_host_memory(address: int, size: int) -> bool:
@@ -57,8 +86,134 @@ def register_host_memory(address: int, size: int) -> bool:
     if not cuda_available():
         return False
     try:
-        from cuda.bindings import runtime  # type: ignore
-        err, = runtime.cudaHostRegister(address, size, runtime.cudaHostRegisterPortable)
+        err, = _runtime().cudaHostRegister(address, size, _runtime().cudaHostRegisterPortable)
         return int(err) == 0
     except Exception:
         return False
+
+
+def _check(result, what: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise GeometryMismatch(f"{what} failed: {getattr(err, 'name', err)}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class CudaIpc:
+    """The process-wide registry of opened IPC handles (created once, only with CUDA)."""
+
+    def __init__(self) -> None:
+        self.rt = _runtime()
+        from cuda.bindings import driver  # type: ignore
+        self.drv = driver
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, bytes], list] = {}   # (pid, handle) -> [ptr, refs, device]
+        self._streams = threading.local()
+        self.devices = self._devices()
+
+    @classmethod
+    def create(cls) -> Optional["CudaIpc"]:
+        return cls() if cuda_available() else None
+
+    def _devices(self) -> dict[str, int]:
+        out = {}
+        for dev in range(_check(self.rt.cudaGetDeviceCount(), "cudaGetDeviceCount")):
+            raw = bytes(_check(self.rt.cudaGetDeviceProperties(dev), "cudaGetDeviceProperties").uuid.bytes)
+            h = raw.hex()
+            out[f"gpu-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"] = dev
+        return out
+
+    def open(self, pid: int, handle: bytes, uuid: str) -> tuple[int, int, int]:
+        """(device pointer of the allocation base, allocation size, device); opened once."""
+        dev = self.devices.get(uuid)
+        if dev is None:
+            raise BadRequest(f"device {uuid} is not visible to the sidecar; run it with the "
+                             f"same GPUs visible as the engine")
+        with self._lock:
+            entry = self._open.get((pid, handle))
+            if entry is None:
+                _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+                h = self.rt.cudaIpcMemHandle_t()
+                ctypes.memmove(h.getPtr(), handle, 64)
+                ptr = int(_check(self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess),
+                                 "cudaIpcOpenMemHandle (same GPU? --pid=host?)"))
+                _, size = _check(self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+                entry = self._open[(pid, handle)] = [ptr, 0, dev, int(size)]
+            entry[1] += 1
+            return entry[0], entry[3], entry[2]
+
+    def release(self, pid: int, handle: bytes) -> None:
+        """Drop one use; the last closes the handle after the device is synced."""
+        with self._lock:
+            entry = self._open.get((pid, handle))
+            assert entry is not None and entry[1] > 0, "release of a handle that is not open"
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._open[(pid, handle)]
+        ptr, _, dev, _ = entry
+        _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+        _check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        _check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+    def stream(self, dev: int):
+        streams = getattr(self._streams, "by_dev", None)
+        if streams is None:
+            streams = self._streams.by_dev = {}
+        if dev not in streams:
+            _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+            streams[dev] = _check(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking),
+                                  "cudaStreamCreateWithFlags")
+        return streams[dev]
+
+    def copy(self, dev: int, plan) -> int:
+        """Run (dst, src, n) copies between the host arena and device memory; wait for them."""
+        _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+        stream, kind, moved = self.stream(dev), self.rt.cudaMemcpyKind.cudaMemcpyDefault, 0
+        for dst, src, n in plan:
+            _check(self.rt.cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync")
+            moved += n
+        _check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        return moved
+
+
+class IpcMapping:
+    """An engine buffer's regions opened in the sidecar; `addresses` are device pointers."""
+
+    def __init__(self, cuda: CudaIpc, pid: int, regions: list[tuple[bytes, int, str, int]]):
+        self.cuda, self.pid, self.addresses, self._opened = cuda, pid, [], []
+        try:
+            devices = set()
+            for handle, offset, uuid, size in regions:
+                base, alloc, dev = cuda.open(pid, handle, uuid)
+                self._opened.append(handle)
+                if offset + size > alloc:
+                    raise GeometryMismatch(f"region of {size} bytes at offset {offset} runs past "
+                                           f"its allocation of {alloc} bytes")
+                self.addresses.append(base + offset)
+                devices.add(dev)
+            if len(devices) != 1:
+                raise BadRequest("all regions of a buffer must be on one GPU")
+            self.device = devices.pop()
+        except Exception:
+            self.close()
+            raise
+
+    def run_plan(self, plan) -> int:
+        return self.cuda.copy(self.device, plan)
+
+    def close(self) -> None:
+        while self._opened:
+            self.cuda.release(self.pid, self._opened.pop())
+
+
+def open_buffer(body: dict[str, Any], cuda: Optional[CudaIpc], pid: Optional[int], size: int):
+    """Validate the regions, then open them (needs CUDA on this node)."""
+    regions = parse_regions(body, size)
+    if cuda is None:
+        raise TransportUnavailable(
+            f"cuda_ipc needs a CUDA device on the sidecar's node and none is visible "
+            f"(device {regions[0][2]}); register the buffer with transport 'shm' instead")
+    if pid is None:
+        raise BadRequest("a cuda_ipc buffer needs the engine's 'pid' (handles are per process)")
+    return IpcMapping(cuda, pid, regions)

@@ -66,6 +66,13 @@ class ShmMapping:
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(self._anchor)
 
+    @property
+    def addresses(self) -> list[int]:
+        return [self.address]
+
+    def run_plan(self, plan) -> int:
+        return run_plan(plan)
+
     def close(self) -> None:
         if self._mm is not None:
             self._anchor = None

@@ -210,3 +210,14 @@ def test_413_chunked_body_counted_by_the_guard(make_server):
     head = (b"POST /v1/namespaces/kv/exists HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             + b"%x\r\n" % len(chunk) + chunk + b"\r\n0\r\n\r\n")
     assert_error(raw_socket(srv, head), 413, "payload_too_large")
+
+
+def test_422_cuda_ipc_without_a_gpu(server, ready):
+    from sidecar.transports.cuda_ipc import cuda_available
+    if cuda_available():
+        pytest.skip("a GPU is present")
+    body = {"transport": "cuda_ipc", "size": PAGE, "slots": 1, "pid": 1, "handle": "ab" * 64,
+            "device_uuid": "GPU-12345678-1234-1234-1234-123456789abc",
+            "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
+    assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 422,
+                 "transport_unavailable")

@@ -25,7 +25,7 @@ def test_chunks_validated_against_page_and_buffer():
 
 def test_page_runs_and_coalesce():
     chunks = (Chunk(0, 16, 8), Chunk(8, 16, 8))  # two halves of a 16-byte slot: contiguous
-    runs = list(page_runs(chunks, 1000, 2))
+    runs = list(page_runs(chunks, [1000], 2))
     assert runs == [(1032, 0, 8), (1040, 8, 8)]
     plan = [(5000 + off, addr, n) for addr, off, n in runs]
     assert coalesce(plan) == [(5000, 1032, 16)]

@@ -1,0 +1,45 @@
+"""CUDA IPC end to end (needs a GPU; skipped cleanly without one)."""
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+
+from api.client import SidecarClient
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.gpu
+
+
+def engine(url, op, layout, pages=8, ns="gpu-kv"):
+    out = subprocess.run([sys.executable, "-m", "tests.api.cuda_engine_proc", url, ns, op, layout, str(pages)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return orjson.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_gpu_pages_round_trip_between_engine_processes(spawn, layout):
+    p = spawn("--host-pool", "1GiB", "--no-file-tier").wait_ready()
+    c = SidecarClient(p.url)
+    assert c.stats()["cuda_host_registered"] is True
+    wrote = engine(p.url, "set", layout, ns=f"gpu-{layout}")
+    read = engine(p.url, "get", layout, ns=f"gpu-{layout}")
+    assert wrote["ok"] and read["ok"] and wrote["digest"] == read["digest"]
+
+
+def test_killed_engine_releases_its_handles(spawn):
+    p = spawn("--host-pool", "1GiB", "--no-file-tier").wait_ready()
+    c = SidecarClient(p.url)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.api.cuda_engine_proc", p.url, "gpu-kv", "hold",
+                             "page_first", "4"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    orjson.loads(proc.stdout.readline())
+    assert c.stats()["namespaces"]["gpu-kv"]["buffers"] == 1
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 15
+    while c.stats()["namespaces"]["gpu-kv"]["buffers"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert c.stats()["namespaces"]["gpu-kv"]["buffers"] == 0
+    assert engine(p.url, "set", "page_first", ns="gpu-kv")["ok"]   # others are still served
