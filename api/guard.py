@@ -32,17 +32,18 @@ class Guard:
             await send(message)
 
         try:
-            refusal = self._refuse(scope)
+            refusal, declared = self._refuse(scope)
             if refusal is not None:
                 await _reply(send_counted, *refusal)
-            else:
-                await self.app(scope, self._limited(receive), send_counted)
+            else:  # a declared length within the limit bounds the body already
+                await self.app(scope, receive if declared else self._limited(receive), send_counted)
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             self.stats.observe(scope["method"], path, status[0], time.perf_counter() - start)
 
-    def _refuse(self, scope) -> Optional[tuple[int, str, str]]:
+    def _refuse(self, scope) -> tuple[Optional[tuple[int, str, str]], bool]:
+        """(a refusal or None, whether the body's length was declared within the limit)."""
         auth = length = None
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -51,13 +52,14 @@ class Guard:
                 auth = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
             if not hmac.compare_digest(auth or b"", self.expected):
-                return 401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'"
+                return (401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'"), False
         if length is not None:
             if not length.isdigit():
-                return 400, "bad_request", "Content-Length is not a number"
+                return (400, "bad_request", "Content-Length is not a number"), False
             if int(length) > self.max_body:
-                return 413, "payload_too_large", f"body is over the limit of {self.max_body} bytes"
-        return None
+                return (413, "payload_too_large", f"body is over the limit of {self.max_body} bytes"), False
+            return None, True
+        return None, False
 
     def _limited(self, receive):
         seen = [0]
