@@ -81,39 +81,35 @@ def _drop_cache(directory: str) -> None:
                 pass
 
 
+def _timed_pass(args: tuple, buf: SharedBuffer, op: str, pages: int) -> float:
+    """Start a sidecar, move `pages` pages with `op` ("set": then flush) 64 at a time, stop it."""
+    batch = 64
+    proc = start_sidecar(*args)
+    try:
+        c = SidecarClient(proc.url, timeout=600)
+        c.put_namespace("bench", PAGE)
+        bid = buf.register(c, "bench", batch, page_first_chunks(PAGE))
+        move = c.set if op == "set" else c.get
+        t = time.perf_counter()
+        for i in range(0, pages, batch):
+            keys = [f"p{j}" for j in range(i, min(i + batch, pages))]
+            assert all(move("bench", keys, bid, list(range(len(keys)))))
+        if op == "set":
+            assert c.request("POST", "/v1/flush?timeout=600")[1]["pending"] == 0
+        return time.perf_counter() - t
+    finally:
+        proc.stop()
+
+
 def sidecar_write_read(directory: str, pages: int, threads: int) -> tuple[float, float]:
     """GB/s of write-through (set + flush) and of promotion (get after a restart)."""
     args = ("--host-pool", "1GiB", "--data-dir", directory, "--tier-threads", str(threads),
             "--segment-size", "64MiB")
-    batch = 64
-    buf = SharedBuffer(batch * PAGE)
+    buf = SharedBuffer(64 * PAGE)
     buf.bytes.fill_(3)
-    proc = start_sidecar(*args)
-    try:
-        c = SidecarClient(proc.url, timeout=600)
-        c.put_namespace("bench", PAGE)
-        bid = buf.register(c, "bench", batch, page_first_chunks(PAGE))
-        t = time.perf_counter()
-        for i in range(0, pages, batch):
-            keys = [f"p{j}" for j in range(i, min(i + batch, pages))]
-            assert all(c.set("bench", keys, bid, list(range(len(keys)))))
-        assert c.request("POST", "/v1/flush?timeout=600")[1]["pending"] == 0
-        write = time.perf_counter() - t
-    finally:
-        proc.stop()
+    write = _timed_pass(args, buf, "set", pages)
     _drop_cache(directory)
-    proc = start_sidecar(*args)
-    try:
-        c = SidecarClient(proc.url, timeout=600)
-        c.put_namespace("bench", PAGE)
-        bid = buf.register(c, "bench", batch, page_first_chunks(PAGE))
-        t = time.perf_counter()
-        for i in range(0, pages, batch):
-            keys = [f"p{j}" for j in range(i, min(i + batch, pages))]
-            assert all(c.get("bench", keys, bid, list(range(len(keys)))))
-        read = time.perf_counter() - t
-    finally:
-        proc.stop()
+    read = _timed_pass(args, buf, "get", pages)
     buf.close()
     total = pages * PAGE
     return total / write / 1e9, total / read / 1e9
