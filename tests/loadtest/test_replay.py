@@ -3,16 +3,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import orjson
 
 from tests.conftest import ROOT
 
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "conversation_trace.jsonl")
-FALLBACK = os.path.join(ROOT, "tests", "loadtest", "trace_sample.jsonl")
 
 
 def trace_path() -> str:
-    return TRACE if os.path.exists(TRACE) else FALLBACK
+    if not os.path.exists(TRACE):  # CI always has ../shared beside the clone
+        pytest.skip("the shared conversation trace is not beside this checkout")
+    return TRACE
 
 
 def replay(url, *args):
