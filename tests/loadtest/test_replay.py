@@ -3,9 +3,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import orjson
+import pytest
 
 from tests.conftest import ROOT
 
