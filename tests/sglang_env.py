@@ -35,6 +35,22 @@ def load(module: str = "sglang.srt.mem_cache.hicache_storage"):
     return importlib.import_module(module)
 
 
+def _stub_storage_package() -> None:
+    """`sglang.srt.mem_cache.storage/__init__` imports every storage backend: skip it."""
+    name = "sglang.srt.mem_cache.storage"
+    if name not in sys.modules:
+        stub = types.ModuleType(name)
+        stub.__path__ = [os.path.join(_root(), "srt", "mem_cache", "storage")]
+        sys.modules[name] = stub
+
+
+def load_factory():
+    """SGLang's own StorageBackendFactory (it imports only hicache_storage)."""
+    load()
+    _stub_storage_package()
+    return importlib.import_module("sglang.srt.mem_cache.storage.backend_factory").StorageBackendFactory
+
+
 def load_file_backend():
     """SGLang's HiCacheFile with its real LRUFileEvictor. The evictor imports one helper,
     `human_readable_int`, from sglang.srt.utils.common, whose module imports the serving
@@ -49,12 +65,11 @@ def load_file_backend():
         common = types.ModuleType("sglang.srt.utils.common")
         module = ast.fix_missing_locations(ast.Module([ast.Import([ast.alias("re")]), fn], []))
         exec(compile(module, path, "exec"), common.__dict__)
-        for name, sub in (("sglang.srt.utils", "utils"), ("sglang.srt.mem_cache.storage",
-                                                          os.path.join("mem_cache", "storage"))):
-            if name not in sys.modules:
-                stub = types.ModuleType(name)
-                stub.__path__ = [os.path.join(root, "srt", sub)]
-                sys.modules[name] = stub
+        if "sglang.srt.utils" not in sys.modules:
+            stub = types.ModuleType("sglang.srt.utils")
+            stub.__path__ = [os.path.join(root, "srt", "utils")]
+            sys.modules["sglang.srt.utils"] = stub
         sys.modules["sglang.srt.utils.common"] = common
+    _stub_storage_package()
     importlib.import_module("sglang.srt.mem_cache.storage.file.lru_file_evictor")
     return h.HiCacheFile

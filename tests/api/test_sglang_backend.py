@@ -1,6 +1,5 @@
 """The SGLang HiCache backend, driven with SGLang's own storage interface classes."""
 import hashlib
-import importlib
 import time
 import subprocess
 import sys
@@ -28,11 +27,12 @@ def config(url, tp=0, tp_size=1, mla=False, model="Qwen/Qwen3-8B", **extra):
 
 
 def dynamic_backend(cfg):
-    """What SGLang's backend factory does for `dynamic`: import, check the base, cls(cfg, {})."""
-    extra = cfg.extra_config
-    cls = getattr(importlib.import_module(extra["module_path"]), extra["class_name"])
-    assert issubclass(cls, h.HiCacheStorage)
-    return cls(cfg, {})
+    """SGLang's own factory, as `--hicache-storage-backend dynamic` runs it: it imports the
+    module, checks the HiCacheStorage base and constructs `cls(storage_config, kwargs)`."""
+    factory = sglang_env.load_factory()
+    backend = factory.create_backend("dynamic", cfg, None)
+    assert isinstance(backend, h.HiCacheStorage)
+    return backend
 
 
 def make(server, pool, **kw):
