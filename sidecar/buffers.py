@@ -39,10 +39,6 @@ class Buffer:
     refs: int = 0
     released: bool = False
 
-    @property
-    def address(self) -> int:
-        return self.mapping.address
-
     def describe(self) -> dict[str, Any]:
         return {"buffer_id": self.id, "transport": self.transport, "size": self.size,
                 "slots": self.slots, "pid": self.pid,
