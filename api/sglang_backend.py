@@ -99,7 +99,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         except Exception as exc:
             self._failed(f"register {name}", exc)
             self._stale = True
-            self.bindings[name] = PoolBinding.unbound(self.config, name, host_pool)
+            self.bindings[name] = PoolBinding.unbound(name, host_pool)
 
     def _ensure(self) -> None:
         """After a sidecar restart or a lost registration: register everything again."""

@@ -62,7 +62,7 @@ class PoolBinding:
     chunks: list = field(default_factory=list)
 
     @classmethod
-    def unbound(cls, cfg, name: str, host_pool) -> "PoolBinding":
+    def unbound(cls, name: str, host_pool) -> "PoolBinding":
         return cls(name, f"unregistered-{name}", host_pool, int(getattr(host_pool, "page_size", 1)), 0)
 
     def inline(self, client, op: str, keys: list[str], slots: list[int]) -> list[bool]:

@@ -26,8 +26,9 @@ TARGETS = {"exists": 0.7, "shm_set": 0.75, "shm_get": 0.75}
 
 
 def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (0.0 for none)."""
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 def post_loop(url: str, path: str, body: bytes, n: int) -> list[float]:

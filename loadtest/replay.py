@@ -20,6 +20,7 @@ import orjson
 
 from api.client import SidecarClient
 from api.shm import SharedBuffer, page_first_chunks
+from loadtest.bench import pct
 from loadtest.lru_sim import LruSim
 
 BLOCK_TOKENS = 512
@@ -32,11 +33,6 @@ def read_trace(path: str, limit: Optional[int] = None) -> Iterator[dict]:
                 return
             if line.strip():
                 yield orjson.loads(line)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 class Replay:

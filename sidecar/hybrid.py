@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sidecar.errors import BadRequest
-from sidecar.keys import check_keys
 from sidecar.spec import check_name
 from sidecar.store import Store
 
@@ -76,8 +75,7 @@ def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool]) -> di
     """{"hit", "kv", "pools"}: the KV prefix, then min over extra pools (0 once it is 0)."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    check_keys(keys)
-    kv_hit = store.prefix(kv, keys)
+    kv_hit = store.prefix(kv, keys)  # validates the keys past the prefix
     hit, pools = kv_hit, {}
     for pool in extra:
         if hit == 0:

@@ -164,8 +164,7 @@ class Store:
     async def delete(self, name: str, keys: list[str]) -> int:
         """Drop keys from every tier; the count is of keys that were present anywhere."""
         ns = self.namespace(name)
-        check_keys(keys)
-        was = self.present(name, keys)
+        was = self.present(name, keys)  # validates every key it does not find
         for k in keys:
             ns.pool.delete(k)
         await self.tiering.delete(ns.identity, keys)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ import uvicorn
 
 from api.app import create_app
 from api.client import SidecarClient
+from loadtest.procs import free_port
 from sidecar.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _has_cuda() -> bool:

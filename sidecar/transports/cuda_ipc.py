@@ -23,6 +23,7 @@ import threading
 from typing import Any, Optional
 
 from sidecar.errors import BadRequest, GeometryMismatch, TransportUnavailable
+from sidecar.transports.base import _nonneg_int
 
 log = logging.getLogger("kv_sidecar.cuda")
 _HANDLE = re.compile(r"[0-9a-fA-F]{128}")
@@ -34,9 +35,7 @@ def parse_handle(body: dict[str, Any]) -> tuple[bytes, int, str]:
     handle = body.get("handle")
     if not isinstance(handle, str) or not _HANDLE.fullmatch(handle):
         raise BadRequest("'handle' must be 128 hex characters (a 64-byte cudaIpcMemHandle_t)")
-    offset = body.get("offset", 0)
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise BadRequest("'offset' must be an integer >= 0")
+    offset = _nonneg_int(body.get("offset", 0), "'offset'")
     uuid = body.get("device_uuid")
     if not isinstance(uuid, str) or not _UUID.fullmatch(uuid):
         raise BadRequest("'device_uuid' must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
@@ -54,10 +53,7 @@ def parse_regions(body: dict[str, Any], size: int) -> list[tuple[bytes, int, str
     for i, r in enumerate(raw):
         if not isinstance(r, dict):
             raise BadRequest(f"regions[{i}] must be an object")
-        rsize = r.get("size")
-        if not isinstance(rsize, int) or isinstance(rsize, bool) or rsize < 1:
-            raise BadRequest(f"regions[{i}].size must be an integer >= 1")
-        out.append((*parse_handle(r), rsize))
+        out.append((*parse_handle(r), _nonneg_int(r.get("size"), f"regions[{i}].size", 1)))
     return out
 
 
