@@ -74,8 +74,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
         self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
         self.bindings: dict[str, PoolBinding] = {}
-        self.generic: dict[str, str] = {}          # generic-path namespaces by page kind
-        self._generic_spec: dict[str, dict] = {}
+        self.generic: dict[str, tuple[str, dict]] = {}  # "kind:bytes" -> (namespace, spec)
         self.registered_pools: dict[str, Any] = {}
         self.mem_pool_host = None
         self._stale = False
@@ -107,8 +106,8 @@ class SidecarHiCacheStorage(HiCacheStorage):
             return
         for name, binding in list(self.bindings.items()):
             self.bindings[name] = bind_pool(self.client, self.config, name, binding.host_pool)
-        for kind, ns in self.generic.items():
-            self.client.put_namespace(ns, **self._generic_spec[kind])
+        for ns, spec in self.generic.values():
+            self.client.put_namespace(ns, **spec)
         self._stale = False
 
     def _call(self, fn, *args):
@@ -169,13 +168,13 @@ class SidecarHiCacheStorage(HiCacheStorage):
     # -- generic path: flat page tensors (and the controller's `{hash}.draft` pages) ----
     def _generic_ns(self, key: str, nbytes: int) -> str:
         kind = "draft" if key.endswith(_DRAFT_SUFFIX) else _KV
-        ns = self.generic.get(f"{kind}:{nbytes}")
-        if ns is None:
-            spec = namespace_spec(self.config, kind, nbytes, layout="flat")
-            ns = namespace_name(self.config, kind, spec)
-            self.client.put_namespace(ns, **spec)
-            self._generic_spec[f"{kind}:{nbytes}"] = spec
-            self.generic[f"{kind}:{nbytes}"] = ns
+        known = self.generic.get(f"{kind}:{nbytes}")
+        if known is not None:
+            return known[0]
+        spec = namespace_spec(self.config, kind, nbytes, layout="flat")
+        ns = namespace_name(self.config, kind, spec)
+        self.client.put_namespace(ns, **spec)
+        self.generic[f"{kind}:{nbytes}"] = (ns, spec)
         return ns
 
     @never_raises(None)
@@ -209,7 +208,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
     @never_raises(False)
     def exists(self, key) -> bool:
         kind = "draft" if key.endswith(_DRAFT_SUFFIX) else _KV
-        names = [ns for k, ns in self.generic.items() if k.startswith(kind + ":")]
+        names = [ns for k, (ns, _) in self.generic.items() if k.startswith(kind + ":")]
         if kind == _KV and _KV in self.bindings:
             names.append(self.bindings[_KV].namespace)
         return any(self._call(self.client.exists, ns, [key]) == 1 for ns in names)
@@ -264,7 +263,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
     # -- housekeeping -----------------------------------------------------------------
     @never_raises(None)
     def clear(self) -> None:
-        for ns in [b.namespace for b in self.bindings.values()] + list(self.generic.values()):
+        for ns in [b.namespace for b in self.bindings.values()] + [ns for ns, _ in self.generic.values()]:
             try:
                 self.client.delete_namespace(ns)
             except SidecarError as exc:

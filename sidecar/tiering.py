@@ -27,7 +27,6 @@ class Tiering:
         self.host_pool = host_pool
         self.executor = executor
         self.read_parallel = 2
-        self.promoted = 0
         self.writing: dict[str, int] = {}   # pages pinned for the writer, per pool
 
     @property
@@ -113,7 +112,6 @@ class Tiering:
                     pool.commit(r)
                 else:
                     pool.abort(r)
-        self.promoted += sum(results)
         return sum(results)
 
     def _read_all(self, identity: str, page_bytes: int, todo: list) -> list[bool]:
