@@ -12,7 +12,6 @@ import stat
 from typing import Optional, Sequence
 
 from sidecar.errors import BadRequest, GeometryMismatch
-from sidecar.transports.base import Chunk
 
 _memmove = ctypes.memmove
 
@@ -88,5 +87,3 @@ def run_plan(plan: Sequence[tuple[int, int, int]]) -> int:
         moved += n
     return moved
 
-
-__all__ = ["Chunk", "ShmMapping", "run_plan"]
