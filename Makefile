@@ -14,13 +14,20 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps $(SGLANG)
 	touch $@
 
-.PHONY: install serve test bench loadtest replay
+.PHONY: install serve test test-core bench loadtest replay
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/sidecar serve $(ARGS)
 
-test: $(VENV)/.installed
+# `make test` runs the project's suite, then each engine's suite in its own virtualenv
+# (ENGINE_TESTS: one target per engine, each building its venv first). `make test-core`
+# runs only the project's suite (quick local work).
+ENGINE_TESTS ?=
+test: test-core
+	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
+
+test-core: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(VENV)/.installed

@@ -18,8 +18,8 @@ import time
 import orjson
 import torch
 
-from api.client import SidecarClient
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient
+from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import start_bare, start_sidecar
 
 TARGETS = {"exists": 0.7, "shm_set": 0.75, "shm_get": 0.75}

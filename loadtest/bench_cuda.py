@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from api.client import SidecarClient
-from api.cuda_export import register_cuda
+from api.engine.client import SidecarClient
+from api.engine.cuda_export import register_cuda
 from loadtest.procs import start_sidecar
 
 PAGES, PAGE = 64, 2 << 20

@@ -21,8 +21,8 @@ import time
 
 import orjson
 
-from api.client import SidecarClient
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient
+from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import start_sidecar
 from sidecar.tiers import pagefile
 from sidecar.tiers.file_tier import FileTier

@@ -18,8 +18,8 @@ import time
 
 from locust import User, between, task
 
-from api.client import SidecarClient
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient
+from api.engine.shm import SharedBuffer, page_first_chunks
 
 PAGE = int(os.environ.get("LOCUST_PAGE_BYTES", 64 * 1024))
 SLOTS = 64

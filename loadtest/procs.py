@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from api.client import SidecarClient
+from api.engine.client import SidecarClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,8 +18,8 @@ from typing import Iterator, Optional
 
 import orjson
 
-from api.client import SidecarClient
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient
+from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.bench import pct
 from loadtest.lru_sim import LruSim
 

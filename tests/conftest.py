@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from api.app import create_app
-from api.client import SidecarClient
+from api.engine.client import SidecarClient
 from loadtest.procs import free_port
 from sidecar.config import Config
 

@@ -32,10 +32,18 @@ def test_sidecar_does_not_import_api():
 def test_only_cuda_ipc_touches_cuda():
     """In the sidecar, only the CUDA transport; on the engine side, only its exporter."""
     users = {f for pkg in ("pools", "sidecar", "api") for f, top, _ in imports(pkg) if top == "cuda"}
-    assert users <= {"sidecar/transports/cuda_ipc.py", "api/cuda_export.py"}
+    assert users <= {"sidecar/transports/cuda_ipc.py", "api/engine/cuda_export.py"}
 
 
 def test_files_stay_small():
     big = [p.name for pkg in ("pools", "sidecar", "api") for p in (ROOT / pkg).rglob("*.py")
            if len(p.read_text().splitlines()) > 600]
     assert big == []
+
+
+def test_engine_side_imports_no_server_code():
+    """An engine process imports api.engine only: never the routes, the sidecar or the pools."""
+    bad = [(f, n) for f, top, n in imports("api/engine")
+           if top in ("sidecar", "pools", "fastapi", "starlette", "uvicorn")
+           or (top == "api" and not n.startswith("api.engine"))]
+    assert bad == []

@@ -10,8 +10,8 @@ import time
 import orjson
 import torch
 
-from api.client import SidecarClient
-from api.cuda_export import register_cuda
+from api.engine.client import SidecarClient
+from api.engine.cuda_export import register_cuda
 
 LAYERS, HALF = 4, 64 * 1024   # per-layer K (or V) bytes of one page
 

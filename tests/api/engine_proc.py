@@ -9,8 +9,8 @@ import time
 
 import orjson
 
-from api.client import SidecarClient
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient
+from api.engine.shm import SharedBuffer, page_first_chunks
 
 
 def main(url: str, ns: str, op: str, page: int, keys: list[str]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from api.shm import SharedBuffer
+from api.engine.shm import SharedBuffer
 
 
 class MHAHostPool:

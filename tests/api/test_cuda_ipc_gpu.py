@@ -6,7 +6,7 @@ import time
 import orjson
 import pytest
 
-from api.client import SidecarClient
+from api.engine.client import SidecarClient
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.gpu

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from api.client import SidecarError
-from api.shm import SharedBuffer, page_first_chunks, tensor_chunks
+from api.engine.client import SidecarError
+from api.engine.shm import SharedBuffer, page_first_chunks, tensor_chunks
 
 PAGE = 4096
 

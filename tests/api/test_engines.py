@@ -7,7 +7,7 @@ import time
 
 import orjson
 
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.shm import SharedBuffer, page_first_chunks
 from tests.conftest import ROOT
 
 PAGE = 8192

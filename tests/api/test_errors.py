@@ -6,7 +6,7 @@ import socket
 import orjson
 import pytest
 
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.shm import SharedBuffer, page_first_chunks
 
 PAGE = 4096
 

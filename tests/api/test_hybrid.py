@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
-from api.client import SidecarError
-from api.shm import SharedBuffer, tensor_chunks
+from api.engine.client import SidecarError
+from api.engine.shm import SharedBuffer, tensor_chunks
 from sidecar.spec import POOL_KINDS
 
 KV_PAGE = 4096

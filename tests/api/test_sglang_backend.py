@@ -12,8 +12,8 @@ from tests.api.sglang_pools_replica import MambaHostPool, MHAHostPool, MLAHostPo
 from tests.conftest import ROOT
 
 h = sglang_env.load()
-from api.sglang_backend import SidecarHiCacheStorage  # noqa: E402  (after SGLang's types)
-from api.sglang_pools import namespace_name, namespace_spec  # noqa: E402
+from api.engine.sglang_backend import SidecarHiCacheStorage  # noqa: E402  (after SGLang's types)
+from api.engine.sglang_pools import namespace_name, namespace_spec  # noqa: E402
 
 P = 4
 
@@ -36,7 +36,7 @@ def dynamic_backend(cfg):
 
 
 def make(server, pool, **kw):
-    kw.setdefault("module_path", "api.sglang_backend")
+    kw.setdefault("module_path", "api.engine.sglang_backend")
     cfg = config(server.url, class_name="SidecarHiCacheStorage", **kw)
     backend = dynamic_backend(cfg)
     backend.register_mem_pool_host(pool)
@@ -103,7 +103,7 @@ print(make_remote({server.url!r}, sys.argv[1]))
 def make_remote(url, op):
     """One engine process: set 8 pages, or get them into other slots; prints a digest."""
     pool = MHAHostPool("page_first", 64, P)
-    backend = dynamic_backend(config(url, module_path="api.sglang_backend", class_name="SidecarHiCacheStorage"))
+    backend = dynamic_backend(config(url, module_path="api.engine.sglang_backend", class_name="SidecarHiCacheStorage"))
     backend.register_mem_pool_host(pool)
     ks, pages = keys(8, "proc"), list(range(8)) if op == "set" else list(range(8, 16))
     if op == "set":
@@ -162,7 +162,7 @@ def test_generic_path_and_draft_keys(server):
 def test_never_raises_and_recovers_after_a_sidecar_restart(spawn):
     proc = spawn("--host-pool", "32MiB", "--no-file-tier").wait_ready()
     pool = MHAHostPool("page_first", 64, P)
-    cfg = config(proc.url, module_path="api.sglang_backend", class_name="SidecarHiCacheStorage",
+    cfg = config(proc.url, module_path="api.engine.sglang_backend", class_name="SidecarHiCacheStorage",
                  sidecar_timeout=2)
     be = dynamic_backend(cfg)
     be.register_mem_pool_host(pool)

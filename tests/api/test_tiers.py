@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from api.client import SidecarClient, SidecarError, SidecarUnavailable
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
+from api.engine.shm import SharedBuffer, page_first_chunks
 
 PAGE = 16384
 

@@ -4,8 +4,8 @@ import random
 import threading
 import time
 
-from api.client import SidecarClient, SidecarUnavailable
-from api.shm import SharedBuffer, page_first_chunks
+from api.engine.client import SidecarClient, SidecarUnavailable
+from api.engine.shm import SharedBuffer, page_first_chunks
 from sidecar.tiers.file_tier import FileTier
 
 PAGE = 16384

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from api.client import SidecarClient
+from api.engine.client import SidecarClient
 from tests.conftest import ROOT
 
 

@@ -49,6 +49,6 @@ def test_without_a_gpu_registration_is_unavailable_not_500():
 
 
 def test_engine_export_refuses_cpu_tensors():
-    from api.cuda_export import cuda_regions_and_chunks
+    from api.engine.cuda_export import cuda_regions_and_chunks
     with pytest.raises((ValueError, RuntimeError)):
         cuda_regions_and_chunks([torch.zeros(4, 8)])

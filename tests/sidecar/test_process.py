@@ -5,7 +5,7 @@ import subprocess
 import sys
 import threading
 
-from api.client import SidecarClient, SidecarError, SidecarUnavailable
+from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
 from tests.conftest import ROOT
 
 PAGE = 4096
