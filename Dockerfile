@@ -1,5 +1,7 @@
 # kv-sidecar: the container engines run beside. Build: docker build -t kv-sidecar .
-# Run with --ipc=host --pid=host (see README "Container"); the entry point is `sidecar serve`.
+# Runs as the non-root user kv (uid 10001). Engines reach it through the engine socket in
+# the /run/kv-sidecar volume (share it with their containers; see docs/security.md); shared
+# memory needs no --pid=host or --ipc=host. CUDA IPC still needs the GPUs and --pid=host.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml constraints.txt README.md ./
@@ -10,12 +12,12 @@ COPY loadtest ./loadtest
 # the gpu extra (cuda-python) enables the cuda_ipc transport; it imports fine without a GPU
 ARG EXTRAS=gpu
 RUN pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
- && useradd --system --home /data kv \
- && mkdir -p /data && chown kv /data
-ENV SIDECAR_DATA_DIR=/data SIDECAR_HOST=127.0.0.1
-# Runs as root by default: opening an engine's /proc/<pid>/fd/<memfd> needs the engine's uid
-# or root. Where engines run as a fixed uid, run the container as that uid (docker --user).
-VOLUME /data
+ && useradd --system --uid 10001 --user-group --home /data kv \
+ && mkdir -p /data /run/kv-sidecar && chown kv:kv /data /run/kv-sidecar \
+ && chmod 0750 /run/kv-sidecar
+ENV SIDECAR_DATA_DIR=/data SIDECAR_HOST=127.0.0.1 SIDECAR_SOCKET=/run/kv-sidecar/sidecar.sock
+USER kv
+VOLUME ["/data", "/run/kv-sidecar"]
 EXPOSE 8411
 ENTRYPOINT ["sidecar"]
 CMD ["serve"]

@@ -32,12 +32,14 @@ test-core: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
+	$(PY) -m loadtest.bench_socket
 
-# Locust against a sidecar already running on $(URL) (bounded in users and time)
-URL ?= http://127.0.0.1:8411
+# Locust against a sidecar already running on its default engine socket (bounded in users
+# and time); set ENGINE_URL=unix:///path/to/socket for another one
+ENGINE_URL ?= unix://$(shell $(PY) -c 'from sidecar.config import Config; print(Config().socket)')
 loadtest: $(VENV)/.installed
-	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host $(URL) --only-summary
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host $(ENGINE_URL) --only-summary
 
 # replay the shared conversation trace against a sidecar started with --no-file-tier
 replay: $(VENV)/.installed
-	$(VENV)/bin/sidecar replay ../shared/traces/conversation_trace.jsonl --url $(URL) --capacity-pages 20000 $(ARGS)
+	$(VENV)/bin/sidecar replay ../shared/traces/conversation_trace.jsonl --url $(ENGINE_URL) --capacity-pages 20000 $(ARGS)

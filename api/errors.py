@@ -16,6 +16,7 @@ log = logging.getLogger("kv_sidecar.api")
 STATUS: dict[type, int] = {
     e.BadRequest: 400,
     e.Unauthorized: 401,
+    e.Forbidden: 403,
     e.NotFound: 404,
     e.Conflict: 409,
     e.PayloadTooLarge: 413,

@@ -11,6 +11,7 @@ from api.wire import json, read_json
 from sidecar import hybrid
 from sidecar.context import Context
 from sidecar.errors import BadRequest
+from sidecar.peer import scope_peer
 
 router = APIRouter(prefix="/v1/batch")
 
@@ -25,7 +26,7 @@ async def batch_exists(request: Request, ctx: Context = Depends(context)) -> Res
 @router.post("/set", openapi_extra=body("batch_move"))
 async def batch_set(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json({"stored": await hybrid.batch_set(ctx.store, body.get("items"))})
+    return json({"stored": await hybrid.batch_set(ctx.store, body.get("items"), scope_peer(request.scope))})
 
 
 @router.post("/get", openapi_extra=body("batch_move"))
@@ -34,4 +35,5 @@ async def batch_get(request: Request, ctx: Context = Depends(context)) -> Respon
     kv = body.get("kv")
     if kv is not None and not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace of the items")
-    return json({"loaded": await hybrid.batch_get(ctx.store, body.get("items"), kv)})
+    return json({"loaded": await hybrid.batch_get(ctx.store, body.get("items"), kv,
+                                                  scope_peer(request.scope))})

@@ -10,6 +10,7 @@ from api.openapi import PAGE_BODY, body
 from api.wire import flag, json, read_json
 from sidecar.context import Context
 from sidecar.errors import BadRequest, KeyNotFound
+from sidecar.peer import scope_peer
 
 router = APIRouter(prefix="/v1/namespaces/{name}")
 OCTETS = "application/octet-stream"
@@ -30,14 +31,15 @@ async def set_pages(name: str, request: Request, ctx: Context = Depends(context)
     if not isinstance(durable, bool):
         raise BadRequest("'durable' must be true or false")
     stored = await ctx.store.set(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
-                                 durable)
+                                 durable, scope_peer(request.scope))
     return json({"stored": stored})
 
 
 @router.post("/get", openapi_extra=body("move"))
 async def get_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    loaded = await ctx.store.get(name, body.get("keys"), body.get("buffer_id"), body.get("slots"))
+    loaded = await ctx.store.get(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
+                                 scope_peer(request.scope))
     return json({"loaded": loaded})
 
 

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     try:
         res = {"exists": bench_exists(sidecar.url, bare.url, n, rounds),
                "batch_exists": bench_batch_exists(sidecar.url, n, rounds),
-               "shm": bench_shm(sidecar.url, pages, page, reps),
+               "shm": bench_shm(sidecar.socket_url, pages, page, reps),
                "inline": bench_inline(sidecar.url, page, max(reps * 2, 4))}
     finally:
         sidecar.stop()

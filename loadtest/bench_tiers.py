@@ -86,7 +86,7 @@ def _timed_pass(args: tuple, buf: SharedBuffer, op: str, pages: int) -> float:
     batch = 64
     proc = start_sidecar(*args)
     try:
-        c = SidecarClient(proc.url, timeout=600)
+        c = SidecarClient(proc.socket_url, timeout=600)
         c.put_namespace("bench", PAGE)
         bid = buf.register(c, "bench", batch, page_first_chunks(PAGE))
         move = c.set if op == "set" else c.get

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from api.engine.client import SidecarClient
@@ -22,8 +23,9 @@ def free_port() -> int:
 class Proc:
     """A child server process; `url` once it answers /healthz."""
 
-    def __init__(self, cmd: list[str], port: int):
+    def __init__(self, cmd: list[str], port: int, socket_path: str | None = None):
         self.url = f"http://127.0.0.1:{port}"
+        self.socket_url = f"unix://{socket_path}" if socket_path else None
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         client, deadline = SidecarClient(self.url, timeout=2), time.time() + 60
@@ -44,10 +46,16 @@ class Proc:
                 self.proc.kill()
 
 
+def socket_path() -> str:
+    """A fresh engine socket path (short: sun_path holds 108 bytes)."""
+    return os.path.join(tempfile.mkdtemp(prefix="kvs-"), "s.sock")
+
+
 def start_sidecar(*args: str) -> Proc:
-    port = free_port()
-    return Proc([sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--log-level", "warning",
-                 *args], port)
+    """`sidecar serve` on a free port and its own engine socket (`Proc.socket_url`)."""
+    port, sock = free_port(), socket_path()
+    return Proc([sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--socket", sock,
+                 "--log-level", "warning", *args], port, sock)
 
 
 def start_bare() -> Proc:

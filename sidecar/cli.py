@@ -14,13 +14,21 @@ from sidecar.config import load
 _FLAGS = [
     ("--host", "host", "bind address (default 127.0.0.1)"),
     ("--port", "port", "TCP port (default 8411)"),
-    ("--token", "token", "require 'Authorization: Bearer TOKEN' on every request but /healthz"),
+    ("--token", "token", "require 'Authorization: Bearer TOKEN' on every request but /healthz "
+                         "(visible in ps: prefer --token-file or SIDECAR_TOKEN)"),
+    ("--token-file", "token_file", "read the token from this file"),
+    ("--socket", "socket", "engine socket path (default /run/kv-sidecar/sidecar.sock as root, "
+                           "else $XDG_RUNTIME_DIR/kv-sidecar.sock); '' turns it off"),
+    ("--socket-mode", "socket_mode", "engine socket mode, octal (default 0660)"),
+    ("--socket-group", "socket_group", "engine socket group (the engines' users are in it)"),
     ("--host-pool", "host_pool", "host pool size, units allowed: 512MiB, 4GiB (default 2GiB)"),
     ("--segment-size", "segment_size", "arena segment size (default host pool / 64, 1-64 MiB)"),
     ("--data-dir", "data_dir", "local file tier directory (default ~/.cache/kv-sidecar)"),
     ("--file-tier-size", "file_tier_size", "local file tier size limit (default 64GiB)"),
     ("--hf3fs-dir", "hf3fs_dir", "3FS mount directory for the shared tier (off by default)"),
     ("--hf3fs-size", "hf3fs_size", "size limit of this node's view of the 3FS tier (default: none)"),
+    ("--hf3fs-group", "hf3fs_group", "group of the 3FS pages (files 0640, dirs 2770); "
+                                     "default: this user only (0600 / 0700)"),
     ("--hf3fs-rescan", "hf3fs_rescan", "seconds between scans for other nodes' 3FS pages (30)"),
     ("--write-policy", "write_policy", "write_through (default), write_back or none"),
     ("--max-body", "max_body", "largest request body (default 256MiB)"),

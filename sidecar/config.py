@@ -44,6 +44,15 @@ def _default_data_dir() -> str:
     return os.path.join(base, "kv-sidecar")
 
 
+def _default_socket() -> str:
+    """The engine socket: /run/kv-sidecar for root (and containers), else the user's
+    runtime directory, else beside the data directory."""
+    if os.geteuid() == 0:
+        return "/run/kv-sidecar/sidecar.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime or _default_data_dir(), "kv-sidecar.sock")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Everything the process is started with. Sizes are bytes."""
@@ -51,6 +60,10 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8411
     token: Optional[str] = field(default=None, repr=False)
+    token_file: Optional[str] = None      # read once at start; beats nothing else (see load)
+    socket: str = field(default_factory=_default_socket)  # "" : no engine socket
+    socket_mode: int = 0o660              # the engine socket's (and fd socket's) mode
+    socket_group: Optional[str] = None    # and group: the engines' users belong to it
     host_pool: int = 2 * 2**30
     segment_size: int = 0                 # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
     data_dir: str = field(default_factory=_default_data_dir)
@@ -59,6 +72,7 @@ class Config:
     hf3fs_dir: Optional[str] = None
     hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
     hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
+    hf3fs_group: Optional[str] = None     # nodes' sidecars share 3FS pages through this group
     write_policy: str = "write_through"
     max_body: int = 256 * 2**20           # any request body
     max_json_body: int = 16 * 2**20       # JSON request bodies
@@ -80,6 +94,10 @@ class Config:
             raise ValueError("copy threads, tier threads and write queue pages must be >= 1")
         if self.segment_size and not 0 < self.segment_size <= self.host_pool:
             raise ValueError("segment size must be in 1..host pool size")
+        if self.socket and (not os.path.isabs(self.socket) or len(self.socket.encode()) > 100):
+            raise ValueError(f"socket must be an absolute path of at most 100 bytes, got {self.socket!r}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ValueError(f"socket mode must be an octal mode like 0660, got {self.socket_mode:o}")
 
     @property
     def effective_segment_size(self) -> int:
@@ -93,6 +111,7 @@ _SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body
 _BOOLS = {"file_tier"}
 _INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages"}
 _FLOATS = {"shutdown_timeout", "hf3fs_rescan"}
+_OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group")
 
 
 def coerce(name: str, value: Any) -> Any:
@@ -105,10 +124,12 @@ def coerce(name: str, value: Any) -> Any:
         return int(value)
     if name in _FLOATS:
         return float(value)
+    if name == "socket_mode":
+        return value if isinstance(value, int) else int(str(value), 8)
     if name == "shm_dirs":
         return tuple(value) if isinstance(value, (list, tuple)) else tuple(
             p for p in str(value).split(":") if p)
-    return None if value in (None, "") and name in ("token", "hf3fs_dir") else value
+    return None if value in (None, "") and name in _OPTIONAL else value
 
 
 def field_names() -> list[str]:
@@ -131,4 +152,17 @@ def load(file: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
         if raw is not None:
             values[name] = raw
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return replace(Config(), **{k: coerce(k, v) for k, v in values.items()})
+    config = replace(Config(), **{k: coerce(k, v) for k, v in values.items()})
+    return _with_token_file(config)
+
+
+def _with_token_file(config: Config) -> Config:
+    """Read `token_file` (a secret kept out of `ps` and the environment)."""
+    if not config.token_file:
+        return config
+    if config.token:
+        raise ValueError("give the token once: --token / SIDECAR_TOKEN or --token-file")
+    token = Path(config.token_file).read_text().strip()
+    if not token:
+        raise ValueError(f"token file {config.token_file} is empty")
+    return replace(config, token=token)

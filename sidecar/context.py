@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
 from pools import Arena, HostPool
+from sidecar.buffers import Sources
 from sidecar.config import Config
+from sidecar.leases import LeaseRegistry, LendServer, fd_socket_path
 from sidecar.metrics import RequestStats
+from sidecar.peer import bind_unix, group_id
 from sidecar.store import Store
 from sidecar.tiering import Tiering
 from sidecar.tiers.file_tier import FileTier
@@ -26,7 +32,9 @@ def build_tiers(config: Config) -> list[FileTier]:
     if config.file_tier:
         tiers.append(FileTier("file", config.data_dir, config.file_tier_size))
     if config.hf3fs_dir:
-        tiers.append(FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True))
+        group = group_id(config.hf3fs_group) if config.hf3fs_group else None
+        tiers.append(FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True,
+                              group=group))
     return tiers
 
 
@@ -42,6 +50,7 @@ class Context:
     cuda_registered: bool = False
     ready: bool = False
     loop: Optional[asyncio.AbstractEventLoop] = None
+    lend_server: Optional[LendServer] = None
     _tasks: list = field(default_factory=list)
 
     @classmethod
@@ -54,7 +63,10 @@ class Context:
         writer = TierWriter(tiers, config.tier_threads, config.write_queue_pages) if tiers else None
         tiering = Tiering(tiers, config.write_policy, writer, host_pool, executor)
         cuda = cuda_ipc.CudaIpc.create()
-        store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, 2), tiering, cuda)
+        st = os.fstat(arena.fd)
+        own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
+        sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda, own)
+        store = Store(host_pool, executor, sources, min(config.copy_threads, 2), tiering)
         ctx = cls(config, arena, host_pool, store, executor)
         ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(arena.address, arena.size)
         log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "
@@ -70,6 +82,11 @@ class Context:
     def start(self) -> None:
         """Start background work (from the running loop); ready once the tiers are recovered."""
         self.loop = asyncio.get_running_loop()
+        if self.config.socket:
+            sock = bind_unix(fd_socket_path(self.config.socket), self.config.socket_mode,
+                             self.config.socket_group, socket.SOCK_SEQPACKET)
+            self.lend_server = LendServer(self.store.sources.leases, sock)
+            self.lend_server.start(self.loop)
         if self.tiering.writer is not None:
             self.tiering.writer.start()
         self._tasks.append(self.loop.create_task(self._recover_then_serve()))
@@ -103,6 +120,10 @@ class Context:
         finish copies, unmap. Each phase is bounded by the shutdown timeout."""
         timeout = timeout or self.config.shutdown_timeout
         self.ready = False
+        if self.lend_server is not None:
+            self.lend_server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(fd_socket_path(self.config.socket))
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

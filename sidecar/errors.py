@@ -25,6 +25,13 @@ class Unauthorized(SidecarError):
     code = "unauthorized"
 
 
+class Forbidden(SidecarError):
+    """The caller may not do this: it has not proved it owns the memory it names, or it
+    asked on a connection where the sidecar cannot tell who it is (TCP)."""
+
+    code = "forbidden"
+
+
 class NotFound(SidecarError):
     code = "not_found"
 
@@ -35,6 +42,10 @@ class NamespaceNotFound(NotFound):
 
 class BufferNotFound(NotFound):
     code = "buffer_not_found"
+
+
+class LeaseNotFound(NotFound):
+    code = "lease_not_found"
 
 
 class KeyNotFound(NotFound):

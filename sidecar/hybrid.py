@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sidecar.errors import BadRequest
+from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
 
@@ -97,7 +98,7 @@ class Item:
     slots: Any
 
 
-def parse_items(store: Store, raw: Any) -> list[Item]:
+def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None) -> list[Item]:
     """Validate every item (namespace, keys, buffer, slots) before any page moves."""
     if not isinstance(raw, list) or not raw or len(raw) > 64:
         raise BadRequest("'items' must be a non-empty list of at most 64 items")
@@ -110,33 +111,34 @@ def parse_items(store: Store, raw: Any) -> list[Item]:
             raise BadRequest(f"items[{i}].namespace must be a namespace named once per request")
         seen.add(name)
         item = Item(name, it.get("keys"), it.get("buffer_id"), it.get("slots"))
-        store.check_move(item.namespace, item.keys, item.buffer_id, item.slots)
+        store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
         items.append(item)
     return items
 
 
-async def batch_set(store: Store, raw_items: Any) -> dict[str, list[bool]]:
+async def batch_set(store: Store, raw_items: Any, peer: Optional[Peer] = None) -> dict[str, list[bool]]:
     """Each pool stores what it can: one pool out of room does not fail the others."""
-    items = parse_items(store, raw_items)
-    results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots)
+    items = parse_items(store, raw_items, peer)
+    results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer)
                                      for i in items))
     return {i.namespace: r for i, r in zip(items, results)}
 
 
-async def batch_get(store: Store, raw_items: Any, kv: Optional[str] = None) -> dict[str, list[bool]]:
+async def batch_get(store: Store, raw_items: Any, kv: Optional[str] = None,
+                    peer: Optional[Peer] = None) -> dict[str, list[bool]]:
     """KV items first; the other items only when every KV page loaded, else all false."""
-    items = parse_items(store, raw_items)
+    items = parse_items(store, raw_items, peer)
     if kv is not None and kv not in {i.namespace for i in items}:
         raise BadRequest(f"'kv' names {kv!r}, which is not one of the items")
     anchors = [i for i in items if (i.namespace == kv if kv is not None
                                     else store.namespace(i.namespace).spec.pool == "kv")]
     loaded: dict[str, list[bool]] = {}
     for i in anchors:
-        loaded[i.namespace] = await store.get(i.namespace, i.keys, i.buffer_id, i.slots)
+        loaded[i.namespace] = await store.get(i.namespace, i.keys, i.buffer_id, i.slots, peer)
     complete = all(all(v) for v in loaded.values())
     rest = [i for i in items if i not in anchors]
     if complete:
-        results = await asyncio.gather(*(store.get(i.namespace, i.keys, i.buffer_id, i.slots)
+        results = await asyncio.gather(*(store.get(i.namespace, i.keys, i.buffer_id, i.slots, peer)
                                          for i in rest))
     else:
         results = [[False] * len(i.keys) for i in rest]

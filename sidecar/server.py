@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import socket
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.config import Config
+from sidecar.peer import PEER_KEY, bind_unix, peer_of
 
 APP_FACTORY = "api.app:create_app"  # the composition root: sidecar never imports api directly
 
@@ -15,6 +19,44 @@ APP_FACTORY = "api.app:create_app"  # the composition root: sidecar never import
 def build_app(config: Config):
     module, _, attr = APP_FACTORY.partition(":")
     return getattr(importlib.import_module(module), attr)(config)
+
+
+class PeerHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol; on the engine socket every request's scope carries
+    the connection's Peer (SO_PEERCRED, read once per connection)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.peer = peer_of(transport.get_extra_info("socket"))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self.peer is not None:
+            self.scope[PEER_KEY] = self.peer
+
+
+def listeners(config: Config) -> list[socket.socket]:
+    """The loopback TCP listener (operators, metrics, tools) and the engine socket."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    socks = [socket.create_server((config.host, config.port), family=family, backlog=2048)]
+    if config.socket:
+        socks.append(bind_unix(config.socket, config.socket_mode, config.socket_group))
+    return socks
+
+
+def uvicorn_config(app, config: Config) -> uvicorn.Config:
+    return uvicorn.Config(app, loop="uvloop", http=PeerHttpProtocol, lifespan="on",
+                          access_log=False, log_level=config.log_level,
+                          timeout_graceful_shutdown=config.shutdown_timeout)
+
+
+def unlink_socket(path: str, sock: socket.socket) -> None:
+    """Remove our socket file at exit, unless another process has replaced it."""
+    try:
+        if os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class _Server(uvicorn.Server):
@@ -30,9 +72,17 @@ class _Server(uvicorn.Server):
 def serve(config: Config) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uv = uvicorn.Config(build_app(config), host=config.host, port=config.port, loop="uvloop",
-                        http="httptools", lifespan="on", access_log=False,
-                        log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout)
-    server = _Server(uv)
-    server.run()
+    try:
+        socks = listeners(config)
+    except (OSError, RuntimeError, ValueError) as exc:
+        logging.getLogger("kv_sidecar").error("cannot listen: %s", exc)
+        return 1
+    server = _Server(uvicorn_config(build_app(config), config))
+    try:
+        server.run(sockets=socks)
+    finally:
+        if config.socket:
+            unlink_socket(config.socket, socks[1])
+        for sock in socks:
+            sock.close()
     return 0 if server.started else 1

@@ -22,7 +22,7 @@ POOL_KINDS = (
 _NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}")
 _RANK_FIELDS = ("tp", "tp_size", "pp", "pp_size", "cp", "cp_size")
 _FIELDS = {"page_bytes", "pool", "model", "layout", "dtype", "page_tokens", "rank",
-           "replicated", "host_capacity_bytes"}
+           "replicated", "host_capacity_bytes", "share_scope"}
 
 
 def check_name(name: str) -> str:
@@ -54,17 +54,22 @@ class NamespaceSpec:
     rank: Rank = field(default_factory=Rank)
     replicated: bool = False
     host_capacity_bytes: Optional[int] = None
+    share_scope: str = ""       # namespaces naming the same scope share tier pages
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def identity(self) -> str:
+    def identity(self, name: str) -> str:
         """A digest of what makes pages interchangeable: equal on every node and process.
 
-        Capacity is not part of it; a replicated pool's TP rank is always 0 (see parse_spec).
+        The namespace `name` is part of it (or, when set, the `share_scope` that several
+        names agree on), so tenants' namespaces never share tier pages by having equal
+        specs. Capacity is not; a replicated pool's TP rank is always 0 (see parse_spec).
         """
         data = self.to_json()
         data.pop("host_capacity_bytes")
+        if not self.share_scope:
+            data["name"] = name
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
@@ -120,4 +125,5 @@ def parse_spec(body: Any) -> NamespaceSpec:
         model=_str(body, "model", ""), layout=_str(body, "layout", "page_first"),
         dtype=_str(body, "dtype", ""), page_tokens=_int(body, "page_tokens", 0, 0),
         rank=rank, replicated=replicated,
-        host_capacity_bytes=_int(body, "host_capacity_bytes", None, 1))
+        host_capacity_bytes=_int(body, "host_capacity_bytes", None, 1),
+        share_scope=_str(body, "share_scope", ""))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -14,13 +15,16 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from pools import HostPool, PagePool, PoolFull
 from pools.page_pool import PRESENT, Entry
-from sidecar.buffers import Buffer, open_buffer
+from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
                             NoRoom, TicketNotFound)
 from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
+from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import check_slots, coalesce, page_runs, split_plan
+from sidecar.transports.base import CopyFailed, check_slots, coalesce, page_runs, split_plan
+
+log = logging.getLogger("kv_sidecar.store")
 
 
 @dataclass(slots=True)
@@ -45,9 +49,10 @@ class Namespace:
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
 
-    def buffer(self, buffer_id: Any) -> Buffer:
+    def buffer(self, buffer_id: Any, peer: Optional[Peer] = None) -> Buffer:
+        """The buffer `buffer_id`, if `peer` may use it (another user's reads as unknown)."""
         buf = self.buffers.get(buffer_id) if isinstance(buffer_id, str) else None
-        if buf is None:
+        if buf is None or not buf.usable_by(peer):
             raise BufferNotFound(f"buffer {str(buffer_id)[:40]!r} is not registered in "
                                  f"namespace {self.name!r}; register it with POST .../buffers")
         return buf
@@ -56,15 +61,15 @@ class Namespace:
 class Store:
     """Every namespace of the process, over one host pool."""
 
-    def __init__(self, host_pool: HostPool, executor: Executor, shm_dirs: Sequence[str],
-                 copy_parallel: int = 2, tiering: Optional[Tiering] = None, cuda: Any = None):
+    def __init__(self, host_pool: HostPool, executor: Executor, sources: Sources,
+                 copy_parallel: int = 2, tiering: Optional[Tiering] = None):
         self.host_pool = host_pool
         self.executor = executor
         self.copy_parallel = copy_parallel
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
-        self.cuda = cuda  # the CUDA IPC registry on a GPU node, else None
-        self.shm_dirs = tuple(shm_dirs)
+        self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
+        sources.leases.on_end = self.release_lent
         self.namespaces: dict[str, Namespace] = {}
         self._base = host_pool.arena.address
 
@@ -84,7 +89,7 @@ class Store:
             raise NoRoom(f"host pool cannot hold namespace {name!r}: {exc}") from exc
         except ValueError as exc:
             raise GeometryMismatch(str(exc)) from exc
-        ns = Namespace(name, spec, pool, spec.identity())
+        ns = Namespace(name, spec, pool, spec.identity(name))
         if self.tiering.policy == "write_back":
             pool.on_evict = self.tiering.on_evict(ns.identity)
         self.namespaces[name] = ns
@@ -112,16 +117,25 @@ class Store:
             await self.tiering.drop(ns.identity)
 
     # -- buffers ----------------------------------------------------------------------
-    def register_buffer(self, name: str, body: Any) -> Buffer:
+    def register_buffer(self, name: str, body: Any, peer: Optional[Peer] = None) -> Buffer:
+        """Map engine memory that `peer` (None: a TCP caller) proves it owns."""
         ns = self.namespace(name)
-        buf = open_buffer(name, body, ns.spec.page_bytes, self.shm_dirs, self.cuda)
+        buf = open_buffer(name, body, ns.spec.page_bytes, self.sources, peer)
         ns.buffers[buf.id] = buf
         return buf
 
-    def release_buffer(self, name: str, buffer_id: str) -> None:
+    def release_buffer(self, name: str, buffer_id: str, peer: Optional[Peer] = None) -> None:
         ns = self.namespace(name)
-        ns.buffer(buffer_id).release()
+        ns.buffer(buffer_id, peer).release()
         del ns.buffers[buffer_id]
+
+    def release_lent(self, lease_ids: list[str]) -> None:
+        """A lender went away: release every buffer registered with its leases."""
+        ended = set(lease_ids)
+        for ns in self.namespaces.values():
+            for buf in [b for b in ns.buffers.values() if b.lease in ended]:
+                buf.release()
+                del ns.buffers[buf.id]
 
     def reap_dead_buffers(self) -> list[str]:
         """Release the buffers whose owning process has exited; return their ids."""
@@ -171,19 +185,20 @@ class Store:
         return sum(was)
 
     # -- page moves through engine buffers --------------------------------------------
-    def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any) -> tuple[Namespace, Buffer]:
+    def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any,
+                   peer: Optional[Peer] = None) -> tuple[Namespace, Buffer]:
         """Validate a set/get before anything moves: namespace, keys, buffer, slots."""
         ns = self.namespace(name)
         check_keys(keys)
-        buf = ns.buffer(buffer_id)
+        buf = ns.buffer(buffer_id, peer)
         check_slots(slots, len(keys), buf.slots)
         return ns, buf
 
     async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
-                  durable: bool = False) -> list[bool]:
+                  durable: bool = False, peer: Optional[Peer] = None) -> list[bool]:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
         With `durable`, a key is True only once it is written to every write-through tier."""
-        ns, buf = self.check_move(name, keys, buffer_id, slots)
+        ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
         stored, todo = [False] * len(keys), []
         for i, key in enumerate(keys):
             r = ns.pool.reserve(key)
@@ -197,8 +212,7 @@ class Store:
                 for i, e in todo for src, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         ok = False
         try:
-            await self._copy(buf, plan)
-            ok = True
+            ok = await self._copy(buf, plan, into_engine=False)
         finally:
             for i, e in todo:
                 if ok:
@@ -221,11 +235,12 @@ class Store:
             fut = futures.get(key)
             stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
 
-    async def get(self, name: str, keys: list[str], buffer_id: Any, slots: Any) -> list[bool]:
+    async def get(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
+                  peer: Optional[Peer] = None) -> list[bool]:
         """Copy pages into engine slots, promoting tier-only pages first; misses are False.
         With tiers, a long get goes in chunks of a quarter of the pool, so promoting its
         pages never needs more free slots than the pool can give."""
-        ns, buf = self.check_move(name, keys, buffer_id, slots)
+        ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
         step = len(keys) or 1
         if self.tiering.enabled:
             step = max(8, ns.pool.capacity_pages // 4)
@@ -248,29 +263,36 @@ class Store:
         plan = [(dst, self._base + e.offset + off, n)
                 for i, e in enumerate(pinned) if e is not None
                 for dst, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
+        ok = False
         try:
-            await self._copy(buf, plan)
+            ok = await self._copy(buf, plan, into_engine=True)
         finally:
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
-        return [e is not None for e in pinned]
+        return [ok and e is not None for e in pinned]
 
-    async def _copy(self, buf: Buffer, plan: list) -> None:
+    async def _copy(self, buf: Buffer, plan: list, into_engine: bool) -> bool:
         """Run a plan in the executor, large ones in parallel slices; a cancelled request
-        still waits for every slice to end before its slots are released."""
+        still waits for every slice to end before its slots are released. False when the
+        engine's memory failed the copy (it shrank): those pages answer false."""
         if not plan:
-            return
+            return True
         buf.acquire()
         try:
             loop = asyncio.get_running_loop()
-            futs = [loop.run_in_executor(self.executor, buf.mapping.run_plan, part)
+            futs = [loop.run_in_executor(self.executor, buf.mapping.run_plan, part, into_engine)
                     for part in split_plan(coalesce(plan), self.copy_parallel)]
             try:
                 await asyncio.shield(asyncio.gather(*futs))
             except asyncio.CancelledError:
                 await asyncio.wait(futs)
                 raise
+            except CopyFailed as exc:
+                await asyncio.wait(futs)
+                log.warning("copy with buffer %s failed: %s", buf.id, exc)
+                return False
+            return True
         finally:
             buf.release_ref()
 

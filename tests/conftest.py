@@ -17,8 +17,9 @@ import uvicorn
 
 from api.app import create_app
 from api.engine.client import SidecarClient
-from loadtest.procs import free_port
+from loadtest.procs import free_port, socket_path
 from sidecar.config import Config
+from sidecar.server import listeners, uvicorn_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,19 +42,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 class LiveServer:
-    """uvicorn serving `create_app(config)` in a background thread."""
+    """uvicorn serving `create_app(config)` in a background thread, on loopback TCP and on
+    an engine socket, with the same listeners and protocol as `sidecar serve`."""
 
     def __init__(self, config: Config):
         self.config = config
         self.app = create_app(config)
         self.url = f"http://127.0.0.1:{config.port}"
-        uv = uvicorn.Config(self.app, host="127.0.0.1", port=config.port, loop="uvloop",
-                            http="httptools", lifespan="on", log_level="warning")
-        self.server = uvicorn.Server(uv)
+        self.socket_url = f"unix://{config.socket}"
+        self.sockets = listeners(config)
+        self.server = uvicorn.Server(uvicorn_config(self.app, replace(config, log_level="warning")))
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        self.server.run()
+        self.server.run(sockets=self.sockets)
 
     def start(self) -> "LiveServer":
         self.thread.start()
@@ -77,11 +79,18 @@ class LiveServer:
         self.on_loop(self.ctx.host_pool.invariants)
 
     def client(self, **kw) -> SidecarClient:
+        """A client on the engine socket (what engines use; it can register memory)."""
+        return SidecarClient(self.socket_url, token=self.config.token, **kw)
+
+    def tcp_client(self, **kw) -> SidecarClient:
+        """A client on loopback TCP (operators and tools; no memory registration)."""
         return SidecarClient(self.url, token=self.config.token, **kw)
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        for sock in self.sockets:
+            sock.close()
 
 
 async def _call(fn):
@@ -94,7 +103,7 @@ def make_server():
 
     def make(**overrides) -> LiveServer:
         base = Config(port=free_port(), host_pool=64 * 2**20, segment_size=2**20,
-                      file_tier=False, copy_threads=2)
+                      file_tier=False, copy_threads=2, socket=socket_path())
         srv = LiveServer(replace(base, **overrides)).start()
         servers.append(srv)
         return srv
@@ -118,10 +127,14 @@ def client(server) -> SidecarClient:
 class SidecarProcess:
     """`python -m sidecar serve` as a child process on a free loopback port."""
 
-    def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
+    def __init__(self, *args: str, env: dict | None = None, port: int | None = None,
+                 socket: str | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args]
+        self.socket = socket or socket_path()
+        self.socket_url = f"unix://{self.socket}"
+        cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port),
+               "--socket", self.socket, *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
@@ -158,8 +171,9 @@ class SidecarProcess:
 def spawn():
     procs = []
 
-    def make(*args: str, env: dict | None = None, port: int | None = None) -> SidecarProcess:
-        p = SidecarProcess(*args, env=env, port=port)
+    def make(*args: str, env: dict | None = None, port: int | None = None,
+             socket: str | None = None) -> SidecarProcess:
+        p = SidecarProcess(*args, env=env, port=port, socket=socket)
         procs.append(p)
         return p
     yield make

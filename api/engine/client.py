@@ -3,9 +3,15 @@
 Measured on loopback before choosing (an `exists` of 100 keys, 2-core VM): plain
 `http.client` with keep-alive 763 us a call, `httpx.Client` 1,396 us (1.8x), a
 `requests.Session` 1,803 us (2.4x). So the client uses `http.client`, with orjson bodies.
+
+Engines should use the engine socket (`unix:///run/kv-sidecar/sidecar.sock`): only there can
+they register shared memory, which the client does by lending the fd itself (SCM_RIGHTS on
+`<socket>.fds`, see docs/security.md). Keep the client alive while its buffers are in use:
+closing it (or exiting) ends the leases and the sidecar releases those buffers.
 """
 from __future__ import annotations
 
+import array
 import http.client
 import socket
 import threading
@@ -32,6 +38,25 @@ class SidecarUnavailable(SidecarError):
 
 _RETRYABLE = (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected,
               http.client.CannotSendRequest)
+LEND_FRAME = b"LEND\n"
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix socket (the engine socket)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 class SidecarClient:
@@ -40,10 +65,14 @@ class SidecarClient:
     def __init__(self, url: str = "http://127.0.0.1:8411", token: Optional[str] = None,
                  timeout: float = 10.0):
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"sidecar url must be http://host:port, got {url!r}")
+        self.socket_path = parts.path if parts.scheme == "unix" and parts.path else None
+        if self.socket_path is None and (parts.scheme != "http" or not parts.hostname):
+            raise ValueError(f"sidecar url must be unix:///path/to/socket or http://host:port, "
+                             f"got {url!r}")
         self.host, self.port = parts.hostname, parts.port or 8411
         self.timeout = timeout
+        self._lender: Optional[socket.socket] = None
+        self._lend_lock = threading.Lock()
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -53,15 +82,65 @@ class SidecarClient:
     def _conn(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            if self.socket_path is not None:
+                conn = UnixHTTPConnection(self.socket_path, self.timeout)
+            else:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             self._local.conn = conn
         return conn
 
     def close(self) -> None:
+        """Close this thread's connection (buffers stay; see `close_leases`)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+    def close_leases(self) -> None:
+        """End every lease of this client: the sidecar releases the buffers they back."""
+        with self._lend_lock:
+            if self._lender is not None:
+                self._lender.close()
+                self._lender = None
+
+    # -- lending file descriptors (the engine socket only) ----------------------------
+    def lend_fd(self, fd: int) -> str:
+        """Pass `fd` to the sidecar (SCM_RIGHTS) and return its lease id. The lease lives
+        as long as this client's fd connection: a new one is opened after a restart."""
+        if self.socket_path is None:
+            raise SidecarError(0, "socket_required", "shared memory can be registered only "
+                               "over the engine socket: use a unix:///path sidecar url")
+        with self._lend_lock:
+            for attempt in (0, 1):
+                try:
+                    return self._lend_locked(fd)
+                except (OSError, ValueError) as exc:
+                    if self._lender is not None:
+                        self._lender.close()
+                        self._lender = None
+                    if attempt:
+                        raise SidecarUnavailable(f"lending an fd: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _lend_locked(self, fd: int) -> str:
+        if self._lender is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.socket_path + ".fds")
+            except OSError:
+                sock.close()
+                raise
+            self._lender = sock
+        self._lender.sendmsg([LEND_FRAME], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", [fd]))])
+        reply = self._lender.recv(4096)
+        if not reply:
+            raise ConnectionResetError("the sidecar closed the fd socket")
+        answer = orjson.loads(reply)
+        if "error" in answer:
+            raise SidecarError(400, answer["error"]["code"], answer["error"]["message"])
+        return answer["lease"]
 
     def request(self, method: str, path: str, body: Any = None, raw: bool = False,
                 ok: Sequence[int] = ()) -> tuple[int, Any]:
@@ -126,7 +205,12 @@ class SidecarClient:
 
     def register_buffer(self, namespace: str, size: int, slots: int, chunks: list[dict],
                         transport: str = "shm", **where: Any) -> str:
-        """Register engine memory (`path=`, or `pid=` and `fd=`; cuda_ipc: `handle=` ...)."""
+        """Register engine memory: shm by `fd=` (lent to the sidecar, see `lend_fd`) or
+        `path=`; cuda_ipc by `handle=` ... (see api.engine.cuda_export)."""
+        if transport == "shm" and "fd" in where:
+            fd = where.pop("fd")
+            where.pop("pid", None)
+            where["lease"] = self.lend_fd(fd)
         body = {"transport": transport, "size": size, "slots": slots, "chunks": chunks, **where}
         return self.request("POST", self._ns(namespace, "/buffers"), body)[1]["buffer_id"]
 

@@ -15,6 +15,7 @@ buffers), the pool is not shareable and its pages go through the inline endpoint
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from typing import Any, Optional
 import orjson
 import torch
 
+from api.engine.client import SidecarError
+
+log = logging.getLogger("kv_sidecar.sglang")
 _SLUG = re.compile(r"[^0-9A-Za-z_.:-]+")
 
 
@@ -95,7 +99,13 @@ def bind_pool(client, cfg, name: str, host_pool) -> PoolBinding:
     binding = PoolBinding(name, ns, host_pool, P, page_bytes, chunks=chunks or [])
     if chunks:
         slots, size, fd = where
-        binding.buffer_id = client.register_buffer(ns, size, slots, chunks, pid=os.getpid(), fd=fd)
+        try:
+            binding.buffer_id = client.register_buffer(ns, size, slots, chunks, fd=fd)
+        except SidecarError as exc:  # a TCP url (no fd passing): pages go inline
+            if exc.code not in ("socket_required", "forbidden"):
+                raise
+            log.warning("pool %s moves pages inline: %s", name, exc.message)
+            binding.chunks = []
     return binding
 
 

@@ -18,11 +18,13 @@ import torch
 class SharedBuffer:
     """`nbytes` of memfd-backed memory owned by this process, viewable as torch tensors."""
 
-    def __init__(self, nbytes: int, name: str = "kv-engine"):
+    def __init__(self, nbytes: int, name: str = "kv-engine", sealable: bool = True):
         if nbytes <= 0:
             raise ValueError("nbytes must be > 0")
         self.size = nbytes
-        self.fd = os.memfd_create(name, 0)  # inheritable: a worker may pass it on
+        # inheritable (a worker may pass it on); sealable, so the sidecar can seal it against
+        # shrinking and map it (unsealable, it copies with pread/pwrite instead)
+        self.fd = os.memfd_create(name, os.MFD_ALLOW_SEALING if sealable else 0)
         os.ftruncate(self.fd, nbytes)
         self._mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
         self._anchor = ctypes.c_char.from_buffer(self._mm)
@@ -50,10 +52,12 @@ class SharedBuffer:
         return self.view(t.data_ptr() - self.address, t.numel() * t.element_size()).tobytes()
 
     def where(self) -> dict:
-        """The registration fields that let the sidecar map this memory."""
-        return {"pid": os.getpid(), "fd": self.fd}
+        """The registration fields that let the sidecar map this memory (the client lends
+        the fd over the engine socket)."""
+        return {"fd": self.fd}
 
     def register(self, client, namespace: str, slots: int, chunks: list[dict]) -> str:
+        """Register with `client` (a unix:// client); keep it alive while in use."""
         return client.register_buffer(namespace, self.size, slots, chunks, **self.where())
 
     def close(self) -> None:

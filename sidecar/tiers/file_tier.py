@@ -44,10 +44,15 @@ class TierStats:
 
 
 class FileTier:
-    """Pages as files under `root`, at most `capacity` bytes (None: no limit)."""
+    """Pages as files under `root`, at most `capacity` bytes (None: no limit). Files are
+    0600 and directories 0700; with `group` (a shared 3FS directory that several nodes'
+    sidecars write under one group) files are 0640 and directories 2770 of that group."""
 
-    def __init__(self, name: str, root: str, capacity: Optional[int] = None, shared: bool = False):
+    def __init__(self, name: str, root: str, capacity: Optional[int] = None, shared: bool = False,
+                 group: Optional[int] = None):
         self.name = name
+        self.group = group
+        self.file_mode, self.dir_mode = (0o600, 0o700) if group is None else (0o640, 0o2770)
         self.root = os.path.abspath(root)
         self.capacity = capacity
         self.shared = shared
@@ -111,11 +116,11 @@ class FileTier:
             try:
                 self._ensure_dir(directory)
                 try:
-                    tmp, fd, size = pagefile.write_temp(directory, key, page)
+                    tmp, fd, size = pagefile.write_temp(directory, key, page, self.file_mode)
                 except FileNotFoundError:  # the directory vanished: make it again, once
                     self._dirs.discard(directory)
                     self._ensure_dir(directory)
-                    tmp, fd, size = pagefile.write_temp(directory, key, page)
+                    tmp, fd, size = pagefile.write_temp(directory, key, page, self.file_mode)
             except OSError as exc:
                 self._failed("write", exc)
                 self._dirs.discard(directory)  # it may have vanished: make it again next time
@@ -151,8 +156,19 @@ class FileTier:
 
     def _ensure_dir(self, directory: str) -> None:
         if directory not in self._dirs:
-            os.makedirs(directory, exist_ok=True)
+            self._make_dir(directory)
             self._dirs.add(directory)
+
+    def _make_dir(self, directory: str) -> None:
+        """Create `directory` (and a missing root) with this tier's mode and group."""
+        for d in (self.root, directory):
+            try:
+                os.mkdir(d, self.dir_mode)
+            except FileExistsError:
+                continue
+            if self.group is not None:
+                os.chown(d, -1, self.group)
+            os.chmod(d, self.dir_mode)  # not narrowed by the umask, setgid kept
 
     def _make_room(self, size: int) -> None:
         if self.capacity is None:
@@ -227,7 +243,8 @@ class FileTier:
     def recover(self) -> int:
         """Rebuild the index from the directory (LRU order by mtime); drop temporaries."""
         found = []
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(os.path.dirname(self.root), exist_ok=True)
+        self._make_dir(self.root)
         for ident in _subdirs(self.root, _IDENTITY_LEN):
             found += self._scan_dir(ident, os.path.join(self.root, ident))
         found.sort()

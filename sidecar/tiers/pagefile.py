@@ -76,20 +76,22 @@ def direct_ok(page) -> bool:
     return len(view) % BLOCK == 0 and len(view) > 0 and _address(view) % BLOCK == 0
 
 
-def write_temp(directory: str, key: str, page) -> tuple[str, int, int]:
-    """Write header + page to a new temporary file in `directory` (not yet synced);
-    return (its path, its open fd, its size)."""
+def write_temp(directory: str, key: str, page, mode: int = 0o600) -> tuple[str, int, int]:
+    """Write header + page to a new temporary file in `directory` (not yet synced), readable
+    by the owner only unless `mode` says more; return (its path, its open fd, its size)."""
     view = memoryview(page).cast("B")
     tmp = os.path.join(directory, f".{page_name(key)}{TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     direct = direct_ok(view)
     try:
-        fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o644)
+        fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), mode)
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
-        direct, fd = False, os.open(tmp, flags, 0o644)  # this file system has no O_DIRECT
+        direct, fd = False, os.open(tmp, flags, mode)  # this file system has no O_DIRECT
     try:
+        if mode != 0o600:
+            os.fchmod(fd, mode)  # a group mode, whatever the umask
         head = encode_header(key, view, BLOCK if direct else HEADER_SIZE)
         if direct:
             block = _header_block()

@@ -19,6 +19,11 @@ from sidecar.errors import BadRequest, GeometryMismatch
 MAX_CHUNKS = 4096
 
 
+class CopyFailed(Exception):
+    """A copy could not complete (the engine's memory shrank or failed): the pages of
+    that request answer false. Not a caller error, so not a SidecarError."""
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     offset: int

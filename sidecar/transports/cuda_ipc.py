@@ -195,7 +195,8 @@ class IpcMapping:
             self.close()
             raise
 
-    def run_plan(self, plan) -> int:
+    def run_plan(self, plan, into_engine: bool = False) -> int:
+        """cudaMemcpyAsync works out the direction from the addresses (UVA)."""
         return self.cuda.copy(self.device, plan)
 
     def close(self) -> None:

@@ -1,82 +1,134 @@
-"""Shared-memory engine buffers: a file under an allowed directory, or a live process's memfd.
+"""Shared-memory engine buffers, from a file descriptor the engine proved it holds.
 
-The sidecar maps the engine's memory `MAP_SHARED` and copies with memmove (ctypes releases
-the GIL), so a copy runs at memcpy speed in a worker thread.
+The sidecar never opens an engine's memory by a name it was told: it gets the descriptor
+itself (lent on the fd socket, see `sidecar.leases`) or opens a file race-free beneath an
+allowed directory and checks its owner (`open_beneath`). Then one of two copy modes:
+
+    memfd that accepts F_SEAL_SHRINK (tmpfs)  ->  mmap MAP_SHARED, memmove   (fast path)
+    anything else (an unsealable memfd such   ->  pread / pwrite on the fd    (no SIGBUS)
+    as SGLang's, a /dev/shm file)
+
+A mapping of a file its owner may truncate would kill the sidecar with SIGBUS at the next
+copy; once sealed against shrinking it cannot be truncated, and pread/pwrite on an unsealed
+file answer a short count or an errno instead, which the store turns into `false`.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import mmap
 import os
 import stat
-from typing import Optional, Sequence
+from typing import Sequence
 
-from sidecar.errors import BadRequest, GeometryMismatch
+from sidecar.errors import BadRequest, Forbidden, GeometryMismatch
+from sidecar.transports.base import CopyFailed
 
 _memmove = ctypes.memmove
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL around these calls
+_pread, _pwrite = _libc.pread, _libc.pwrite
+for _f in (_pread, _pwrite):
+    _f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long)
+    _f.restype = ctypes.c_ssize_t
+_fstatfs = _libc.fstatfs
+TMPFS_MAGIC = 0x01021994
 
 
-def _resolve(path: Optional[str], pid: Optional[int], fd: Optional[int],
-             allowed: Sequence[str]) -> str:
-    """The path to open: `path` inside an allowed directory, or /proc/<pid>/fd/<fd> of a memfd."""
-    if path is not None:
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise BadRequest("'path' must be an absolute path")
-        real = os.path.realpath(path)
-        if not any(real.startswith(os.path.realpath(d).rstrip("/") + "/") for d in allowed):
-            raise BadRequest(f"'path' {path!r} is outside the allowed shm directories {list(allowed)}")
-        return real
-    if not (isinstance(pid, int) and isinstance(fd, int)) or pid <= 0 or fd < 0:
-        raise BadRequest("an shm buffer needs 'path', or 'pid' and 'fd' of a live process")
-    proc = f"/proc/{pid}/fd/{fd}"
+def open_beneath(path: object, allowed: Sequence[str]) -> int:
+    """Open `path` read-write, walking from the allowed directory that contains it one
+    component at a time with O_NOFOLLOW: a symlink anywhere (swapped in at any moment)
+    fails the open instead of leading outside. The caller checks the owner."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise BadRequest("'path' must be an absolute path")
+    for root in allowed:
+        prefix = root.rstrip("/") + "/"
+        if path.startswith(prefix):
+            break
+    else:
+        raise BadRequest(f"'path' must lie under one of the allowed shm directories {list(allowed)}")
+    parts = path[len(prefix):].split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise BadRequest("'path' must not contain empty, '.' or '..' components")
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        target = os.readlink(proc)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise BadRequest(f"cannot open fd {fd} of process {pid}: {exc.strerror}") from exc
-    shared = any(target.startswith(os.path.realpath(d).rstrip("/") + "/") for d in allowed)
-    if not (target.startswith("/memfd:") or shared):
-        raise BadRequest(f"fd {fd} of process {pid} is {target!r}, not a memfd or shm file")
-    return proc
+        raise BadRequest(f"the shm directory cannot be opened: {os.strerror(exc.errno)}") from None
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError as exc:
+        raise BadRequest(f"cannot open the registered 'path': {os.strerror(exc.errno)} "
+                         f"(symlinks are not followed)") from None
+    finally:
+        os.close(fd)
+
+
+def _sealed(fd: int) -> bool:
+    """Seal a memfd against shrinking; True when it is (now or already) sealed so and on
+    tmpfs, i.e. safe to map."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except OSError as exc:
+        if exc.errno != errno.EPERM:  # EINVAL: not a memfd
+            return False
+        try:
+            if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                return False
+        except OSError:
+            return False
+    buf = ctypes.create_string_buffer(128)  # struct statfs; f_type comes first
+    return _fstatfs(fd, buf) == 0 and int.from_bytes(buf.raw[:8], "little") == TMPFS_MAGIC
 
 
 class ShmMapping:
-    """A writable MAP_SHARED mapping of an engine's buffer, with its base address."""
+    """An engine buffer: the fd it was registered with (owned from here on), mapped when
+    sealed. `addresses` are mapping addresses, or file offsets (base 0) in fd mode."""
 
-    __slots__ = ("size", "_mm", "_anchor", "address")
+    __slots__ = ("size", "fd", "ident", "sealed", "_mm", "_anchor", "address")
 
-    def __init__(self, path: Optional[str], pid: Optional[int], fd: Optional[int], size: int,
-                 allowed: Sequence[str]):
-        target = _resolve(path, pid, fd, allowed)
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_NOFOLLOW if path is not None else 0)
+    def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = ()):
+        self.fd, self._mm, self._anchor = fd, None, None
         try:
-            handle = os.open(target, flags)
-        except OSError as exc:
-            raise BadRequest(f"cannot open {target!r}: {exc.strerror}") from exc
-        try:
-            st = os.fstat(handle)
+            self.sealed = _sealed(fd)  # before the size check: it cannot shrink after
+            st = os.fstat(fd)
+            self.ident = (st.st_dev, st.st_ino)
+            if self.ident in forbidden:
+                raise Forbidden("that memory belongs to the sidecar and cannot be registered")
             if not stat.S_ISREG(st.st_mode):
-                raise BadRequest(f"{target!r} is not a regular file or memfd")
+                raise BadRequest("the registered fd is not a regular file or memfd")
             if st.st_size < size:
                 raise GeometryMismatch(f"buffer size {size} is larger than the file ({st.st_size} bytes)")
-            self._mm = mmap.mmap(handle, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(handle)
+            if self.sealed:
+                self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                self._anchor = ctypes.c_char.from_buffer(self._mm)
+        except BaseException:
+            os.close(fd)
+            raise
         self.size = size
-        self._anchor = ctypes.c_char.from_buffer(self._mm)
-        self.address = ctypes.addressof(self._anchor)
+        self.address = ctypes.addressof(self._anchor) if self.sealed else 0
 
     @property
     def addresses(self) -> list[int]:
         return [self.address]
 
-    def run_plan(self, plan) -> int:
-        return run_plan(plan)
+    def run_plan(self, plan, into_engine: bool) -> int:
+        if self._mm is not None:
+            return run_plan(plan)
+        return _fd_plan(self.fd, plan, into_engine)
 
     def close(self) -> None:
         if self._mm is not None:
             self._anchor = None
             self._mm.close()
             self._mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def run_plan(plan: Sequence[tuple[int, int, int]]) -> int:
@@ -87,3 +139,22 @@ def run_plan(plan: Sequence[tuple[int, int, int]]) -> int:
         moved += n
     return moved
 
+
+def _fd_plan(fd: int, plan: Sequence[tuple[int, int, int]], into_engine: bool) -> int:
+    """(dst, src, n) copies where the engine side is a file offset: pwrite into the engine's
+    file on a get, pread from it on a set. A short read (the file shrank) or an errno
+    raises CopyFailed; nothing faults."""
+    moved = 0
+    for dst, src, n in plan:
+        done = 0
+        while done < n:
+            if into_engine:
+                got = _pwrite(fd, src + done, n - done, dst + done)
+            else:
+                got = _pread(fd, dst + done, n - done, src + done)
+            if got <= 0:
+                err = ctypes.get_errno() if got < 0 else 0
+                raise CopyFailed(os.strerror(err) if err else "the engine's buffer shrank")
+            done += got
+        moved += n
+    return moved

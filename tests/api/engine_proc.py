@@ -1,4 +1,4 @@
-"""A stand-in engine process: its own memfd KV buffer, registered by pid + fd.
+"""A stand-in engine process: its own memfd KV buffer, registered by lending its fd on the engine socket.
 
     python -m tests.api.engine_proc URL NAMESPACE set|get|hold PAGE KEY...
 Prints one JSON line: {"result": [...], "ok": bool}.

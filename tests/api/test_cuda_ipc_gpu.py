@@ -22,17 +22,17 @@ def engine(url, op, layout, pages=8, ns="gpu-kv"):
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_gpu_pages_round_trip_between_engine_processes(spawn, layout):
     p = spawn("--host-pool", "1GiB", "--no-file-tier").wait_ready()
-    c = SidecarClient(p.url)
+    c = SidecarClient(p.socket_url)
     assert c.stats()["cuda_host_registered"] is True
-    wrote = engine(p.url, "set", layout, ns=f"gpu-{layout}")
-    read = engine(p.url, "get", layout, ns=f"gpu-{layout}")
+    wrote = engine(p.socket_url, "set", layout, ns=f"gpu-{layout}")
+    read = engine(p.socket_url, "get", layout, ns=f"gpu-{layout}")
     assert wrote["ok"] and read["ok"] and wrote["digest"] == read["digest"]
 
 
 def test_killed_engine_releases_its_handles(spawn):
     p = spawn("--host-pool", "1GiB", "--no-file-tier").wait_ready()
-    c = SidecarClient(p.url)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.api.cuda_engine_proc", p.url, "gpu-kv", "hold",
+    c = SidecarClient(p.socket_url)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.api.cuda_engine_proc", p.socket_url, "gpu-kv", "hold",
                              "page_first", "4"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     orjson.loads(proc.stdout.readline())
     assert c.stats()["namespaces"]["gpu-kv"]["buffers"] == 1
@@ -42,4 +42,4 @@ def test_killed_engine_releases_its_handles(spawn):
     while c.stats()["namespaces"]["gpu-kv"]["buffers"] and time.time() < deadline:
         time.sleep(0.2)
     assert c.stats()["namespaces"]["gpu-kv"]["buffers"] == 0
-    assert engine(p.url, "set", "page_first", ns="gpu-kv")["ok"]   # others are still served
+    assert engine(p.socket_url, "set", "page_first", ns="gpu-kv")["ok"]   # others are still served

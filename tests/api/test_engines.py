@@ -14,7 +14,7 @@ PAGE = 8192
 
 
 def engine(server, op, *keys, ns="kv"):
-    out = subprocess.run([sys.executable, "-m", "tests.api.engine_proc", server.url, ns, op,
+    out = subprocess.run([sys.executable, "-m", "tests.api.engine_proc", server.socket_url, ns, op,
                           str(PAGE), *keys], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return orjson.loads(out.stdout.splitlines()[-1])
@@ -33,7 +33,7 @@ def test_two_engine_processes_share_pages(server, client):
 
 def test_dead_engine_buffer_is_released(server, client):
     client.put_namespace("kv", PAGE)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.api.engine_proc", server.url, "kv", "hold",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.api.engine_proc", server.socket_url, "kv", "hold",
                              str(PAGE), "a"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     bid = orjson.loads(proc.stdout.readline())["buffer_id"]
     assert client.stats()["namespaces"]["kv"]["buffers"] == 1

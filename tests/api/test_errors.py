@@ -1,19 +1,23 @@
 """Every 4xx of API.md, in the error shape, and nothing stored is lost by bad input."""
 import hashlib
 import http.client
+import os
 import socket
 
 import orjson
 import pytest
 
+from api.engine.client import UnixHTTPConnection
 from api.engine.shm import SharedBuffer, page_first_chunks
 
 PAGE = 4096
 
 
-def raw(server, method, path, body=b"", headers=None):
-    """A request the client would never send; returns (status, decoded body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.config.port, timeout=10)
+def raw(server, method, path, body=b"", headers=None, tcp=False):
+    """A request the client would never send, on the engine socket (or loopback TCP);
+    returns (status, decoded body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.config.port, timeout=10) if tcp \
+        else UnixHTTPConnection(server.config.socket, 10)
     hdrs = {"Content-Type": "application/json"}
     if server.config.token:
         hdrs["Authorization"] = f"Bearer {server.config.token}"
@@ -120,14 +124,28 @@ def test_400_bad_buffer_registration(server, ready, body):
     assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 400, "bad_request")
 
 
-def test_fd_that_is_not_shared_memory_is_refused(server, ready, tmp_path):
-    import os
+def test_pid_fd_registration_is_gone(server, ready, tmp_path):
     f = open(tmp_path / "plain", "wb+")
     f.truncate(PAGE)
     body = {"transport": "shm", "size": PAGE, "slots": 1, "pid": os.getpid(), "fd": f.fileno(),
             "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
     assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 400, "bad_request")
+    assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body), tcp=True),
+                 403, "forbidden")
     f.close()
+
+
+def test_403_and_404_for_memory_the_caller_does_not_own(server, ready):
+    shm = {"transport": "shm", "size": PAGE, "slots": 1, "path": "/dev/shm/x",
+           "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
+    assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(shm), tcp=True),
+                 403, "forbidden")
+    lease = {**shm, "lease": "l-" + "0" * 32}
+    del lease["path"]
+    assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(lease)), 404,
+                 "lease_not_found")
+    move = orjson.dumps({"keys": ["keep"], "buffer_id": ready, "slots": [0]})
+    assert_error(raw(server, "POST", "/v1/namespaces/kv/get", move, tcp=True), 404, "buffer_not_found")
 
 
 def test_401_token(make_server):

@@ -37,7 +37,7 @@ def dynamic_backend(cfg):
 
 def make(server, pool, **kw):
     kw.setdefault("module_path", "api.engine.sglang_backend")
-    cfg = config(server.url, class_name="SidecarHiCacheStorage", **kw)
+    cfg = config(server.socket_url, class_name="SidecarHiCacheStorage", **kw)
     backend = dynamic_backend(cfg)
     backend.register_mem_pool_host(pool)
     return backend
@@ -91,7 +91,7 @@ sys.path.insert(0, {ROOT!r})
 from tests import sglang_env
 h = sglang_env.load()
 from tests.api.test_sglang_backend import make_remote
-print(make_remote({server.url!r}, sys.argv[1]))
+print(make_remote({server.socket_url!r}, sys.argv[1]))
 """
     out_a = subprocess.run([sys.executable, "-c", script, "set"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     out_b = subprocess.run([sys.executable, "-c", script, "get"], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -162,7 +162,7 @@ def test_generic_path_and_draft_keys(server):
 def test_never_raises_and_recovers_after_a_sidecar_restart(spawn):
     proc = spawn("--host-pool", "32MiB", "--no-file-tier").wait_ready()
     pool = MHAHostPool("page_first", 64, P)
-    cfg = config(proc.url, module_path="api.engine.sglang_backend", class_name="SidecarHiCacheStorage",
+    cfg = config(proc.socket_url, module_path="api.engine.sglang_backend", class_name="SidecarHiCacheStorage",
                  sidecar_timeout=2)
     be = dynamic_backend(cfg)
     be.register_mem_pool_host(pool)
@@ -177,7 +177,7 @@ def test_never_raises_and_recovers_after_a_sidecar_restart(spawn):
     assert be.batch_get_v2([h.PoolTransfer(name=h.PoolName.MAMBA, keys=ks)]) == {"mamba": [False] * 3}
     assert be.get(ks[0], torch.zeros(8, dtype=torch.uint8)) is None and be.set("k", torch.zeros(8)) is False
     assert be.failures > 0
-    again = spawn("--host-pool", "32MiB", "--no-file-tier", port=proc.port)  # same address
+    again = spawn("--host-pool", "32MiB", "--no-file-tier", port=proc.port, socket=proc.socket)  # same address
     try:
         again.wait_ready()
         deadline = time.time() + 10
@@ -209,7 +209,7 @@ def test_namespaces_are_deterministic_and_scoped():
 def test_parity_with_sglang_hicache_file(server, tmp_path):
     """The same set / exists / get sequence on SGLang's HiCacheFile and on the sidecar."""
     HiCacheFile = sglang_env.load_file_backend()
-    cfg = config(server.url)
+    cfg = config(server.socket_url)
     ref = HiCacheFile(cfg, file_path=str(tmp_path / "hicache"))
     ours = make(server, MHAHostPool("page_first", 64, P), interface_v1=0)  # HiCacheFile's path
     ks = keys(6, "parity")

@@ -23,7 +23,7 @@ def start(spawn, tmp_path, *extra, pool="32MiB"):
 
 
 def client_for(proc):
-    return SidecarClient(proc.url, timeout=30)
+    return SidecarClient(proc.socket_url, timeout=30)
 
 
 def test_restart_serves_flushed_pages_and_promotes_them(spawn, tmp_path):
@@ -140,7 +140,7 @@ def test_sigkill_during_write_through_loses_nothing_flushed(spawn, tmp_path):
     written = []
 
     def writer(w):
-        cl = SidecarClient(p.url, timeout=5)
+        cl = SidecarClient(p.socket_url, timeout=5)
         i = 0
         while not stop.is_set():
             key = f"w{w}-{i}"
@@ -155,7 +155,7 @@ def test_sigkill_during_write_through_loses_nothing_flushed(spawn, tmp_path):
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
     for t in threads:
         t.start()
-    fc = SidecarClient(p.url, timeout=30)
+    fc = SidecarClient(p.socket_url, timeout=30)
     for _ in range(4):
         time.sleep(0.3)
         with lock:

@@ -18,7 +18,7 @@ def data(key: str) -> bytes:
 def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tmp_path):
     args = ("--host-pool", "64MiB", "--data-dir", str(tmp_path / "data"))
     p = spawn(*args).wait_ready()
-    c = SidecarClient(p.url, timeout=3)
+    c = SidecarClient(p.socket_url, timeout=3)
     c.put_namespace("kv", PAGE)
     buf = SharedBuffer(16 * PAGE)
     bid = buf.register(c, "kv", 16, page_first_chunks(PAGE))
@@ -51,7 +51,7 @@ def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tm
     assert len(acked) >= 64
 
     p2 = spawn(*args).wait_ready()
-    c2 = SidecarClient(p2.url, timeout=30)
+    c2 = SidecarClient(p2.socket_url, timeout=30)
     c2.put_namespace("kv", PAGE)              # the engine registers again
     out = SharedBuffer(16 * PAGE)
     oid = out.register(c2, "kv", 16, page_first_chunks(PAGE))

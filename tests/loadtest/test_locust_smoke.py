@@ -12,7 +12,7 @@ def test_locust_smoke_has_no_failures(spawn, tmp_path):
     locust = os.path.join(os.path.dirname(sys.executable), "locust")
     prefix = str(tmp_path / "run")
     out = subprocess.run([locust, "-f", "loadtest/locustfile.py", "--headless", "-u", "4", "-r", "4",
-                          "-t", "12s", "--host", p.url, "--only-summary", "--csv", prefix],
+                          "-t", "12s", "--host", p.socket_url, "--only-summary", "--csv", prefix],
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LOCUST_PAGE_BYTES": "16384"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

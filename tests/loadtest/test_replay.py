@@ -28,7 +28,7 @@ def replay(url, *args):
 def test_replay_hit_rate_equals_the_lru_simulation(spawn):
     p = spawn("--host-pool", "64MiB", "--no-file-tier").wait_ready()
     for capacity in (300, 2000):
-        res = replay(p.url, "--page-bytes", "1024", "--capacity-pages", str(capacity), "--limit", "400")
+        res = replay(p.socket_url, "--page-bytes", "1024", "--capacity-pages", str(capacity), "--limit", "400")
         assert res["requests"] == 400 and res["pages"] > 0
         assert res["hit_rate_blocks"] == res["sim_hit_rate_blocks"] > 0
         assert res["hit_rate_tokens"] == res["sim_hit_rate_tokens"]
@@ -40,6 +40,6 @@ def test_replay_hit_rate_equals_the_lru_simulation(spawn):
 def test_replay_with_tiers_reports_where_hits_came_from(spawn, tmp_path):
     p = spawn("--host-pool", "64MiB", "--data-dir", str(tmp_path / "d")).wait_ready()
     # a share smaller than the longest request: tiered gets go in chunks
-    res = replay(p.url, "--page-bytes", "1024", "--capacity-pages", "120", "--limit", "400")
+    res = replay(p.socket_url, "--page-bytes", "1024", "--capacity-pages", "120", "--limit", "400")
     assert res["hit_rate_blocks"] >= res["sim_hit_rate_blocks"]  # the file tier only adds hits
     assert res["hits_from"]["tiers"] > 0 and res["failed_loads"] == 0

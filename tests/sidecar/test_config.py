@@ -45,3 +45,20 @@ def test_segment_size_default_is_clamped():
     assert Config(host_pool=2**30).effective_segment_size == 16 * 2**20
     assert Config(host_pool=8 * 2**20).effective_segment_size == 2**20
     assert Config(host_pool=64 * 2**30).effective_segment_size == 64 * 2**20
+
+
+def test_socket_and_token_file(tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    f = tmp_path / "c.toml"
+    f.write_text(f'token_file = "{secret}"\nsocket_mode = "0600"\nsocket_group = "0"\n')
+    cfg = load(str(f), env={"SIDECAR_SOCKET": "/run/x/s.sock"})
+    assert (cfg.token, cfg.socket, cfg.socket_mode, cfg.socket_group) == ("s3cret", "/run/x/s.sock", 0o600, "0")
+    assert load(None, env={"SIDECAR_SOCKET": ""}).socket == ""          # no engine socket
+    with pytest.raises(ValueError, match="once"):
+        load(str(f), env={"SIDECAR_TOKEN": "other"})
+    secret.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        load(str(f), env={})
+    with pytest.raises(ValueError):
+        load(None, env={"SIDECAR_SOCKET": "relative.sock"})

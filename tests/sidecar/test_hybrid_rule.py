@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from pools import Arena, HostPool
 from sidecar.hybrid import ExtraPool, batch_exists, boundary
 from sidecar.spec import parse_spec
+from sidecar.buffers import Sources
 from sidecar.store import Store
 
 
@@ -41,7 +42,7 @@ def reference(keys, kv_present, pools):
 
 def make_store():
     arena = Arena(4 << 20)
-    return Store(HostPool(arena, 64 << 10), None, ["/dev/shm"]), arena
+    return Store(HostPool(arena, 64 << 10), None, Sources(["/dev/shm"])), arena
 
 
 def fill(store, name, keys):

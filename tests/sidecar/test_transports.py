@@ -1,3 +1,4 @@
+import ctypes
 import os
 
 import pytest
@@ -6,8 +7,8 @@ from sidecar.errors import BadRequest, GeometryMismatch, InvalidKey, PayloadTooL
 from sidecar.keys import check_keys
 from sidecar.spec import parse_spec
 from sidecar.transports import cuda_ipc
-from sidecar.transports.base import Chunk, coalesce, page_runs, parse_chunks
-from sidecar.transports.shm import ShmMapping
+from sidecar.transports.base import Chunk, CopyFailed, coalesce, page_runs, parse_chunks
+from sidecar.transports.shm import ShmMapping, open_beneath
 
 
 def test_chunks_validated_against_page_and_buffer():
@@ -45,30 +46,51 @@ def test_spec_identity_is_stable_and_scoped():
     a = parse_spec({"page_bytes": 64, "model": "m", "rank": {"tp": 1, "tp_size": 2}})
     b = parse_spec({"rank": {"tp_size": 2, "tp": 1}, "model": "m", "page_bytes": 64,
                     "host_capacity_bytes": 640})
-    assert a.identity() == b.identity() and len(a.identity()) == 32
+    assert a.identity("ns") == b.identity("ns") and len(a.identity("ns")) == 32
     other_rank = parse_spec({"page_bytes": 64, "model": "m", "rank": {"tp": 0, "tp_size": 2}})
-    assert other_rank.identity() != a.identity()
+    assert other_rank.identity("ns") != a.identity("ns")
     rep0 = parse_spec({"page_bytes": 64, "replicated": True, "rank": {"tp": 0, "tp_size": 2}})
     rep1 = parse_spec({"page_bytes": 64, "replicated": True, "rank": {"tp": 1, "tp_size": 2}})
-    assert rep0.identity() == rep1.identity()
+    assert rep0.identity("ns") == rep1.identity("ns")
 
 
-def test_shm_mapping_refuses_paths_outside_allowed_dirs(tmp_path):
+def test_open_beneath_never_leaves_the_allowed_dirs(tmp_path):
     f = tmp_path / "x"
     f.write_bytes(b"\0" * 64)
-    with pytest.raises(BadRequest):
-        ShmMapping(str(f), None, None, 64, ["/dev/shm"])
+    for bad in (str(f), "relative", "/dev/shm/../etc/passwd", "/dev/shm//x", "/dev/shm/a\0b"):
+        with pytest.raises(BadRequest):
+            open_beneath(bad, ["/dev/shm"])
     link = f"/dev/shm/kv-sidecar-link-{os.getpid()}"
-    os.symlink(str(f), link)
+    os.symlink(str(tmp_path), link)
     try:
-        with pytest.raises(BadRequest):  # a link out of /dev/shm is resolved and refused
-            ShmMapping(link, None, None, 64, ["/dev/shm"])
+        with pytest.raises(BadRequest):  # a link anywhere on the way is not followed
+            open_beneath(f"{link}/x", ["/dev/shm"])
     finally:
         os.unlink(link)
-    m = ShmMapping(str(f), None, None, 64, [str(tmp_path)])
-    assert m.size == 64
+    m = ShmMapping(open_beneath(str(f), [str(tmp_path)]), 64)
+    assert m.size == 64 and not m.sealed and m.addresses == [0]   # a plain file: fd mode
+    m.close()
     with pytest.raises(GeometryMismatch):
-        ShmMapping(str(f), None, None, 65, [str(tmp_path)])
+        ShmMapping(open_beneath(str(f), [str(tmp_path)]), 65)
+
+
+def test_sealable_memfd_is_mapped_and_truncation_is_a_clean_failure():
+    sealable = os.memfd_create("t", os.MFD_ALLOW_SEALING)
+    os.ftruncate(sealable, 4096)
+    m = ShmMapping(os.dup(sealable), 4096)
+    assert m.sealed and m.addresses[0] != 0
+    with pytest.raises(PermissionError):
+        os.ftruncate(sealable, 0)
+    m.close()
+    plain = os.memfd_create("u", 0)
+    os.ftruncate(plain, 8192)
+    m = ShmMapping(os.dup(plain), 8192)
+    dst = bytearray(4096)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    assert m.run_plan([(addr, 4096, 4096)], into_engine=False) == 4096
+    os.ftruncate(plain, 1000)
+    with pytest.raises(CopyFailed):
+        m.run_plan([(addr, 0, 4096)], into_engine=False)
     m.close()
 
 

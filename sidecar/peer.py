@@ -1,0 +1,89 @@
+"""Who is asking: the kernel's word for the process at the other end of a Unix socket.
+
+A request that arrives on the engine socket carries a `Peer` (pid, uid, gid from
+`SO_PEERCRED`, read once when the connection is accepted). A request on TCP has none: the
+sidecar cannot tell who sent it, so it maps no memory for it (see `sidecar.buffers`).
+"""
+from __future__ import annotations
+
+import grp
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+PEER_KEY = "kv.peer"          # where the server puts the Peer in an ASGI scope
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The credentials of a connected process. `pid` is 0 when that process lives in a
+    PID namespace the sidecar cannot see (another container)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    def may_use(self, owner_uid: Optional[int]) -> bool:
+        """Whether this peer may use memory registered by `owner_uid` (None: a TCP-registered
+        CUDA IPC buffer, where the handle itself is the capability)."""
+        return owner_uid is None or self.uid == owner_uid
+
+
+def peer_of(sock: Any) -> Optional[Peer]:
+    """The peer of a connected AF_UNIX socket (or uvloop's socket-like object); None for
+    any other socket."""
+    try:
+        if sock is None or sock.family != socket.AF_UNIX:
+            return None
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (OSError, AttributeError):
+        return None
+    return Peer(*_UCRED.unpack(raw))
+
+
+def scope_peer(scope: dict) -> Optional[Peer]:
+    """The Peer the server attached to an ASGI scope, or None (TCP)."""
+    return scope.get(PEER_KEY)
+
+
+def bind_unix(path: str, mode: int, group: Optional[str] = None,
+              kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A listening Unix socket at `path` with `mode` (and `group`). A stale socket file is
+    replaced; a live one (another sidecar answers) or any other file is an error."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise RuntimeError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, kind)
+        try:
+            probe.connect(path)
+            raise RuntimeError(f"another process is listening on {path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, kind)
+    old = os.umask(0o177)  # nobody can connect before the chmod below
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    if group is not None:
+        os.chown(path, -1, group_id(group))
+    os.chmod(path, mode)
+    sock.listen(1024)
+    return sock
+
+
+def group_id(group: str) -> int:
+    """A group name or number -> gid."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no such group: {group!r}") from None
