@@ -7,7 +7,8 @@ more (its LRU is exact at that many pages). The others share the remaining segme
 and grow on demand: from the free list, else, while below their fair share (the
 shared segments divided by the number of shared namespaces), by reclaiming the coldest
 idle segment of the namespace furthest above its share; past that they evict their own
-least recent page.
+least recent page. A namespace holding no segment may always take one from the largest
+holder, so the N+1th namespace stores even when N namespaces hold every segment.
 """
 from __future__ import annotations
 
@@ -95,15 +96,19 @@ class HostPool:
         return (self.n_segments - self.explicit_segments) / max(shared, 1)
 
     def _grow(self, pool: PagePool) -> bool:
-        if not self.free_segments and len(pool.segments) + 1 <= self.fair_share():
-            self._reclaim_above_share(exclude=pool)
+        """A segment for `pool`: a free one, else one reclaimed while `pool` is below its
+        fair share. A pool without any segment may always reclaim one, from the largest
+        holder: with more namespaces than segments the share rounds below one."""
+        if not self.free_segments:
+            share = self.fair_share() if pool.segments else 0.0
+            if len(pool.segments) + 1 <= max(share, 1.0):
+                self._reclaim_above_share(exclude=pool, share=share)
         if not self.free_segments:
             return False
         pool.add_segment(self.free_segments.pop())
         return True
 
-    def _reclaim_above_share(self, exclude: PagePool) -> bool:
-        share = self.fair_share()
+    def _reclaim_above_share(self, exclude: PagePool, share: float) -> bool:
         over = [p for p in self.shared_pools() if p is not exclude and len(p.segments) > share]
         over.sort(key=lambda p: len(p.segments), reverse=True)
         for victim in over:

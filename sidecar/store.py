@@ -246,6 +246,9 @@ class Store:
             step = max(8, ns.pool.capacity_pages // 4)
         loaded: list[bool] = []
         for i in range(0, len(keys), step):
+            if ns.pool.closed or buf.released:  # deleted while this get ran: the rest misses
+                loaded += [False] * len(keys[i:i + step])
+                continue
             loaded += await self._get_chunk(ns, buf, keys[i:i + step], slots[i:i + step])
         hits = sum(loaded)
         ns.counters.hits += hits
@@ -259,7 +262,8 @@ class Store:
         missing = [k for k, e in zip(keys, pinned) if e is None]
         if missing and self.tiering.enabled:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
-            pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
+            if not ns.pool.closed:
+                pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
         plan = [(dst, self._base + e.offset + off, n)
                 for i, e in enumerate(pinned) if e is not None
                 for dst, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
@@ -278,6 +282,8 @@ class Store:
         engine's memory failed the copy (it shrank): those pages answer false."""
         if not plan:
             return True
+        if buf.released:  # released while the request waited (promotion, back-pressure)
+            return False
         buf.acquire()
         try:
             loop = asyncio.get_running_loop()

@@ -79,7 +79,10 @@ class Tiering:
 
     # -- promotion --------------------------------------------------------------------
     async def promote(self, identity: str, pool: PagePool, keys: list[str]) -> int:
-        """Load the keys found only in a tier into the host pool; return how many loaded."""
+        """Load the keys found only in a tier into the host pool; return how many loaded
+        (none once the namespace is gone: its pool is closed)."""
+        if pool.closed:
+            return 0
         todo = []
         for key in keys:
             if pool.contains(key):

@@ -104,13 +104,20 @@ class ShmMapping:
             if st.st_size < size:
                 raise GeometryMismatch(f"buffer size {size} is larger than the file ({st.st_size} bytes)")
             if self.sealed:
-                self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-                self._anchor = ctypes.c_char.from_buffer(self._mm)
+                self._map(fd, size)
         except BaseException:
             os.close(fd)
             raise
         self.size = size
         self.address = ctypes.addressof(self._anchor) if self.sealed else 0
+
+    def _map(self, fd: int, size: int) -> None:
+        try:
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError:  # e.g. a write-sealed memfd cannot be mapped writable: use the fd
+            self.sealed = False
+            return
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
 
     @property
     def addresses(self) -> list[int]:

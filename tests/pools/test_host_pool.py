@@ -104,3 +104,17 @@ def test_drop_with_pinned_page_returns_segments_after_unpin(host):
     a.unpin(e)
     assert len(host.free_segments) == 16
     host.invariants()
+
+
+def test_more_namespaces_than_segments_each_still_store(host):
+    pools = [host.create(f"n{i}", 4096) for i in range(16)]
+    for p in pools:
+        assert fill(p, p.name, 1) == 1
+    assert not host.free_segments            # 16 namespaces hold every segment
+    late = host.create("late", 4096)          # fair share 16/17 rounds below one segment
+    assert fill(late, "late", 1) == 1 and len(late.segments) == 1
+    assert sum(len(p.segments) for p in pools) == 15
+    host.invariants()
+    again = host.create("later", 4096)        # and the next one, from the largest holder
+    assert fill(again, "x", 3) == 3
+    host.invariants()

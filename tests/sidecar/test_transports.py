@@ -118,3 +118,16 @@ def test_split_plan_keeps_every_byte_once():
         pos += n
     assert split_plan(plan, 1) == [plan]
     assert split_plan([(0, 0, 100)], 4) == [[(0, 0, 100)]]
+
+
+def test_write_sealed_memfd_is_copied_through_the_fd():
+    import fcntl
+    fd = os.memfd_create("ws", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    m = ShmMapping(os.dup(fd), 4096)
+    assert not m.sealed and m.addresses == [0]
+    src = ctypes.create_string_buffer(4096)
+    with pytest.raises(CopyFailed):   # writes into it fail cleanly (EPERM), never a crash
+        m.run_plan([(0, ctypes.addressof(src), 4096)], into_engine=True)
+    m.close()
