@@ -21,6 +21,7 @@ STATUS: dict[type, int] = {
     e.Conflict: 409,
     e.PayloadTooLarge: 413,
     e.GeometryMismatch: 422,
+    e.TooMany: 429,
     e.TransportUnavailable: 422,
     e.NotReady: 503,
     e.NoRoom: 507,

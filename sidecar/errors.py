@@ -68,6 +68,12 @@ class GeometryMismatch(SidecarError):
     code = "geometry_mismatch"
 
 
+class TooMany(SidecarError):
+    """A bound on registrations was reached (buffers per namespace, buffers in total)."""
+
+    code = "too_many_buffers"
+
+
 class NoRoom(SidecarError):
     code = "no_room"
 

@@ -17,7 +17,7 @@ from pools import HostPool, PagePool, PoolFull
 from pools.page_pool import PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
-                            NoRoom, TicketNotFound)
+                            NoRoom, TicketNotFound, TooMany)
 from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
@@ -25,6 +25,8 @@ from sidecar.spec import NamespaceSpec, check_name
 from sidecar.transports.base import CopyFailed, check_slots, coalesce, page_runs, split_plan
 
 log = logging.getLogger("kv_sidecar.store")
+MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
+MAX_BUFFERS = 1024               # each is a mapping or an open fd
 
 
 @dataclass(slots=True)
@@ -120,6 +122,10 @@ class Store:
     def register_buffer(self, name: str, body: Any, peer: Optional[Peer] = None) -> Buffer:
         """Map engine memory that `peer` (None: a TCP caller) proves it owns."""
         ns = self.namespace(name)
+        total = sum(len(n.buffers) for n in self.namespaces.values())
+        if len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE or total >= MAX_BUFFERS:
+            raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace and "
+                          f"{MAX_BUFFERS} in all; release unused ones first")
         buf = open_buffer(name, body, ns.spec.page_bytes, self.sources, peer)
         ns.buffers[buf.id] = buf
         return buf

@@ -120,3 +120,16 @@ def test_delete_while_a_set_copies(make_server, what):
         assert c.exists("kv", ["x", "y"]) == 0
     assert c.health()["status"] == "ok"
     srv.invariants()
+
+
+def test_registrations_are_bounded(server, client, monkeypatch):
+    from sidecar import store
+    monkeypatch.setattr(store, "MAX_BUFFERS_PER_NAMESPACE", 3)
+    client.put_namespace("kv", PAGE)
+    buf = SharedBuffer(PAGE)
+    bids = [buf.register(client, "kv", 1, page_first_chunks(PAGE)) for _ in range(3)]
+    with pytest.raises(SidecarError) as e:
+        buf.register(client, "kv", 1, page_first_chunks(PAGE))
+    assert (e.value.status, e.value.code) == (429, "too_many_buffers")
+    client.release_buffer("kv", bids[0])
+    buf.register(client, "kv", 1, page_first_chunks(PAGE))   # room again
