@@ -25,7 +25,8 @@ from pools.lru import LruList
 
 RESERVED = 0
 READY = 1
-PRESENT = object()  # reserve(): the key is already stored (or being stored): no copy needed
+PRESENT = object()  # reserve(): the key is already stored: no copy needed
+BUSY = object()     # reserve(): another writer is storing the key; it is not stored yet
 
 
 class PoolInvariantError(AssertionError):
@@ -122,12 +123,14 @@ class PagePool:
 
     # -- writers ----------------------------------------------------------------------
     def reserve(self, key: str):
-        """Return a RESERVED Entry to copy into, `PRESENT`, or None when there is no room."""
+        """Return a RESERVED Entry to copy into, `PRESENT`, `BUSY` (being written by
+        another reservation), or None when there is no room."""
         assert not self.closed, "reserve on a closed pool"
         e = self.entries.get(key)
         if e is not None:
-            if e.state == READY:
-                self.lru.touch(e)
+            if e.state != READY:
+                return BUSY
+            self.lru.touch(e)
             return PRESENT
         offset = self._take_slot()
         if offset is None:

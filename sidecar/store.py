@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
 from pools import HostPool, PagePool, PoolFull
-from pools.page_pool import PRESENT, Entry
+from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
                             NoRoom, TicketNotFound, TooMany)
@@ -205,14 +205,18 @@ class Store:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
         With `durable`, a key is True only once it is written to every write-through tier."""
         ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
-        stored, todo = [False] * len(keys), []
+        stored, todo, mine, repeats = [False] * len(keys), [], {}, []
         for i, key in enumerate(keys):
             r = ns.pool.reserve(key)
             if r is PRESENT:
                 stored[i] = True
+            elif r is BUSY:  # true only if this request's own copy of the key commits
+                if key in mine:
+                    repeats.append((i, mine[key]))
             elif r is None:
                 ns.counters.no_room += 1
             else:
+                mine[key] = i
                 todo.append((i, r))
         plan = [(self._base + e.offset + off, src, n)
                 for i, e in todo for src, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
@@ -225,6 +229,8 @@ class Store:
                     stored[i] = ns.pool.commit(e)
                 else:
                     ns.pool.abort(e)
+        for i, first in repeats:
+            stored[i] = stored[first]
         ns.counters.stored += len(todo)
         ns.counters.bytes_in += len(todo) * ns.spec.page_bytes
         committed = [e for i, e in todo if stored[i]]
@@ -315,6 +321,8 @@ class Store:
         check_key(key)
         size = ns.spec.page_bytes
         r = ns.pool.reserve(key)
+        if r is BUSY:
+            raise Conflict(f"page {key!r} is being written by another request; retry")
         if r is PRESENT:
             async for _ in body:
                 pass

@@ -11,7 +11,7 @@ from concurrent.futures import Executor
 from typing import Optional
 
 from pools import HostPool, PagePool
-from pools.page_pool import PRESENT, Entry
+from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.tiers.file_tier import FileTier
 from sidecar.tiers.writer import TierWriter
 
@@ -91,7 +91,7 @@ class Tiering:
             if tier is None:
                 continue
             r = pool.reserve(key)
-            if r is None or r is PRESENT:
+            if r is None or r is PRESENT or r is BUSY:
                 continue
             todo.append((tier, r))
         if not todo:

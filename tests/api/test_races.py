@@ -133,3 +133,29 @@ def test_registrations_are_bounded(server, client, monkeypatch):
     assert (e.value.status, e.value.code) == (429, "too_many_buffers")
     client.release_buffer("kv", bids[0])
     buf.register(client, "kv", 1, page_first_chunks(PAGE))   # room again
+
+
+def test_a_set_meeting_an_upload_in_flight_is_false_until_it_commits(server, client):
+    import socket as so
+    import time
+    client.put_namespace("kv", PAGE)
+    buf = SharedBuffer(2 * PAGE)
+    bid = buf.register(client, "kv", 2, page_first_chunks(PAGE))
+    s = so.create_connection(("127.0.0.1", server.config.port), timeout=10)
+    s.sendall(b"PUT /v1/namespaces/kv/pages/up HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * (PAGE // 2))
+    deadline = time.time() + 10
+    while "up" not in server.on_loop(lambda: server.ctx.store.namespace("kv").pool.entries):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    # the key is reserved by the stalled upload: not stored yet, so not "true"
+    assert client.set("kv", ["up", "other", "other"], bid, [0, 1, 1]) == [False, True, True]
+    with pytest.raises(SidecarError) as e:
+        client.put_page("kv", "up", b"v" * PAGE)
+    assert e.value.status == 409
+    s.sendall(b"u" * (PAGE // 2))
+    assert s.recv(4096).startswith(b"HTTP/1.1 201")
+    s.close()
+    assert client.set("kv", ["up"], bid, [0]) == [True]
+    assert client.get_page("kv", "up") == b"u" * PAGE
+    server.invariants()

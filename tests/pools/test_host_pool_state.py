@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pools import Arena, HostPool, PoolFull
-from pools.page_pool import PRESENT
+from pools.page_pool import BUSY, PRESENT
 
 SEG, PAGE = 2048, 512   # 4 pages a segment, 4 segments: the arena fills fast
 NAMES = ["a", "b", "c"]
@@ -52,7 +52,7 @@ class HostPoolModel(RuleBasedStateMachine):
         if pool is None:
             return
         r = pool.reserve(f"k{key}")
-        if r is not None and r is not PRESENT:
+        if r is not None and r is not PRESENT and r is not BUSY:
             self.host.view(r.offset, PAGE)[:] = page(name, r.key)
             self.reserved.append((name, pool, r))
 
@@ -65,7 +65,7 @@ class HostPoolModel(RuleBasedStateMachine):
         fresh = []
         for k in keys:
             r = pool.reserve(f"k{k}")
-            if r is not None and r is not PRESENT:
+            if r is not None and r is not PRESENT and r is not BUSY:
                 self.host.view(r.offset, PAGE)[:] = page(name, r.key)
                 fresh.append(r)
         for r in fresh:

@@ -3,7 +3,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from pools.page_pool import PRESENT, PagePool
+from pools.page_pool import BUSY, PRESENT, PagePool
 
 KEYS = st.sampled_from([f"k{i}" for i in range(8)])
 CAP = 4
@@ -42,10 +42,12 @@ class PoolModel(RuleBasedStateMachine):
         full = self._slots_used() >= CAP
         evictable = [k for k in self.ready if not self._pins(self.cur[k])]
         r = self.pool.reserve(key)
-        if key in self.ready or key in self.res:
+        if key in self.ready:
             assert r is PRESENT
-            if key in self.ready:
-                self._touch(key)
+            self._touch(key)
+            return None
+        if key in self.res:
+            assert r is BUSY   # being written: not stored yet
             return None
         if full and not evictable:
             assert r is None
