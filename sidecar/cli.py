@@ -36,6 +36,8 @@ _FLAGS = [
     ("--tier-threads", "tier_threads", "tier writer threads (default 2)"),
     ("--write-queue-pages", "write_queue_pages", "pages queued for the tiers before set waits (256)"),
     ("--shutdown-timeout", "shutdown_timeout", "seconds to drain on SIGTERM (default 30)"),
+    ("--read-timeout", "read_timeout", "seconds a request head or body may stall (default 30)"),
+    ("--max-connections", "max_connections", "open HTTP connections at most (default 1024)"),
     ("--log-level", "log_level", "debug, info, warning, error"),
 ]
 

@@ -81,6 +81,8 @@ class Config:
     tier_threads: int = 2
     write_queue_pages: int = 256          # pages pinned for the tiers before a set waits
     shutdown_timeout: float = 30.0
+    read_timeout: float = 30.0            # a request head or body stalled this long: closed
+    max_connections: int = 1024           # open HTTP connections, both listeners
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -109,8 +111,8 @@ class Config:
 
 _SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body"}
 _BOOLS = {"file_tier"}
-_INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages"}
-_FLOATS = {"shutdown_timeout", "hf3fs_rescan"}
+_INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections"}
+_FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout"}
 _OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group")
 
 

@@ -13,6 +13,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from sidecar.config import Config
 from sidecar.peer import PEER_KEY, bind_unix, peer_of
 
+log = logging.getLogger("kv_sidecar")
 APP_FACTORY = "api.app:create_app"  # the composition root: sidecar never imports api directly
 
 
@@ -22,17 +23,57 @@ def build_app(config: Config):
 
 
 class PeerHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol; on the engine socket every request's scope carries
-    the connection's Peer (SO_PEERCRED, read once per connection)."""
+    """uvicorn's httptools protocol, plus:
+    - on the engine socket, every request's scope carries the connection's Peer
+      (SO_PEERCRED, read once per connection);
+    - a request head or body that stalls for `read_timeout` seconds closes the connection
+      (the app sees a disconnect: a stalled upload's reservation is aborted);
+    - past `max_connections` open connections, a new one is closed at once."""
+
+    read_timeout = 30.0
+    max_connections = 1024
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.peer = peer_of(transport.get_extra_info("socket"))
+        self._stall = None
+        if len(self.connections) > self.max_connections:
+            log.warning("refused a connection: %d are open (the limit)", self.max_connections)
+            transport.close()
+            return
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self.peer is not None:
             self.scope[PEER_KEY] = self.peer
+        self._arm()
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._arm()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()   # the whole request is in: the app's own time is not limited here
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._stall = self.loop.call_later(self.read_timeout, self._stalled)
+
+    def _disarm(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 def listeners(config: Config) -> list[socket.socket]:
@@ -45,7 +86,9 @@ def listeners(config: Config) -> list[socket.socket]:
 
 
 def uvicorn_config(app, config: Config) -> uvicorn.Config:
-    return uvicorn.Config(app, loop="uvloop", http=PeerHttpProtocol, lifespan="on",
+    protocol = type("Protocol", (PeerHttpProtocol,), {"read_timeout": config.read_timeout,
+                                                       "max_connections": config.max_connections})
+    return uvicorn.Config(app, loop="uvloop", http=protocol, lifespan="on",
                           access_log=False, log_level=config.log_level,
                           timeout_graceful_shutdown=config.shutdown_timeout)
 

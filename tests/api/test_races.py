@@ -159,3 +159,37 @@ def test_a_set_meeting_an_upload_in_flight_is_false_until_it_commits(server, cli
     assert client.set("kv", ["up"], bid, [0]) == [True]
     assert client.get_page("kv", "up") == b"u" * PAGE
     server.invariants()
+
+
+def closed_by_server(s) -> bool:
+    try:
+        return s.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_stalled_clients_are_cut_off_and_capped(make_server):
+    import socket as so
+    import time
+    srv = make_server(read_timeout=0.5, max_connections=6)
+    c = srv.client()
+    c.put_namespace("kv", PAGE)           # the client's own connection: 1 of 6
+    heads = []
+    for _ in range(4):     # half-sent heads hold connections...
+        s = so.create_connection(("127.0.0.1", srv.config.port), timeout=10)
+        s.sendall(b"POST /v1/namespaces/kv/exists HTTP/1.1\r\nHost: x\r\n")
+        heads.append(s)
+    upload = so.create_connection(("127.0.0.1", srv.config.port), timeout=10)
+    upload.sendall(b"PUT /v1/namespaces/kv/pages/u HTTP/1.1\r\nHost: x\r\n"
+                   b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * 100)
+    heads.append(upload)
+    extra = so.create_connection(("127.0.0.1", srv.config.port), timeout=10)
+    assert closed_by_server(extra)         # the 7th connection is refused at once
+    for s in heads:        # ...until the read timeout closes each of them
+        assert closed_by_server(s)
+    deadline = time.time() + 10
+    while "u" in srv.on_loop(lambda: srv.ctx.store.namespace("kv").pool.entries):
+        assert time.time() < deadline
+        time.sleep(0.01)   # the stalled upload's reservation is aborted with its connection
+    assert c.exists("kv", ["u"]) == 0 and c.health()["status"] == "ok"
+    srv.invariants()
