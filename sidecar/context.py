@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -83,9 +82,10 @@ class Context:
         """Start background work (from the running loop); ready once the tiers are recovered."""
         self.loop = asyncio.get_running_loop()
         if self.config.socket:
-            sock = bind_unix(fd_socket_path(self.config.socket), self.config.socket_mode,
-                             self.config.socket_group, socket.SOCK_SEQPACKET)
-            self.lend_server = LendServer(self.store.sources.leases, sock)
+            path = fd_socket_path(self.config.socket)
+            sock = bind_unix(path, self.config.socket_mode, self.config.socket_group,
+                             socket.SOCK_SEQPACKET)
+            self.lend_server = LendServer(self.store.sources.leases, sock, path)
             self.lend_server.start(self.loop)
         if self.tiering.writer is not None:
             self.tiering.writer.start()
@@ -122,8 +122,6 @@ class Context:
         self.ready = False
         if self.lend_server is not None:
             self.lend_server.close()
-            with contextlib.suppress(OSError):
-                os.unlink(fd_socket_path(self.config.socket))
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

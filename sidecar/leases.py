@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import orjson
 
 from sidecar.errors import Forbidden, LeaseNotFound
-from sidecar.peer import Peer, peer_of
+from sidecar.peer import Peer, peer_of, unlink_if_ours
 
 log = logging.getLogger("kv_sidecar.leases")
 FRAME = b"LEND\n"
@@ -103,8 +103,9 @@ class LeaseRegistry:
 class LendServer:
     """The fd socket: accepts lenders and answers their frames, on the event loop."""
 
-    def __init__(self, registry: LeaseRegistry, sock: socket.socket):
-        self.registry, self.sock = registry, sock
+    def __init__(self, registry: LeaseRegistry, sock: socket.socket, path: str):
+        self.registry, self.sock, self.path = registry, sock, path
+        self.inode = os.stat(path).st_ino
         self.conns: dict[int, _Conn] = {}
         self.loop = None
 
@@ -119,6 +120,7 @@ class LendServer:
         for conn in list(self.conns.values()):
             self._drop(conn)
         self.sock.close()
+        unlink_if_ours(self.path, self.inode)
 
     def _accept(self) -> None:
         try:

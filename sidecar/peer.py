@@ -79,6 +79,15 @@ def bind_unix(path: str, mode: int, group: Optional[str] = None,
     return sock
 
 
+def unlink_if_ours(path: str, inode: int) -> None:
+    """Remove a socket file at exit, unless another process has bound the path since."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def group_id(group: str) -> int:
     """A group name or number -> gid."""
     if group.isdigit():

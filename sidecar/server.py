@@ -11,7 +11,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.config import Config
-from sidecar.peer import PEER_KEY, bind_unix, peer_of
+from sidecar.peer import PEER_KEY, bind_unix, peer_of, unlink_if_ours
 
 log = logging.getLogger("kv_sidecar")
 APP_FACTORY = "api.app:create_app"  # the composition root: sidecar never imports api directly
@@ -93,15 +93,6 @@ def uvicorn_config(app, config: Config) -> uvicorn.Config:
                           timeout_graceful_shutdown=config.shutdown_timeout)
 
 
-def unlink_socket(path: str, sock: socket.socket) -> None:
-    """Remove our socket file at exit, unless another process has replaced it."""
-    try:
-        if os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 class _Server(uvicorn.Server):
     """uvicorn's server, minus re-raising the signal after shutdown: a drained SIGTERM exits 0.
     The handler only sets flags; the serve loop and the lifespan do the draining."""
@@ -120,12 +111,13 @@ def serve(config: Config) -> int:
     except (OSError, RuntimeError, ValueError) as exc:
         logging.getLogger("kv_sidecar").error("cannot listen: %s", exc)
         return 1
+    inode = os.stat(config.socket).st_ino if config.socket else 0
     server = _Server(uvicorn_config(build_app(config), config))
     try:
         server.run(sockets=socks)
     finally:
         if config.socket:
-            unlink_socket(config.socket, socks[1])
+            unlink_if_ours(config.socket, inode)
         for sock in socks:
             sock.close()
     return 0 if server.started else 1
