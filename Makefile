@@ -45,7 +45,8 @@ $(SGLANG_VENV)/.installed: pyproject.toml constraints.txt Makefile
 	$(SPY) -m pip install -q --upgrade pip
 	$(SPY) -m pip install -q -c constraints.txt -e '.[test]'
 	$(SPY) -m pip install -q --no-deps $(SGLANG_NODEPS)
-	$(SPY) -m pip install -q -c constraints.txt $(SGLANG_DEPS)
+	# (--no-warn-conflicts: SGLang's own pins name the serving stack this venv leaves out)
+	$(SPY) -m pip install -q --no-warn-conflicts -c constraints.txt $(SGLANG_DEPS)
 	$(SPY) -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', v"
 	touch $@
 
