@@ -27,7 +27,7 @@ def main(url: str, op: str, seed: int) -> dict:
     kv, state = kit.mha("page_first", allocator="shm"), kit.mamba()
     kit.randomize(kv[1], seed)
     kit.randomize(state[1], seed + 1)
-    cc = kit.hybrid_controller(url, kv, state)
+    cc = kit.hybrid_controller(url, kv, {kit.PoolName.MAMBA: state})
     try:
         if op == "write":
             host_idx, slot = kv[1].alloc(len(TOKENS)), state[1].alloc(1)

@@ -40,6 +40,7 @@ try:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     from sglang.srt.mem_cache.utils import get_storage_hash_str
     from sglang.srt.runtime_context import get_parallel
 except ImportError as exc:
@@ -94,6 +95,20 @@ def mamba(allocator: str = "shm", slots: int = 16):
     return dev, host
 
 
+def swa(allocator: str = "shm"):
+    """((full device, full host), (SWA device, SWA host)): SGLang's SWAKVPool (layer 0 full
+    attention, layers 1-2 sliding window) and an MHATokenToKVPoolHost over each part."""
+    pool = SWAKVPool(size=TOKENS, size_swa=TOKENS, page_size=P, dtype=torch.bfloat16, head_num=2,
+                     head_dim=16, swa_attention_layer_ids=[1, 2], full_attention_layer_ids=[0], device="cpu")
+
+    def host(dev):
+        return MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, "page_first",
+                                    pin_memory=False, device="cpu", allocator_type=allocator,
+                                    device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+                                    end_layer=dev.end_layer)
+    return (pool.full_kv_pool, host(pool.full_kv_pool)), (pool.swa_kv_pool, host(pool.swa_kv_pool))
+
+
 def randomize(host, seed: int = 0) -> None:
     """Random bytes in every buffer of a host pool (bit patterns, whatever the dtype)."""
     gen = torch.Generator().manual_seed(seed)
@@ -142,16 +157,18 @@ def hicache_controller(url: str, dev, host, **extra) -> "HiCacheController":
                              model_name=MODEL, storage_backend_extra_config=extra_config(url, **extra))
 
 
-def hybrid_controller(url: str, kv, state, **extra) -> "HybridCacheController":
-    """HybridCacheController over a HostPoolGroup of KV (the anchor) and Mamba state."""
-    (kv_dev, kv_host), (m_dev, m_host) = kv, state
-    group = HostPoolGroup([
-        PoolEntry(name=PoolName.KV, host_pool=kv_host, device_pool=kv_dev, layer_mapper=lambda i: i,
-                  is_primary_index_anchor=True),
-        PoolEntry(name=PoolName.MAMBA, host_pool=m_host, device_pool=m_dev, layer_mapper=lambda i: None)])
+def hybrid_controller(url: str, kv, extras: dict, **extra) -> "HybridCacheController":
+    """HybridCacheController over a HostPoolGroup: KV (the anchor) and `extras`, each
+    {PoolName: (device pool, host pool)} (Mamba state, SWA KV)."""
+    kv_dev, kv_host = kv
+    entries = [PoolEntry(name=PoolName.KV, host_pool=kv_host, device_pool=kv_dev, layer_mapper=lambda i: i,
+                         is_primary_index_anchor=True)]
+    entries += [PoolEntry(name=name, host_pool=host, device_pool=dev, layer_mapper=lambda i: None)
+                for name, (dev, host) in extras.items()]
     allocator = PagedTokenToKVPoolAllocator(TOKENS, P, kv_dev.dtype, "cpu", kv_dev, need_sort=False)
-    return HybridCacheController(allocator, group, P, None, threading.Event(), storage_backend="dynamic",
-                                 model_name=MODEL, storage_backend_extra_config=extra_config(url, **extra))
+    return HybridCacheController(allocator, HostPoolGroup(entries), P, None, threading.Event(),
+                                 storage_backend="dynamic", model_name=MODEL,
+                                 storage_backend_extra_config=extra_config(url, **extra))
 
 
 def hashes(tokens) -> list[str]:
@@ -162,6 +179,12 @@ def hashes(tokens) -> list[str]:
 def mamba_trailing(host_indices=None, key="__placeholder__") -> "PoolTransfer":
     """The Mamba component's transfer: one state, at the trailing page."""
     return PoolTransfer(name=PoolName.MAMBA, host_indices=host_indices, keys=[key],
+                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
+
+
+def swa_trailing(host_indices=None, keys=("__placeholder__",) * 2) -> "PoolTransfer":
+    """The SWA component's transfer: the window's trailing pages (2 here)."""
+    return PoolTransfer(name=PoolName.SWA, host_indices=host_indices, keys=list(keys),
                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
 
 

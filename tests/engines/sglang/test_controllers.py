@@ -87,8 +87,8 @@ def test_hybrid_controller_kv_and_mamba(server, engines):
     (a_kv, a_state), (b_kv, b_state) = (kit.mha(), kit.mamba()), (kit.mha(), kit.mamba())
     for seed, pool in enumerate((a_kv[1], a_state[1], b_kv[1], b_state[1])):
         kit.randomize(pool, seed)
-    a = engines.add(kit.hybrid_controller(server.url, a_kv, a_state))
-    b = engines.add(kit.hybrid_controller(server.url, b_kv, b_state))
+    a = engines.add(kit.hybrid_controller(server.url, a_kv, {kit.PoolName.MAMBA: a_state}))
+    b = engines.add(kit.hybrid_controller(server.url, b_kv, {kit.PoolName.MAMBA: b_state}))
     assert sorted(a.storage_backend.bindings) == ["kv", "mamba"]  # registered through v2
     a_idx, slot = a_kv[1].alloc(len(TOKENS)), a_state[1].alloc(1)
     done = kit.write_back(a, a_idx, TOKENS, [kit.mamba_trailing(slot, kit.hashes(TOKENS)[-1])])
@@ -107,6 +107,33 @@ def test_hybrid_controller_kv_and_mamba(server, engines):
     assert kit.prefetch(b, TOKENS[:12], [kit.mamba_trailing()])[1] == 0
     assert kit.prefetch(b, TOKENS + [7, 7, 7, 7], [kit.mamba_trailing()])[1] == len(TOKENS)
     assert a.storage_backend.failures == b.storage_backend.failures == 0
+    server.invariants()
+
+
+def test_hybrid_controller_kv_and_swa_window(server, engines):
+    """SGLang's SWAKVPool: full-attention KV and the sliding window's last 2 pages, both
+    zero copy (each host pool in its own memfd), the window as a trailing_pages pool."""
+    (a_kv, a_swa), (b_kv, b_swa) = kit.swa(), kit.swa()
+    for seed, pool in enumerate((a_kv[1], a_swa[1], b_kv[1], b_swa[1])):
+        kit.randomize(pool, seed + 10)
+    a = engines.add(kit.hybrid_controller(server.url, a_kv, {kit.PoolName.SWA: a_swa}))
+    b = engines.add(kit.hybrid_controller(server.url, b_kv, {kit.PoolName.SWA: b_swa}))
+    assert all(binding.buffer_id for binding in a.storage_backend.bindings.values())
+    keys = kit.hashes(TOKENS)
+    a_idx, a_win = a_kv[1].alloc(len(TOKENS)), a_swa[1].alloc(2 * kit.P)
+    done = kit.write_back(a, a_idx, TOKENS, [kit.swa_trailing(a_win, keys[-2:])])
+    assert done.completed_tokens == len(TOKENS) and done.pool_storage_result.extra_pool_hit_pages == {"swa": 2}
+    b_swa[1].alloc(kit.P)
+    probe = kit.swa_trailing()
+    b_idx, loaded, hits = kit.prefetch(b, TOKENS, [probe])
+    assert loaded == len(TOKENS) and hits["swa"] == 2
+    for (host_a, idx_a), (host_b, idx_b) in [((a_kv[1], a_idx), (b_kv[1], b_idx)),
+                                             ((a_swa[1], a_win), (b_swa[1], probe.host_indices))]:
+        for pa, pb in zip(pages_of(idx_a), pages_of(idx_b), strict=True):
+            assert kit.page_bytes(host_b, pb) == kit.page_bytes(host_a, pa)
+    assert pages_of(probe.host_indices) != pages_of(a_win)
+    # endpoint 3 needs the window's pages 2 and 3; only 3 and 4 are stored: no hit
+    assert kit.prefetch(b, TOKENS[:12], [kit.swa_trailing()])[1] == 0
     server.invariants()
 
 
