@@ -12,6 +12,7 @@ Pools: 64 device tokens, pages of P=4 tokens, 3 layers; the host pools hold twic
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -36,6 +37,7 @@ try:
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+    from sglang.srt.mem_cache.pool_host.common import get_allocator_type
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -43,6 +45,7 @@ try:
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     from sglang.srt.mem_cache.utils import get_storage_hash_str
     from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 except ImportError as exc:
     if os.environ.get("KV_SIDECAR_REQUIRE_SGLANG"):
         raise RuntimeError(f"SGLang is required here (make test-sglang builds .venv-sglang): {exc}")
@@ -50,7 +53,7 @@ except ImportError as exc:
 
 P, LAYERS, TOKENS = 4, 3, 64
 MODEL = "Qwen/Qwen3-8B"
-MHA_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+MHA_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
 TIMEOUT = 60  # seconds a controller queue may take to answer (a bound, not a wait)
 
 
@@ -61,13 +64,23 @@ def single_rank():
 
 
 # -- pools ------------------------------------------------------------------------------
+def host_allocator(allocator: str) -> str:
+    """The host allocator SGLang picks for our extra config with `"allocator": allocator`
+    ("shm": a memfd; "": the key left out, SGLang's default), by its own get_allocator_type()
+    over published server args, as when it builds the host pools."""
+    extra = extra_config("", allocator=allocator)
+    set_global_server_args_for_scheduler(ServerArgs(
+        model_path="dummy", hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra)))
+    return get_allocator_type()
+
+
 def mha(layout: str = "page_first", dtype=torch.bfloat16, allocator: str = "shm"):
     """(device pool, host pool): SGLang's MHATokenToKVPool and MHATokenToKVPoolHost."""
     dev = MHATokenToKVPool(size=TOKENS, page_size=P, dtype=dtype, head_num=2, head_dim=16,
                            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                            start_layer=0, end_layer=LAYERS)
     host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, layout,
-                                pin_memory=False, device="cpu", allocator_type=allocator,
+                                pin_memory=False, device="cpu", allocator_type=host_allocator(allocator),
                                 device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS)
     return dev, host
 
@@ -78,7 +91,7 @@ def mla(layout: str = "page_first", dtype=torch.bfloat16, allocator: str = "shm"
                            qk_rope_head_dim=16, layer_num=LAYERS, device="cpu",
                            enable_memory_saver=False, start_layer=0, end_layer=LAYERS)
     host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, layout,
-                                pin_memory=False, device="cpu", allocator_type=allocator,
+                                pin_memory=False, device="cpu", allocator_type=host_allocator(allocator),
                                 device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS,
                                 target_layer_num=LAYERS, override_kv_cache_dim=dev.kv_cache_dim)
     return dev, host
@@ -91,7 +104,7 @@ def mamba(allocator: str = "shm", slots: int = 16):
     dev = MambaPool(size=slots, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 1]),
                     mamba_layer_ids=[0, 1], device="cpu")
     host = MambaPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, device_capacity=dev.size,
-                         pin_memory=False, device="cpu", allocator_type=allocator, layout="page_first")
+                         pin_memory=False, device="cpu", allocator_type=host_allocator(allocator), layout="page_first")
     return dev, host
 
 
@@ -103,7 +116,7 @@ def swa(allocator: str = "shm"):
 
     def host(dev):
         return MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, "page_first",
-                                    pin_memory=False, device="cpu", allocator_type=allocator,
+                                    pin_memory=False, device="cpu", allocator_type=host_allocator(allocator),
                                     device_capacity_tokens=dev.size, start_layer=dev.start_layer,
                                     end_layer=dev.end_layer)
     return (pool.full_kv_pool, host(pool.full_kv_pool)), (pool.swa_kv_pool, host(pool.swa_kv_pool))
@@ -129,10 +142,13 @@ def indices(pages, page_size: int = P) -> torch.Tensor:
 
 # -- the backend through SGLang's factory ------------------------------------------------
 def extra_config(url: str, **kw) -> dict:
-    """The documented extra config (docs/sglang.md), with overrides."""
-    return {"backend_name": "kv_sidecar", "module_path": "api.sglang_backend",
-            "class_name": "SidecarHiCacheStorage", "interface_v1": 1, "allocator": "shm",
-            "sidecar_url": url, **kw}
+    """The documented extra config (docs/sglang.md), with overrides (allocator="" drops the key)."""
+    extra = {"backend_name": "kv_sidecar", "module_path": "api.sglang_backend",
+             "class_name": "SidecarHiCacheStorage", "interface_v1": 1, "allocator": "shm",
+             "sidecar_url": url, **kw}
+    if not extra["allocator"]:
+        del extra["allocator"]
+    return extra
 
 
 def storage_config(url: str, tp=0, tp_size=1, mla=False, model=MODEL, **extra) -> "HiCacheStorageConfig":

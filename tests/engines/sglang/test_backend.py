@@ -25,20 +25,21 @@ def keys(n, salt="x"):
     return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
 
 
-# (pool builder, layout, dtype, allocator): "shm" pools are shared buffers (zero copy),
-# SGLang's default allocator gives private memory (the inline page endpoints).
-CASES = [(kit.mha, layout, torch.bfloat16, alloc) for layout in kit.MHA_LAYOUTS for alloc in ("shm", "default")]
-CASES += [(kit.mha, layout, dt, "default") for layout in kit.MHA_LAYOUTS for dt in (torch.float16, FP8)]
-CASES += [(kit.mla, layout, torch.bfloat16, alloc) for layout in ("page_first", "layer_first") for alloc in ("shm", "default")]
-CASES += [(kit.mla, "page_first", FP8, "default")]
+# (pool builder, layout, dtype, the extra config's "allocator"): with "shm" SGLang puts the
+# host pool in a memfd (a registered buffer: zero copy); without it, in private memory (the
+# inline page endpoints).
+CASES = [(kit.mha, layout, torch.bfloat16, alloc) for layout in kit.MHA_LAYOUTS for alloc in ("shm", "")]
+CASES += [(kit.mha, layout, dt, "") for layout in kit.MHA_LAYOUTS for dt in (torch.float16, FP8)]
+CASES += [(kit.mla, layout, torch.bfloat16, alloc) for layout in ("page_first", "layer_first") for alloc in ("shm", "")]
+CASES += [(kit.mla, "page_first", FP8, "")]
 
 
 @pytest.mark.parametrize("build,layout,dtype,allocator", CASES,
-                         ids=[f"{b.__name__}-{lay}-{str(dt)[6:]}-{al}" for b, lay, dt, al in CASES])
+                         ids=[f"{b.__name__}-{lay}-{str(dt)[6:]}-{al or 'default'}" for b, lay, dt, al in CASES])
 def test_v1_round_trip_on_real_pools(server, build, layout, dtype, allocator):
     (_, a_pool), (_, b_pool) = build(layout, dtype, allocator), build(layout, dtype, allocator)
     mla = build is kit.mla
-    a, b = make(server, a_pool, mla=mla), make(server, b_pool, mla=mla)
+    a, b = make(server, a_pool, mla=mla, allocator=allocator), make(server, b_pool, mla=mla, allocator=allocator)
     zero_copy = allocator == "shm"
     assert (a.bindings["kv"].buffer_id is not None) == zero_copy  # shm memfd: registered buffer
     kit.randomize(a_pool, seed=1)
@@ -58,9 +59,9 @@ def test_v1_round_trip_on_real_pools(server, build, layout, dtype, allocator):
 
 def test_fp8_pools_store_bytes(server):
     """SGLang keeps fp8 KV as uint8 on the host: the namespace says so, pages are bytes."""
-    _, pool = kit.mha("page_first", FP8, "default")
+    _, pool = kit.mha("page_first", FP8, "")
     assert pool.dtype == torch.uint8
-    be = make(server, pool)
+    be = make(server, pool, allocator="")
     assert server.client().get_namespace(be.bindings["kv"].namespace)["spec"]["dtype"] == "uint8"
 
 

@@ -43,18 +43,18 @@ def engines():
     e.close()
 
 
-# (pools, extra config, the controller's page functions): zero copy over SGLang's shm
-# allocator; the default allocator's private pools through the inline endpoints (the loads
-# the dtype fix repaired); SGLang's generic flat-page path (interface_v1 0).
+# (pools, extra config, the controller's page function): "allocator": "shm", zero copy over
+# SGLang's memfd pools; without it, SGLang's private pools through the inline endpoints (the
+# loads the dtype fix repaired); SGLang's generic flat-page path (interface_v1 0).
 CASES = {
     "zero_copy-page_first": (lambda: kit.mha("page_first"), {}, "_page_get_zero_copy"),
     "zero_copy-layer_first-mla": (lambda: kit.mla("layer_first"), {}, "_page_get_zero_copy"),
-    "inline-page_first": (lambda: kit.mha("page_first", allocator="default"), {}, "_page_get_zero_copy"),
-    "inline-page_first_direct-fp16": (lambda: kit.mha("page_first_direct", torch.float16, "default"), {},
+    "inline-page_first": (lambda: kit.mha("page_first", allocator=""), {"allocator": ""}, "_page_get_zero_copy"),
+    "inline-page_first_direct-fp16": (lambda: kit.mha("page_first_direct", torch.float16, ""), {"allocator": ""},
                                       "_page_get_zero_copy"),
-    "inline-layer_first": (lambda: kit.mha("layer_first", allocator="default"), {}, "_page_get_zero_copy"),
-    "inline-page_first-mla": (lambda: kit.mla("page_first", allocator="default"), {}, "_page_get_zero_copy"),
-    "generic-page_first": (lambda: kit.mha("page_first", allocator="default"), {"interface_v1": 0},
+    "inline-layer_first": (lambda: kit.mha("layer_first", allocator=""), {"allocator": ""}, "_page_get_zero_copy"),
+    "inline-page_first-mla": (lambda: kit.mla("page_first", allocator=""), {"allocator": ""}, "_page_get_zero_copy"),
+    "generic-page_first": (lambda: kit.mha("page_first", allocator=""), {"allocator": "", "interface_v1": 0},
                            "_generic_page_get"),
 }
 
