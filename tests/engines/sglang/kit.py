@@ -8,7 +8,17 @@ meta registrations then fail on those two ops). Without SGLang the tests skip, o
 KV_SIDECAR_REQUIRE_SGLANG is set (CI).
 
 Pools: 64 device tokens, pages of P=4 tokens, 3 layers; the host pools hold twice that
-(SGLang's `hicache_ratio`), 33 pages with SGLang's padding page.
+(SGLang's `hicache_ratio`), 33 pages with SGLang's padding page. Their layouts (N tokens,
+L layers, H heads, D dims; what `get_page_buffer_meta` gives per page):
+
+    MHATokenToKVPoolHost.kv_buffer, [0] = K, [1] = V
+      page_first         (2, N,   L, H, D)     page p: K rows pP..pP+P-1 | same in V   2 chunks
+      page_first_direct  (2, N/P, L, P, H, D)  page p: K[p]              | V[p]        2 chunks
+      page_head          (2, N/P, H, P, L, D)  page p: K[p]              | V[p]        2 chunks
+      layer_first        (2, L, N, H, D)       page p: K[l] rows, V[l] rows, l = 0..L-1  2L chunks
+    MLATokenToKVPoolHost   page_first (N, L, 1, dim): 1 chunk; layer_first (L, N, 1, dim): L
+    MambaPoolHost          temporal (slots, layers, 1, ...) + conv (slots, layers, 1, ...),
+                           a page = 1 slot, in separate allocations (inline, never one memfd)
 """
 from __future__ import annotations
 
