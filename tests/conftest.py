@@ -23,6 +23,10 @@ from sidecar.server import listeners, uvicorn_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Engine suites need the engine's own virtualenv: `make test-sglang` runs tests/engines/sglang
+# there (naming the path, which collect_ignore does not block). The project's suite skips them.
+collect_ignore = ["engines"]
+
 
 def _has_cuda() -> bool:
     try:

@@ -10,7 +10,10 @@ Mamba: [temporal, conv 0, ...]). Pages 0 and 1 give each chunk's offset and stri
              chunk 0: offset = K0 - start, stride = K1 - K0, size = sizes[0]
 
 When the chunks do not all lie in one memfd (no shm allocator, Mamba's separate
-buffers), the pool is not shareable and its pages go through the inline endpoints.
+buffers), the pool is not shareable and its pages go through the inline endpoints: a page
+is the bytes of `get_data_page(i, flat=True)`, and a load hands `set_from_flat_data_page`
+those bytes viewed in the same dtype (it reshapes in the pool's dtype, so raw uint8 of a
+bf16 pool would count twice the elements; Mamba's flat pages are uint8 already).
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ class PoolBinding:
     page_bytes: int
     buffer_id: Optional[str] = None
     chunks: list = field(default_factory=list)
+    page_dtype: torch.dtype = torch.uint8  # the dtype of the pool's flat data page
 
     @classmethod
     def unbound(cls, name: str, host_pool) -> "PoolBinding":
@@ -82,7 +86,7 @@ class PoolBinding:
                 if data is None or len(data) != self.page_bytes:
                     out.append(False)
                     continue
-                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.page_dtype)
                 self.host_pool.set_from_flat_data_page(slot * P, flat)
                 out.append(True)
         return out
@@ -92,11 +96,12 @@ def bind_pool(client, cfg, name: str, host_pool) -> PoolBinding:
     """Create the pool's namespace and register its memory (zero copy when shareable)."""
     P = int(host_pool.page_size)
     chunks, page_bytes, where = _shared_layout(host_pool)
+    page_dtype = host_pool.get_data_page(0, flat=True).dtype
     dtype = str(getattr(host_pool, "dtype", "")).replace("torch.", "")
     spec = namespace_spec(cfg, name, page_bytes, str(getattr(host_pool, "layout", "")), dtype, P)
     ns = namespace_name(cfg, name, spec)
     client.put_namespace(ns, **spec)
-    binding = PoolBinding(name, ns, host_pool, P, page_bytes, chunks=chunks or [])
+    binding = PoolBinding(name, ns, host_pool, P, page_bytes, chunks=chunks or [], page_dtype=page_dtype)
     if chunks:
         slots, size, fd = where
         try:
