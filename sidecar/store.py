@@ -22,7 +22,8 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import CopyFailed, check_slots, coalesce, page_runs, split_plan
+from sidecar.transports.base import (CopyFailed, check_runs, check_slots, coalesce, page_runs,
+                                     split_plan)
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -198,6 +199,7 @@ class Store:
         check_keys(keys)
         buf = ns.buffer(buffer_id, peer)
         check_slots(slots, len(keys), buf.slots)
+        check_runs(len(keys), len(buf.chunks))
         return ns, buf
 
     async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any,

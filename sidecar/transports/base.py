@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from sidecar.errors import BadRequest, GeometryMismatch
+from sidecar.errors import BadRequest, GeometryMismatch, PayloadTooLarge
 
 MAX_CHUNKS = 4096
+MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
 
 
 class CopyFailed(Exception):
@@ -67,7 +68,29 @@ def parse_chunks(raw: Any, page_bytes: int, size, slots: int) -> tuple[Chunk, ..
     if total != page_bytes:
         raise GeometryMismatch(f"chunk sizes sum to {total} bytes; the namespace's page_bytes "
                                f"is {page_bytes}")
-    return tuple(chunks)
+    return merge_chunks(chunks)
+
+
+def merge_chunks(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
+    """Fold each chunk into the one before it when it continues it in every slot (same
+    region and stride, starting where it ends): fewer, longer runs per page."""
+    out: list[Chunk] = []
+    for c in chunks:
+        last = out[-1] if out else None
+        if last is not None and (last.region, last.stride) == (c.region, c.stride) \
+                and last.offset + last.size == c.offset:
+            out[-1] = Chunk(last.offset, last.stride, last.size + c.size, last.region)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
+def check_runs(keys: int, chunks: int) -> None:
+    """Bound a request's copy plan: keys x chunks runs (413 beyond MAX_RUNS)."""
+    if keys * chunks > MAX_RUNS:
+        raise PayloadTooLarge(f"{keys} keys x {chunks} chunks is {keys * chunks} copies; at most "
+                              f"{MAX_RUNS} a request: send fewer keys, or register the buffer "
+                              f"with fewer, larger chunks")
 
 
 def check_slots(slots: Any, count: int, buffer_slots: int) -> list[int]:

@@ -13,7 +13,7 @@ from sidecar.transports.shm import ShmMapping, open_beneath
 
 def test_chunks_validated_against_page_and_buffer():
     ok = parse_chunks([{"offset": 0, "stride": 8, "size": 4}, {"offset": 4, "stride": 8, "size": 4}], 8, 64, 8)
-    assert ok == (Chunk(0, 8, 4), Chunk(4, 8, 4))
+    assert ok == (Chunk(0, 8, 8),)   # the halves touch in every slot: one run
     with pytest.raises(GeometryMismatch):
         parse_chunks([{"offset": 0, "stride": 8, "size": 4}], 8, 64, 8)       # sums to 4, not 8
     with pytest.raises(GeometryMismatch):
@@ -131,3 +131,16 @@ def test_write_sealed_memfd_is_copied_through_the_fd():
     with pytest.raises(CopyFailed):   # writes into it fail cleanly (EPERM), never a crash
         m.run_plan([(0, ctypes.addressof(src), 4096)], into_engine=True)
     m.close()
+
+
+def test_adjacent_chunks_merge_and_runs_are_bounded():
+    from sidecar.transports.base import MAX_RUNS, check_runs
+    # K/V halves that touch in every slot become one run; a gap or another stride does not
+    raw = [{"offset": 0, "stride": 16, "size": 4}, {"offset": 4, "stride": 16, "size": 4},
+           {"offset": 12, "stride": 16, "size": 4}, {"offset": 64, "stride": 8, "size": 4}]
+    assert parse_chunks(raw, 16, 128, 4) == (Chunk(0, 16, 8), Chunk(12, 16, 4), Chunk(64, 8, 4))
+    many = [{"offset": i, "stride": 4096, "size": 1} for i in range(4096)]
+    assert parse_chunks(many, 4096, 4096 * 2, 2) == (Chunk(0, 4096, 4096),)
+    check_runs(MAX_RUNS, 1)
+    with pytest.raises(PayloadTooLarge):
+        check_runs(1024, 4096)
