@@ -13,6 +13,7 @@ from sidecar.config import Config
 from sidecar.metrics import RequestStats
 from sidecar.store import Store
 from sidecar.tiering import Tiering
+from sidecar.tiers.base import Tier
 from sidecar.tiers.file_tier import FileTier
 from sidecar.tiers.writer import TierWriter
 from sidecar.transports import cuda_ipc
@@ -21,7 +22,7 @@ log = logging.getLogger("kv_sidecar")
 REAP_INTERVAL = 1.0
 
 
-def build_tiers(config: Config) -> list[FileTier]:
+def build_tiers(config: Config) -> list[Tier]:
     tiers = []
     if config.file_tier:
         tiers.append(FileTier("file", config.data_dir, config.file_tier_size))
@@ -79,7 +80,7 @@ class Context:
         for tier in self.tiering.tiers:
             t0 = time.perf_counter()
             pages = await self.loop.run_in_executor(None, tier.recover)
-            log.info("%s tier %s: %d pages recovered in %.2f s", tier.name, tier.root, pages,
+            log.info("%s tier %s: %d pages recovered in %.2f s", tier.name, tier.where, pages,
                      time.perf_counter() - t0)
         self.ready = True
         shared = [t for t in self.tiering.tiers if t.shared]
