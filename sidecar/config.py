@@ -59,6 +59,12 @@ class Config:
     hf3fs_dir: Optional[str] = None
     hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
     hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
+    mooncake_master: Optional[str] = None   # HOST:PORT of mooncake_master: adds the Mooncake tier
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_segment_size: int = 2**30      # memory this node lends the Mooncake cluster
+    mooncake_local_hostname: str = ""       # empty: the address that routes to the master
     write_policy: str = "write_through"
     max_body: int = 256 * 2**20           # any request body
     max_json_body: int = 16 * 2**20       # JSON request bodies
@@ -78,6 +84,8 @@ class Config:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.copy_threads < 1 or self.tier_threads < 1 or self.write_queue_pages < 1:
             raise ValueError("copy threads, tier threads and write queue pages must be >= 1")
+        if self.mooncake_master is not None and not re.fullmatch(r"\[?[^\s]+\]?:\d{1,5}", self.mooncake_master):
+            raise ValueError(f"mooncake master must be HOST:PORT, got {self.mooncake_master!r}")
         if self.segment_size and not 0 < self.segment_size <= self.host_pool:
             raise ValueError("segment size must be in 1..host pool size")
 
@@ -89,7 +97,8 @@ class Config:
         return max(size // 4096 * 4096, 4096)
 
 
-_SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body"}
+_SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body",
+          "mooncake_segment_size"}
 _BOOLS = {"file_tier"}
 _INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages"}
 _FLOATS = {"shutdown_timeout", "hf3fs_rescan"}
@@ -108,7 +117,7 @@ def coerce(name: str, value: Any) -> Any:
     if name == "shm_dirs":
         return tuple(value) if isinstance(value, (list, tuple)) else tuple(
             p for p in str(value).split(":") if p)
-    return None if value in (None, "") and name in ("token", "hf3fs_dir") else value
+    return None if value in (None, "") and name in ("token", "hf3fs_dir", "mooncake_master") else value
 
 
 def field_names() -> list[str]:

@@ -15,6 +15,7 @@ from sidecar.store import Store
 from sidecar.tiering import Tiering
 from sidecar.tiers.base import Tier
 from sidecar.tiers.file_tier import FileTier
+from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
 from sidecar.tiers.writer import TierWriter
 from sidecar.transports import cuda_ipc
 
@@ -28,6 +29,11 @@ def build_tiers(config: Config) -> list[Tier]:
         tiers.append(FileTier("file", config.data_dir, config.file_tier_size))
     if config.hf3fs_dir:
         tiers.append(FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True))
+    if config.mooncake_master:
+        tiers.append(MooncakeTier(MooncakeSettings(
+            config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
+            config.mooncake_device, config.mooncake_segment_size,
+            local_hostname=config.mooncake_local_hostname)))
     return tiers
 
 
@@ -57,6 +63,8 @@ class Context:
         cuda = cuda_ipc.CudaIpc.create()
         store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, 2), tiering, cuda)
         ctx = cls(config, arena, host_pool, store, executor)
+        for tier in tiers:
+            tier.attach(arena.address, arena.size)
         ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(arena.address, arena.size)
         log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "
                  "tiers: %s, write policy %s", arena.size, host_pool.n_segments,
@@ -117,6 +125,8 @@ class Context:
             log.warning("copy workers did not finish within the shutdown timeout")
         if self.tiering.writer is not None:
             await self.loop.run_in_executor(None, self.tiering.writer.stop)
+        for tier in self.tiering.tiers:
+            await self.loop.run_in_executor(None, tier.close)
         for name in list(self.store.namespaces):
             self.store.delete_namespace(name)
         self.arena.close()
