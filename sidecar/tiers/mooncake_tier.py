@@ -229,6 +229,8 @@ class MooncakeTier(Tier):
         codes = client.batch_is_exist([self._key(identity, k) for k in keys])
         if any(c < 0 for c in codes):
             self._unavailable(sum(c < 0 for c in codes), "exists")
+        else:
+            self.degraded = None
         found = [c == 1 for c in codes]
         for k, hit in zip(keys, found):
             if hit:
@@ -279,6 +281,7 @@ class MooncakeTier(Tier):
     def _written(self, job: tuple, code: int) -> bool:
         identity, key, page = job
         if code in (0, OBJECT_ALREADY_EXISTS):
+            self.degraded = None
             self._remember(identity, key)
             self.stats.pages_written += 1
             self.stats.bytes_written += len(page)
@@ -370,6 +373,8 @@ class MooncakeTier(Tier):
     # -- observation ------------------------------------------------------------------
     def _unavailable(self, n: int, what: str) -> None:
         self.stats.unavailable += n
+        if self._client is not None:
+            self.degraded = f"master {self.settings.master} unavailable"
         self._logs["unavailable"](logging.WARNING, "mooncake tier: %s failed, master %s "
                                   "unavailable (a miss; serving from the other tiers)",
                                   what, self.settings.master)
