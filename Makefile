@@ -5,17 +5,31 @@ PY := $(VENV)/bin/python
 ARGS ?=
 SGLANG ?= sglang==0.5.23
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake]'
 	# SGLang's own storage interface, for the adapter tests: the released package without
 	# its dependencies (it would pull a CUDA torch and the whole serving stack)
 	$(PY) -m pip install -q --no-deps $(SGLANG)
 	touch $@
 
-.PHONY: install serve test test-core bench loadtest replay
+.PHONY: install serve test test-core bench loadtest replay deb-libs bench-mooncake
 install: $(VENV)/.installed
+
+# The Debian libraries Mooncake's client and master link (the `mooncake` extra): installed
+# with apt when missing and this is root (CI), else named; quiet and idempotent.
+MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
+LDCONFIG := $(shell command -v ldconfig || echo /sbin/ldconfig)
+deb-libs:
+	@if ! $(LDCONFIG) -p | grep -q libibverbs.so.1 || ! $(LDCONFIG) -p | grep -q librdmacm.so.1 \
+	    || ! $(LDCONFIG) -p | grep -q libnuma.so.1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "apt-get install $(MOONCAKE_DEBS)"; \
+	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends $(MOONCAKE_DEBS) >/dev/null; \
+	  else echo "Mooncake needs: apt-get install $(MOONCAKE_DEBS)" >&2; exit 1; fi; \
+	fi
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/sidecar serve $(ARGS)
@@ -32,6 +46,9 @@ test-core: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
+
+bench-mooncake: $(VENV)/.installed
+	$(PY) -m loadtest.bench_mooncake $(ARGS)
 
 # Locust against a sidecar already running on $(URL) (bounded in users and time)
 URL ?= http://127.0.0.1:8411
