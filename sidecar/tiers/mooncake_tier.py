@@ -226,7 +226,7 @@ class MooncakeTier(Tier):
             if keys:
                 self._unavailable(len(keys), "exists")
             return [False] * len(keys)
-        codes = client.batch_is_exist([self._key(identity, k) for k in keys])
+        codes = self._call(client.batch_is_exist, len(keys), [self._key(identity, k) for k in keys])
         if any(c < 0 for c in codes):
             self._unavailable(sum(c < 0 for c in codes), "exists")
         else:
@@ -273,7 +273,7 @@ class MooncakeTier(Tier):
                     keys.append(mkey)
                     ptrs.append([block + j * HEADER, addr])
                     sizes.append([HEADER, len(page)])
-                codes = client.batch_put_from_multi_buffers(keys, ptrs, sizes)
+                codes = self._call(client.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes)
         finally:
             self._blocks.put(block)
         return [self._written(job, code) for job, code in zip(jobs, codes)]
@@ -315,7 +315,7 @@ class MooncakeTier(Tier):
         try:
             ptrs = [[block + j * HEADER, _address(dst)] for j, (_, dst) in enumerate(items)]
             sizes = [[HEADER, len(dst)] for _, dst in items]
-            codes = client.batch_get_into_multi_buffers(keys, ptrs, sizes)
+            codes = self._call(client.batch_get_into_multi_buffers, len(keys), keys, ptrs, sizes)
             heads = [ctypes.string_at(block + j * HEADER, HEADER) for j in range(len(items))]
         finally:
             self._blocks.put(block)
@@ -368,7 +368,19 @@ class MooncakeTier(Tier):
         client = self._client
         if client is None or not mkeys:
             return []
-        return client.batch_remove(mkeys, True)
+        return self._call(client.batch_remove, len(mkeys), mkeys, True)
+
+    def _call(self, fn, n: int, *args) -> list[int]:
+        """A client call whose every result is an int code; an exception is n failures."""
+        try:
+            codes = fn(*args)
+            if len(codes) == n:
+                return codes
+            raise ValueError(f"{len(codes)} results for {n} keys")
+        except Exception as exc:  # never out of a tier: a miss, counted
+            self.stats.read_errors += 1
+            self._logs["read"](logging.ERROR, "mooncake tier: %s failed: %s", fn.__name__, exc)
+            return [-1] * n
 
     # -- observation ------------------------------------------------------------------
     def _unavailable(self, n: int, what: str) -> None:
