@@ -9,7 +9,8 @@ client's own batch calls, same bytes, same cluster, same run.
               vs   batch_get_into of the same N pages into a registered buffer
 
 A loopback cluster: mooncake_master plus one store node lending the segment; both clients
-lend nothing, so every byte crosses the transfer engine to the store node and back.
+lend nothing, so every byte crosses the transfer engine to the store node and back. A
+warm-up round is not counted; raw and tier alternate which goes first in each round.
 Prints median GB/s and the median of per-round tier/raw ratios (target >= 0.8x); --json
 for one line.
 """
@@ -73,7 +74,8 @@ async def tier_round(tiering: Tiering, host: HostPool, keys: list[str], payload:
     host.drop(src.name)
     dst = host.create(name + "-r", PAGE, len(keys) * PAGE)
     t2 = time.perf_counter()
-    assert await tiering.promote(ident, dst, keys) == len(keys)
+    got = await tiering.promote(ident, dst, keys)
+    assert got == len(keys), (got, tiering.tiers[0].describe())
     t3 = time.perf_counter()
     for i, k in enumerate(keys):  # byte-exact, outside the timing
         e = dst.pin(k)
@@ -92,27 +94,34 @@ async def run(args) -> dict:
     try:
         host = HostPool(arena, PAGE * 8)
         executor = ThreadPoolExecutor(4)
-        tier = MooncakeTier(MooncakeSettings(master.address, segment_size=0))
-        tier.attach(arena.address, arena.size)
-        tier.recover()
-        while not tier.connected:
+        mtier = MooncakeTier(MooncakeSettings(master.address, segment_size=0))
+        mtier.attach(arena.address, arena.size)
+        mtier.recover()
+        while not mtier.connected:
             await asyncio.sleep(0.05)
-        writer = TierWriter([tier], args.threads, 4 * n)
+        writer = TierWriter([mtier], args.threads, 4 * n)
         writer.start()
-        tiering = Tiering([tier], "write_through", writer, host, executor)
+        tiering = Tiering([mtier], "write_through", writer, host, executor)
         client, buf, addr = raw_client(master, total)
         payload = os.urandom(total)
         buf[:] = payload
         res = {"tier_put": [], "tier_get": [], "raw_put": [], "raw_get": []}
-        for r in range(args.rounds):
-            p, g = raw_round(client, addr, [f"raw{r}-{i}" for i in range(n)])
-            res["raw_put"].append(p)
-            res["raw_get"].append(g)
-            p, g = await tier_round(tiering, host, [f"t{r}-{i}" for i in range(n)], payload, f"r{r}")
-            res["tier_put"].append(p)
-            res["tier_get"].append(g)
+        for r in range(-1, args.rounds):  # round -1 warms the store node's segment up
+            async def tier_side():
+                return await tier_round(tiering, host, [f"t{r}-{i}" for i in range(n)], payload, f"r{r}")
+            raw_keys = [f"raw{r}-{i}" for i in range(n)]
+            if r % 2:   # alternate which side goes first: no order bias
+                tier = await tier_side()
+                raw = raw_round(client, addr, raw_keys)
+            else:
+                raw = raw_round(client, addr, raw_keys)
+                tier = await tier_side()
+            if r >= 0:
+                for side, (p, g) in (("raw", raw), ("tier", tier)):
+                    res[f"{side}_put"].append(p)
+                    res[f"{side}_get"].append(g)
         writer.stop()
-        tier.close()
+        mtier.close()
         client.close()
         gbs = {k: total / statistics.median(v) / 1e9 for k, v in res.items()}
         # paired per round (raw and tier run back to back), so load from other processes

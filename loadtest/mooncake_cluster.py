@@ -64,15 +64,15 @@ class _Child:
 class Master(_Child):
     """`mooncake_master` on 127.0.0.1:<port>; `restart` keeps the port (its objects are lost)."""
 
-    def __init__(self, port: Optional[int] = None, lease_ms: int = 1000):
+    def __init__(self, port: Optional[int] = None, lease_ms: Optional[int] = None):
         super().__init__()
         self.port, self.metrics_port, self.lease_ms = port or free_port(), free_port(), lease_ms
         self.address = f"127.0.0.1:{self.port}"
 
     def start(self) -> "Master":
+        lease = [] if self.lease_ms is None else [f"--default_kv_lease_ttl={self.lease_ms}"]
         self._spawn([binary("mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                     f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2",
-                     f"--default_kv_lease_ttl={self.lease_ms}"])
+                     f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2", *lease])
         _wait_port(self.port, self.proc, "mooncake_master")
         return self
 
