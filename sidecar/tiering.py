@@ -135,15 +135,15 @@ class Tiering:
         if not todo:
             return 0
         loop = asyncio.get_running_loop()
-        parts = [todo[i::self.read_parallel] for i in range(min(self.read_parallel, len(todo)))]
-        futs = [loop.run_in_executor(self.executor, self._read_all, identity, pool.page_bytes, p)
-                for p in parts]
+        parts = self._parts(todo)
+        futs = [loop.run_in_executor(self.executor, self._read_all, identity, pool.page_bytes,
+                                     [todo[i] for i in part]) for part in parts]
         results = [False] * len(todo)
         try:
             done = await asyncio.shield(asyncio.gather(*futs))
-            results = [None] * len(todo)
-            for i, part in enumerate(done):
-                results[i::len(parts)] = part
+            for part, got in zip(parts, done):
+                for i, good in zip(part, got):
+                    results[i] = good
         except asyncio.CancelledError:
             await asyncio.wait(futs)  # the reads target reserved slots: let them end first
             raise
@@ -154,6 +154,15 @@ class Tiering:
                 else:
                     pool.abort(r)
         return sum(results)
+
+    def _parts(self, todo: list) -> list[list[int]]:
+        """Indexes of `todo` per executor job: local tiers' reads in `read_parallel` slices;
+        a remote tier's in one batch (its client spreads the transfers itself, and two
+        concurrent batches only compete)."""
+        local = [i for i, (tier, _) in enumerate(todo) if not tier.remote_lookup]
+        remote = [i for i, (tier, _) in enumerate(todo) if tier.remote_lookup]
+        n = min(self.read_parallel, len(local))
+        return [local[j::n] for j in range(n)] + ([remote] if remote else [])
 
     def _read_all(self, identity: str, page_bytes: int, todo: list) -> list[bool]:
         """One `read_batch` per tier for this part of the promotion (in the executor)."""

@@ -112,6 +112,7 @@ class MooncakeTier(Tier):
         self._staging: Optional[mmap.mmap] = None
         self._staging_lock = threading.Lock()
         self._known_lock = threading.Lock()
+        self._put_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._logs = {k: RateLog() for k in ("unavailable", "write", "read", "corrupt")}
@@ -273,7 +274,8 @@ class MooncakeTier(Tier):
                     keys.append(mkey)
                     ptrs.append([block + j * HEADER, addr])
                     sizes.append([HEADER, len(page)])
-                codes = self._call(client.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes)
+                with self._put_lock:  # one batch in flight; the other writer hashes the next
+                    codes = self._call(client.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes)
         finally:
             self._blocks.put(block)
         return [self._written(job, code) for job, code in zip(jobs, codes)]
