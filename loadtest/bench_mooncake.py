@@ -60,7 +60,8 @@ def raw_round(client, addr: int, keys: list[str]) -> tuple[float, float]:
 async def tier_round(tiering: Tiering, host: HostPool, keys: list[str], payload: bytes,
                      name: str) -> tuple[float, float]:
     ident = "b" * 32
-    src = host.create(name + "-w", PAGE, len(keys) * PAGE)
+    # a pool twice the burst: write-through's back-pressure (half a pool pinned) stays out
+    src = host.create(name + "-w", PAGE, 2 * len(keys) * PAGE)
     entries = []
     for i, k in enumerate(keys):
         e = src.reserve(k)
@@ -90,7 +91,7 @@ async def run(args) -> dict:
     n, total = args.pages, args.pages * PAGE
     master = Master().start()
     node = StoreNode(master, f"{max(1, 3 * total >> 30)}GB").start()
-    arena = Arena(2 * total + (8 << 20))
+    arena = Arena(3 * total + (16 << 20))
     try:
         host = HostPool(arena, PAGE * 8)
         executor = ThreadPoolExecutor(4)
