@@ -5,14 +5,28 @@ PY := $(VENV)/bin/python
 ARGS ?=
 SGLANG ?= sglang==0.5.23
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake]'
 	touch $@
 
-.PHONY: install serve test test-core test-sglang bench loadtest replay
+.PHONY: install serve test test-core test-sglang bench loadtest replay deb-libs bench-mooncake
 install: $(VENV)/.installed
+
+# The Debian libraries Mooncake's client and master link (the `mooncake` extra): installed
+# with apt when missing and this is root (CI), else named; quiet and idempotent.
+MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
+LDCONFIG := $(shell command -v ldconfig || echo /sbin/ldconfig)
+deb-libs:
+	@if ! $(LDCONFIG) -p | grep -q libibverbs.so.1 || ! $(LDCONFIG) -p | grep -q librdmacm.so.1 \
+	    || ! $(LDCONFIG) -p | grep -q libnuma.so.1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "apt-get install $(MOONCAKE_DEBS)"; \
+	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends $(MOONCAKE_DEBS) >/dev/null; \
+	  else echo "Mooncake needs: apt-get install $(MOONCAKE_DEBS)" >&2; exit 1; fi; \
+	fi
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/sidecar serve $(ARGS)
@@ -57,6 +71,9 @@ test-sglang: $(SGLANG_VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
 	$(PY) -m loadtest.bench_socket
+
+bench-mooncake: $(VENV)/.installed
+	$(PY) -m loadtest.bench_mooncake $(ARGS)
 
 # Locust against a sidecar already running on its default engine socket (bounded in users
 # and time); set ENGINE_URL=unix:///path/to/socket for another one

@@ -20,8 +20,8 @@ OCTETS = "application/octet-stream"
 async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
-        return json({"present": ctx.store.present(name, body.get("keys"))})
-    return json({"prefix": ctx.store.prefix(name, body.get("keys"))})
+        return json({"present": await ctx.store.present(name, body.get("keys"))})
+    return json({"prefix": await ctx.store.prefix(name, body.get("keys"))})
 
 
 @router.post("/set", openapi_extra=body("move"))
@@ -66,4 +66,4 @@ async def get_page(name: str, key: str, ctx: Context = Depends(context)) -> Resp
 @router.post("/prefetch", openapi_extra=body("keys"))
 async def prefetch(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json(ctx.store.prefetch(name, body.get("keys")))
+    return json(await ctx.store.prefetch(name, body.get("keys")))

@@ -30,6 +30,13 @@ _FLAGS = [
     ("--hf3fs-group", "hf3fs_group", "group of the 3FS pages (files 0640, dirs 2770); "
                                      "default: this user only (0600 / 0700)"),
     ("--hf3fs-rescan", "hf3fs_rescan", "seconds between scans for other nodes' 3FS pages (30)"),
+    ("--mooncake-master", "mooncake_master", "HOST:PORT of a mooncake_master: adds the Mooncake tier"),
+    ("--mooncake-metadata", "mooncake_metadata", "Mooncake metadata: P2PHANDSHAKE (default), etcd://, http://"),
+    ("--mooncake-protocol", "mooncake_protocol", "Mooncake transfer protocol: tcp (default) or rdma"),
+    ("--mooncake-device", "mooncake_device", "RDMA device names for Mooncake, e.g. mlx5_0,mlx5_1"),
+    ("--mooncake-segment-size", "mooncake_segment_size", "memory lent to the Mooncake cluster (1GiB)"),
+    ("--mooncake-local-hostname", "mooncake_local_hostname",
+     "address other Mooncake nodes reach this one at (default: the one routing to the master)"),
     ("--write-policy", "write_policy", "write_through (default), write_back or none"),
     ("--max-body", "max_body", "largest request body (default 256MiB)"),
     ("--copy-threads", "copy_threads", "copy worker threads (default 4)"),

@@ -73,6 +73,12 @@ class Config:
     hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
     hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
     hf3fs_group: Optional[str] = None     # nodes' sidecars share 3FS pages through this group
+    mooncake_master: Optional[str] = None   # HOST:PORT of mooncake_master: adds the Mooncake tier
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_segment_size: int = 2**30      # memory this node lends the Mooncake cluster
+    mooncake_local_hostname: str = ""       # empty: the address that routes to the master
     write_policy: str = "write_through"
     max_body: int = 256 * 2**20           # any request body
     max_json_body: int = 16 * 2**20       # JSON request bodies
@@ -94,6 +100,8 @@ class Config:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.copy_threads < 1 or self.tier_threads < 1 or self.write_queue_pages < 1:
             raise ValueError("copy threads, tier threads and write queue pages must be >= 1")
+        if self.mooncake_master is not None and not re.fullmatch(r"\[?[^\s]+\]?:\d{1,5}", self.mooncake_master):
+            raise ValueError(f"mooncake master must be HOST:PORT, got {self.mooncake_master!r}")
         if self.segment_size and not 0 < self.segment_size <= self.host_pool:
             raise ValueError("segment size must be in 1..host pool size")
         if self.socket and (not os.path.isabs(self.socket) or len(self.socket.encode()) > 100):
@@ -109,11 +117,12 @@ class Config:
         return max(size // 4096 * 4096, 4096)
 
 
-_SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body"}
+_SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body",
+          "mooncake_segment_size"}
 _BOOLS = {"file_tier"}
 _INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections"}
 _FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout"}
-_OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group")
+_OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master")
 
 
 def coerce(name: str, value: Any) -> Any:

@@ -18,7 +18,9 @@ from sidecar.metrics import RequestStats
 from sidecar.peer import bind_unix, group_id
 from sidecar.store import Store
 from sidecar.tiering import Tiering
+from sidecar.tiers.base import Tier
 from sidecar.tiers.file_tier import FileTier
+from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
 from sidecar.tiers.writer import TierWriter
 from sidecar.transports import cuda_ipc
 
@@ -26,7 +28,7 @@ log = logging.getLogger("kv_sidecar")
 REAP_INTERVAL = 1.0
 
 
-def build_tiers(config: Config) -> list[FileTier]:
+def build_tiers(config: Config) -> list[Tier]:
     tiers = []
     if config.file_tier:
         tiers.append(FileTier("file", config.data_dir, config.file_tier_size))
@@ -34,6 +36,11 @@ def build_tiers(config: Config) -> list[FileTier]:
         group = group_id(config.hf3fs_group) if config.hf3fs_group else None
         tiers.append(FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True,
                               group=group))
+    if config.mooncake_master:
+        tiers.append(MooncakeTier(MooncakeSettings(
+            config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
+            config.mooncake_device, config.mooncake_segment_size,
+            local_hostname=config.mooncake_local_hostname)))
     return tiers
 
 
@@ -67,6 +74,8 @@ class Context:
         sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda, own)
         store = Store(host_pool, executor, sources, min(config.copy_threads, 2), tiering)
         ctx = cls(config, arena, host_pool, store, executor)
+        for tier in tiers:
+            tier.attach(arena.address, arena.size)
         ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(arena.address, arena.size)
         log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "
                  "tiers: %s, write policy %s", arena.size, host_pool.n_segments,
@@ -96,7 +105,7 @@ class Context:
         for tier in self.tiering.tiers:
             t0 = time.perf_counter()
             pages = await self.loop.run_in_executor(None, tier.recover)
-            log.info("%s tier %s: %d pages recovered in %.2f s", tier.name, tier.root, pages,
+            log.info("%s tier %s: %d pages recovered in %.2f s", tier.name, tier.where, pages,
                      time.perf_counter() - t0)
         self.ready = True
         shared = [t for t in self.tiering.tiers if t.shared]
@@ -135,6 +144,8 @@ class Context:
             log.warning("copy workers did not finish within the shutdown timeout")
         if self.tiering.writer is not None:
             await self.loop.run_in_executor(None, self.tiering.writer.stop)
+        for tier in self.tiering.tiers:
+            await self.loop.run_in_executor(None, tier.close)
         for name in list(self.store.namespaces):
             self.store.delete_namespace(name)
         self.arena.close()

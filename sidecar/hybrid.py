@@ -72,11 +72,11 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
     return out
 
 
-def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool]) -> dict[str, Any]:
+async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool]) -> dict[str, Any]:
     """{"hit", "kv", "pools"}: the KV prefix, then min over extra pools (0 once it is 0)."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    kv_hit = store.prefix(kv, keys)  # validates the keys past the prefix
+    kv_hit = await store.prefix(kv, keys)  # validates the keys past the prefix
     hit, pools = kv_hit, {}
     for pool in extra:
         if hit == 0:

@@ -43,6 +43,18 @@ class _Collector:
     def collect(self) -> Iterator:
         yield from self._requests()
         yield from self._namespaces()
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator:
+        """Every tier's event counters (writes, reads, errors, misses by cause)."""
+        events = CounterMetricFamily("kv_sidecar_tier_events", "tier events by kind",
+                                     labels=["tier", "event"])
+        degraded = GaugeMetricFamily("kv_sidecar_tier_degraded", "1 while the tier reports a failure", labels=["tier"])
+        for tier in self.store.tiering.tiers:
+            for event, n in tier.counters().items():
+                events.add_metric([tier.name, event], n)
+            degraded.add_metric([tier.name], 1 if tier.describe().get("degraded") else 0)
+        yield from (events, degraded)
 
     def _requests(self) -> Iterator:
         req = CounterMetricFamily("kv_sidecar_requests", "HTTP requests", labels=["method", "route", "status"])

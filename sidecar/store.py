@@ -156,7 +156,7 @@ class Store:
     # -- lookups ----------------------------------------------------------------------
     # A key found in the index was validated when it was stored, so look-ups validate only
     # the keys they do not find (an unhashable entry falls through to the full check).
-    def prefix(self, name: str, keys: list[str]) -> int:
+    async def prefix(self, name: str, keys: list[str]) -> int:
         """Longest run of keys from index 0 present in the host pool or any tier."""
         ns = self.namespace(name)
         try:
@@ -164,28 +164,28 @@ class Store:
         except TypeError:
             n = 0
         check_keys(keys[n:])
-        if self.tiering.enabled:
-            ready, present = ns.pool.ready, self.tiering.present
-            while n < len(keys) and (keys[n] in ready or present(ns.identity, keys[n])):
-                n += 1
+        if self.tiering.enabled and n < len(keys):
+            n += await self.tiering.prefix(ns.identity, keys[n:], ns.pool.ready)
         return n
 
-    def present(self, name: str, keys: list[str]) -> list[bool]:
+    async def present(self, name: str, keys: list[str]) -> list[bool]:
         ns = self.namespace(name)
         try:
             found = ns.pool.present(check_batch(keys))
         except TypeError:
             check_keys(keys)
             raise AssertionError("an unhashable key passed validation")
-        check_keys([k for k, hit in zip(keys, found) if not hit])
-        if self.tiering.enabled:
-            found = [hit or self.tiering.present(ns.identity, k) for k, hit in zip(keys, found)]
+        missing = [k for k, hit in zip(keys, found) if not hit]
+        check_keys(missing)
+        if self.tiering.enabled and missing:
+            elsewhere = iter(await self.tiering.present(ns.identity, missing))
+            found = [hit or next(elsewhere) for hit in found]
         return found
 
     async def delete(self, name: str, keys: list[str]) -> int:
         """Drop keys from every tier; the count is of keys that were present anywhere."""
         ns = self.namespace(name)
-        was = self.present(name, keys)  # validates every key it does not find
+        was = await self.present(name, keys)  # validates every key it does not find
         for k in keys:
             ns.pool.delete(k)
         await self.tiering.delete(ns.identity, keys)
@@ -406,10 +406,10 @@ class Store:
                 "namespaces": spaces}
 
     # -- prefetch ---------------------------------------------------------------------
-    def prefetch(self, name: str, keys: list[str]) -> dict[str, Any]:
+    async def prefetch(self, name: str, keys: list[str]) -> dict[str, Any]:
         """Start bringing the leading run of present keys up to the host pool."""
         ns = self.namespace(name)
-        n = self.prefix(name, keys)
+        n = await self.prefix(name, keys)
         ticket = "t-" + secrets.token_hex(8)
         state = {"state": "running", "done": 0, "pages": n}
         self.tickets[ticket] = state

@@ -1,8 +1,11 @@
 """The store's durable tiers: presence across tiers, write-through / write-back, promotion.
 
-    host pool (L2)  --write-through / write-back-->  file tier (L3)  -->  3FS tier (shared)
-          ^                                               |                   |
-          +------------- promote on get / prefetch -------+-------------------+
+    host pool (L2)  --write-through / write-back-->  file tier (L3) --> 3FS --> Mooncake
+          ^                                               |              |         |
+          +------------- promote on get / prefetch -------+--------------+---------+
+
+Every tier speaks sidecar/tiers/base.py. Local look-ups run on the event loop; a tier with
+`remote_lookup` (Mooncake) is asked once per request for all its keys, in the executor.
 """
 from __future__ import annotations
 
@@ -12,14 +15,14 @@ from typing import Optional
 
 from pools import HostPool, PagePool
 from pools.page_pool import BUSY, PRESENT, Entry
-from sidecar.tiers.file_tier import FileTier
+from sidecar.tiers.base import Tier
 from sidecar.tiers.writer import TierWriter
 
 
 class Tiering:
     """Tiers in lookup order, the write policy, and the writer shared by all namespaces."""
 
-    def __init__(self, tiers: list[FileTier], policy: str, writer: Optional[TierWriter],
+    def __init__(self, tiers: list[Tier], policy: str, writer: Optional[TierWriter],
                  host_pool: HostPool, executor: Executor):
         self.tiers = tiers
         self.policy = policy if tiers else "none"
@@ -33,14 +36,54 @@ class Tiering:
     def enabled(self) -> bool:
         return bool(self.tiers)
 
-    def locate(self, identity: str, key: str) -> Optional[FileTier]:
+    async def locate(self, identity: str, keys: list[str]) -> list[Optional[Tier]]:
+        """The first tier (in lookup order) holding each key, or None."""
+        where: list[Optional[Tier]] = [None] * len(keys)
+        todo = list(range(len(keys)))
         for tier in self.tiers:
-            if tier.contains(identity, key):
-                return tier
-        return None
+            if not todo:
+                break
+            found = await self._lookup(tier, identity, [keys[i] for i in todo])
+            for i, hit in zip(todo, found):
+                if hit:
+                    where[i] = tier
+            todo = [i for i, hit in zip(todo, found) if not hit]
+        return where
 
-    def present(self, identity: str, key: str) -> bool:
-        return self.locate(identity, key) is not None
+    async def present(self, identity: str, keys: list[str]) -> list[bool]:
+        return [t is not None for t in await self.locate(identity, keys)]
+
+    async def prefix(self, identity: str, keys: list[str], ready) -> int:
+        """Length of the leading run of keys in `ready` (the host pool) or in some tier.
+        Local tiers are walked key by key up to the first miss; remote tiers are then asked
+        once for the rest."""
+        local = [t for t in self.tiers if not t.remote_lookup]
+        remote = [t for t in self.tiers if t.remote_lookup]
+
+        def here(k: str) -> bool:
+            return k in ready or any(t.contains(identity, k) for t in local)
+
+        n = 0
+        while n < len(keys) and here(keys[n]):
+            n += 1
+        if n == len(keys) or not remote:
+            return n
+        rest, found = keys[n:], [False] * (len(keys) - n)
+        for tier in remote:
+            todo = [i for i, hit in enumerate(found) if not hit]
+            for i, hit in zip(todo, await self._lookup(tier, identity, [rest[i] for i in todo])):
+                found[i] = hit
+        for k, hit in zip(rest, found):
+            if not (hit or here(k)):
+                break
+            n += 1
+        return n
+
+    async def _lookup(self, tier: Tier, identity: str, keys: list[str]) -> list[bool]:
+        if not tier.remote_lookup:
+            return tier.lookup(identity, keys)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, tier.lookup, identity, keys)
 
     def durable(self, identity: str, key: str) -> bool:
         return all(t.contains(identity, key) for t in self.tiers)
@@ -83,12 +126,10 @@ class Tiering:
         (none once the namespace is gone: its pool is closed)."""
         if pool.closed:
             return 0
+        keys = [k for k in keys if not pool.contains(k)]
         todo = []
-        for key in keys:
-            if pool.contains(key):
-                continue
-            tier = self.locate(identity, key)
-            if tier is None:
+        for key, tier in zip(keys, await self.locate(identity, keys) if keys else []):
+            if tier is None or pool.contains(key):  # (another request may have loaded it)
                 continue
             r = pool.reserve(key)
             if r is None or r is PRESENT or r is BUSY:
@@ -97,15 +138,15 @@ class Tiering:
         if not todo:
             return 0
         loop = asyncio.get_running_loop()
-        parts = [todo[i::self.read_parallel] for i in range(min(self.read_parallel, len(todo)))]
-        futs = [loop.run_in_executor(self.executor, self._read_all, identity, pool.page_bytes, p)
-                for p in parts]
+        parts = self._parts(todo)
+        futs = [loop.run_in_executor(self.executor, self._read_all, identity, pool.page_bytes,
+                                     [todo[i] for i in part]) for part in parts]
         results = [False] * len(todo)
         try:
             done = await asyncio.shield(asyncio.gather(*futs))
-            results = [None] * len(todo)
-            for i, part in enumerate(done):
-                results[i::len(parts)] = part
+            for part, got in zip(parts, done):
+                for i, good in zip(part, got):
+                    results[i] = good
         except asyncio.CancelledError:
             await asyncio.wait(futs)  # the reads target reserved slots: let them end first
             raise
@@ -117,9 +158,26 @@ class Tiering:
                     pool.abort(r)
         return sum(results)
 
+    def _parts(self, todo: list) -> list[list[int]]:
+        """Indexes of `todo` per executor job: local tiers' reads in `read_parallel` slices;
+        a remote tier's in one batch (its client spreads the transfers itself, and two
+        concurrent batches only compete)."""
+        local = [i for i, (tier, _) in enumerate(todo) if not tier.remote_lookup]
+        remote = [i for i, (tier, _) in enumerate(todo) if tier.remote_lookup]
+        n = min(self.read_parallel, len(local))
+        return [local[j::n] for j in range(n)] + ([remote] if remote else [])
+
     def _read_all(self, identity: str, page_bytes: int, todo: list) -> list[bool]:
-        return [tier.read(identity, r.key, self.host_pool.view(r.offset, page_bytes))
-                for tier, r in todo]
+        """One `read_batch` per tier for this part of the promotion (in the executor)."""
+        by_tier: dict[Tier, list[int]] = {}
+        for i, (tier, _) in enumerate(todo):
+            by_tier.setdefault(tier, []).append(i)
+        out = [False] * len(todo)
+        for tier, idx in by_tier.items():
+            items = [(todo[i][1].key, self.host_pool.view(todo[i][1].offset, page_bytes)) for i in idx]
+            for i, good in zip(idx, tier.read_batch(identity, items)):
+                out[i] = bool(good)
+        return out
 
     async def delete(self, identity: str, keys: list[str]) -> None:
         if self.tiers:

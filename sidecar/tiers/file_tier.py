@@ -22,28 +22,18 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 from sidecar.tiers import pagefile
+from sidecar.tiers.base import Tier, TierStats
 
 log = logging.getLogger("kv_sidecar.tiers")
 _IDENTITY_LEN = 32
+__all__ = ["FileTier", "TierStats"]
 
 
-@dataclass(slots=True)
-class TierStats:
-    pages_written: int = 0
-    bytes_written: int = 0
-    write_errors: int = 0
-    pages_read: int = 0
-    bytes_read: int = 0
-    read_errors: int = 0
-    corrupt: int = 0
-    evictions: int = 0
-
-
-class FileTier:
+class FileTier(Tier):
     """Pages as files under `root`, at most `capacity` bytes (None: no limit). Files are
     0600 and directories 0700; with `group` (a shared 3FS directory that several nodes'
     sidecars write under one group) files are 0640 and directories 2770 of that group."""
@@ -56,6 +46,7 @@ class FileTier:
         self.root = os.path.abspath(root)
         self.capacity = capacity
         self.shared = shared
+        self.where = self.root
         self.keys: dict[str, dict[str, int]] = {}
         self.lru: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.used = 0

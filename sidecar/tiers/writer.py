@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from sidecar.tiers.file_tier import FileTier
+from sidecar.tiers.base import Tier
 
 BATCH = 64
 
@@ -30,7 +30,7 @@ class WriteJob:
 class TierWriter:
     """Writes every queued page to every tier; `flush` waits for what was queued before it."""
 
-    def __init__(self, tiers: list[FileTier], threads: int = 2, max_pages: int = 1024):
+    def __init__(self, tiers: list[Tier], threads: int = 2, max_pages: int = 1024):
         self.tiers = tiers
         self.max_pages = max_pages
         self.failed = 0

@@ -1,7 +1,7 @@
 """PagePool: the reserve/commit/abort protocol, pins, LRU eviction order, doomed deletes."""
 import pytest
 
-from pools.page_pool import PRESENT, READY, RESERVED, PagePool, PoolInvariantError
+from pools.page_pool import BUSY, PRESENT, READY, RESERVED, PagePool, PoolInvariantError
 
 
 def make(pages=4, page=16):
@@ -23,7 +23,7 @@ def test_reserved_is_invisible_until_commit():
     e = pool.reserve("a")
     assert e.state == RESERVED
     assert not pool.contains("a") and pool.prefix(["a"]) == 0 and pool.pin("a") is None
-    assert pool.reserve("a") is PRESENT  # a second writer does not copy again
+    assert pool.reserve("a") is BUSY  # a second writer neither copies again nor claims it stored
     pool.invariants()
     pool.commit(e)
     assert e.state == READY and pool.contains("a") and pool.prefix(["a", "b"]) == 1

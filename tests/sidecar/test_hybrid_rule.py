@@ -1,4 +1,6 @@
 """The batch hit rule against a literal transcription of SGLang's batch_exists_v2."""
+import asyncio
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,7 +75,7 @@ def test_batch_exists_matches_reference(n, kv, pools):
                 fill(store, name, [KEYS[i] for i in present])
             extra.append(ExtraPool(name, policy, window))
             ref_pools.append((None if present is None else {KEYS[i] for i in present}, policy, window))
-        got = batch_exists(store, keys, "kv", extra)
+        got = asyncio.run(batch_exists(store, keys, "kv", extra))
         kv_pages, final = reference(keys, {KEYS[i] for i in kv}, ref_pools)
         assert (got["kv"], got["hit"]) == (kv_pages, final)
         assert set(got["pools"]) == {f"p{j}" for j in range(len(pools))}
