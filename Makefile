@@ -8,7 +8,7 @@ SGLANG ?= sglang==0.5.23
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,plan]'
 	# SGLang's own storage interface, for the adapter tests: the released package without
 	# its dependencies (it would pull a CUDA torch and the whole serving stack)
 	$(PY) -m pip install -q --no-deps $(SGLANG)
