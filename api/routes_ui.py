@@ -1,0 +1,62 @@
+"""What a person opens in a browser: `/ui` (a live status page over `/v1/samples`) and
+`/docs` (Swagger UI over `/openapi.json`). Every file is served from installed packages:
+nothing is fetched from the internet. Behind the token like every route but /healthz."""
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import APIRouter, Depends
+from starlette.requests import Request
+from starlette.responses import FileResponse, HTMLResponse, Response
+from swagger_ui_bundle import swagger_ui_path
+
+from api.deps import context
+from api.wire import json
+from sidecar.context import Context
+from sidecar.errors import BadRequest, NotFound
+from sidecar.samples import INTERVAL
+
+router = APIRouter(include_in_schema=False)
+STATIC = resources.files("api") / "static"
+# the Swagger UI files /docs may serve, by name (nothing else under the package)
+SWAGGER_FILES = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript",
+                 "swagger-ui-standalone-preset.js": "text/javascript",
+                 "favicon-32x32.png": "image/png", "favicon-16x16.png": "image/png"}
+DOCS_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>kv-sidecar API</title>
+<link rel="stylesheet" href="/docs/swagger-ui.css">
+<link rel="icon" type="image/png" href="/docs/favicon-32x32.png"></head>
+<body><div id="swagger-ui"></div>
+<script src="/docs/swagger-ui-bundle.js"></script>
+<script>window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui",
+  deepLinking: true, validatorUrl: null});</script>
+</body></html>"""
+
+
+@router.get("/ui")
+async def status_page() -> Response:
+    return HTMLResponse((STATIC / "ui.html").read_text(encoding="utf-8"))
+
+
+@router.get("/v1/samples")
+async def samples(request: Request, ctx: Context = Depends(context)) -> Response:
+    raw = request.query_params.get("since", "0")
+    try:
+        since = float(raw)
+    except ValueError:
+        raise BadRequest(f"'since' must be unix seconds, got {raw[:20]!r}") from None
+    return json({"interval_s": INTERVAL, "samples": ctx.sampler.since(since)})
+
+
+@router.get("/docs")
+async def docs() -> Response:
+    return HTMLResponse(DOCS_PAGE)
+
+
+@router.get("/docs/{name}")
+async def docs_file(name: str) -> Response:
+    media = SWAGGER_FILES.get(name)
+    if media is None:
+        raise NotFound(f"no file {name[:64]!r} under /docs")
+    return FileResponse(swagger_ui_path / name, media_type=media,
+                        headers={"cache-control": "max-age=86400"})
