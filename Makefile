@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps $(SGLANG)
 	touch $@
 
-.PHONY: install serve test test-core bench loadtest replay
+.PHONY: install serve test test-core browser bench loadtest replay plan
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
@@ -24,8 +24,15 @@ serve: $(VENV)/.installed
 # (ENGINE_TESTS: one target per engine, each building its venv first). `make test-core`
 # runs only the project's suite (quick local work).
 ENGINE_TESTS ?=
-test: test-core
+test: browser test-core
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
+
+# The /ui test drives a real headless browser: install Debian's chromium where apt can (CI is
+# root on Debian). Quiet, once; without apt or root the test skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 || \
+	  echo "chromium could not be installed: the /ui browser test will skip"
 
 test-core: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
@@ -41,3 +48,9 @@ loadtest: $(VENV)/.installed
 # replay the shared conversation trace against a sidecar started with --no-file-tier
 replay: $(VENV)/.installed
 	$(VENV)/bin/sidecar replay ../shared/traces/conversation_trace.jsonl --url $(URL) --capacity-pages 20000 $(ARGS)
+
+# hit rate against host pool capacity for the shared conversation trace (offline, no server):
+# one shared sidecar beside 4 per-engine caches of the same total; the chart goes to docs/
+plan: $(VENV)/.installed
+	$(VENV)/bin/sidecar plan ../shared/traces/conversation_trace.jsonl --capacities 2%,5%,10%,20%,40%,80% \
+	  --engines 4 --plot docs/plan-conversation-trace.png $(ARGS)
