@@ -60,13 +60,14 @@ def test_pages_are_behind_the_token_and_load_nothing_from_outside(make_server):
     assert requests.get(srv.url + "/v1/samples?since=x", headers=auth, timeout=5).status_code == 400
 
 
-def traffic(client, stop: threading.Event, ns: str = "kv") -> None:
-    """Engine-shaped traffic until `stop`: set pages, get them back, ask for absent ones."""
+def traffic(client, stop: threading.Event, ns: str = "kv", rounds: int = 0) -> None:
+    """Engine-shaped traffic until `stop` (or `rounds`): set pages, get them back, ask for
+    absent ones."""
     buf = SharedBuffer(16 * PAGE)
     try:
         bid = buf.register(client, ns, 16, page_first_chunks(PAGE))
         i = 0
-        while not stop.is_set():
+        while not stop.is_set() and not (rounds and i >= rounds):
             keys = [f"k{i}-{j}" for j in range(8)]
             client.set(ns, keys, bid, list(range(8)))
             asked = keys[:8 - i % 5] + [f"absent{i}-{j}" for j in range(i % 7)]  # a varying mix
