@@ -94,3 +94,30 @@ def test_progress_bar_only_on_a_terminal():
         bar.close()
     assert "replay [" in tty.getvalue() and "4/4" in tty.getvalue()
     assert pipe.getvalue() == ""
+
+
+def test_replay_draws_its_progress_bar_on_a_terminal(spawn):
+    import os
+    import pty
+    p = spawn("--host-pool", "16MiB", "--no-file-tier").wait_ready()
+    main, sub = pty.openpty()
+    try:
+        out = subprocess.run([sys.executable, "-W", "ignore", "-m", "sidecar", "replay", trace_path(),
+                              "--url", p.url, "--capacity-pages", "100", "--page-bytes", "1024",
+                              "--limit", "50"], cwd=ROOT, stdout=subprocess.PIPE, stderr=sub,
+                             timeout=120)
+        os.close(sub)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: every writer has closed
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(main)
+    assert out.returncode == 0
+    assert b"replay [" in drawn and b"50/50" in drawn
+    assert b"replay [" not in out.stdout
