@@ -4,11 +4,12 @@ nothing is fetched from the internet. Behind the token like every route but /hea
 from __future__ import annotations
 
 from importlib import resources
+from importlib.util import find_spec
+from pathlib import Path
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, Response
-from swagger_ui_bundle import swagger_ui_path
 
 from api.deps import context
 from api.wire import json
@@ -18,14 +19,15 @@ from sidecar.samples import INTERVAL
 
 router = APIRouter(include_in_schema=False)
 STATIC = resources.files("api") / "static"
-# the Swagger UI files /docs may serve, by name (nothing else under the package)
+# Swagger UI 5 (it reads OpenAPI 3.1) as the fastapi-offline package ships it; only its
+# files are used, found without importing it. /docs serves these names and nothing else.
+SWAGGER_DIR = Path(find_spec("fastapi_offline").submodule_search_locations[0]) / "static"
 SWAGGER_FILES = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript",
-                 "swagger-ui-standalone-preset.js": "text/javascript",
-                 "favicon-32x32.png": "image/png", "favicon-16x16.png": "image/png"}
+                 "favicon.png": "image/png"}
 DOCS_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kv-sidecar API</title>
 <link rel="stylesheet" href="/docs/swagger-ui.css">
-<link rel="icon" type="image/png" href="/docs/favicon-32x32.png"></head>
+<link rel="icon" type="image/png" href="/docs/favicon.png"></head>
 <body><div id="swagger-ui"></div>
 <script src="/docs/swagger-ui-bundle.js"></script>
 <script>window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui",
@@ -58,5 +60,5 @@ async def docs_file(name: str) -> Response:
     media = SWAGGER_FILES.get(name)
     if media is None:
         raise NotFound(f"no file {name[:64]!r} under /docs")
-    return FileResponse(swagger_ui_path / name, media_type=media,
+    return FileResponse(SWAGGER_DIR / name, media_type=media,
                         headers={"cache-control": "max-age=86400"})

@@ -91,3 +91,14 @@ def assert_drawn(path: str) -> None:
     blue = ((abs(pixels - [0x1F, 0x77, 0xB4]).sum(axis=-1)) < 30).sum()
     orange = ((abs(pixels - [0xFF, 0x7F, 0x0E]).sum(axis=-1)) < 30).sum()
     assert blue > 200 and orange > 50, (blue, orange)
+
+
+def test_api_docs_render_offline(make_server, tmp_path):
+    """Swagger UI, from the installed package, renders the sidecar's own OpenAPI document."""
+    srv = make_server()
+    out = chromium(srv.url + "/docs", tmp_path / "profile-docs", "--dump-dom")
+    assert out.returncode == 0, out.stderr[-2000:]
+    dom = out.stdout
+    assert "Unable to render" not in dom and "Failed to load" not in dom, dom[-3000:]
+    assert dom.count('class="opblock ') >= 10  # one block per operation
+    assert "/v1/namespaces/{name}/exists" in dom
