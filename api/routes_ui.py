@@ -30,7 +30,7 @@ DOCS_PAGE = """<!doctype html>
 <link rel="icon" type="image/png" href="/docs/favicon.png"></head>
 <body><div id="swagger-ui"></div>
 <script src="/docs/swagger-ui-bundle.js"></script>
-<script>window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui",
+<script>window.ui = SwaggerUIBundle({url: location.origin + "/openapi.json", dom_id: "#swagger-ui",
   deepLinking: true, validatorUrl: null});</script>
 </body></html>"""
 

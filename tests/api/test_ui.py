@@ -98,3 +98,12 @@ def test_samples_follow_live_traffic(make_server):
     last = got[-1]
     assert 0 < last["hit_rate"] < 1 and last["gbps_in"] > 0 and last["gbps_out"] > 0
     assert 0 < last["fill"]["kv"] <= 1 and last["pages"]["host"] > 0
+
+
+def test_basic_login_takes_the_token_as_password(make_server):
+    srv = make_server(token="s3cret")
+    assert requests.get(srv.url + "/ui", auth=("sidecar", "s3cret"), timeout=5).status_code == 200
+    assert requests.get(srv.url + "/v1/stats", auth=("sidecar", "s3cret"), timeout=5).status_code == 200
+    for auth in (("sidecar", "wrong"), ("admin", "s3cret"), ("sidecar", "")):
+        r = requests.get(srv.url + "/ui", auth=auth, timeout=5)
+        assert r.status_code == 401 and 'Basic realm="kv-sidecar"' in r.headers["www-authenticate"]

@@ -102,3 +102,18 @@ def test_api_docs_render_offline(make_server, tmp_path):
     assert "Unable to render" not in dom and "Failed to load" not in dom, dom[-3000:]
     assert dom.count('class="opblock ') >= 10  # one block per operation
     assert "/v1/namespaces/{name}/exists" in dom
+
+
+def test_a_browser_logs_in_with_the_token(make_server, tmp_path):
+    """With --token, a browser answers the Basic challenge (user `sidecar`, the token as
+    password) and the page's own polling is authorized by the same login."""
+    srv = make_server(token="s3cret")
+    host = srv.url.removeprefix("http://")
+    refused = chromium(srv.url + "/ui", tmp_path / "profile-anon", "--dump-dom")
+    assert "data-chart" not in refused.stdout  # headless: no login dialog, the load fails
+    out = chromium(f"http://sidecar:s3cret@{host}/ui", tmp_path / "profile-login", "--dump-dom")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r'<div id="status"[^>]*>\d+ samples, one every', out.stdout), out.stdout[-1500:]
+    assert set(charts(out.stdout)) == set(CHARTS)
+    docs = chromium(f"http://sidecar:s3cret@{host}/docs", tmp_path / "profile-docs", "--dump-dom")
+    assert docs.stdout.count('class="opblock ') >= 10
