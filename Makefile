@@ -8,10 +8,10 @@ SGLANG ?= sglang==0.5.23
 $(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan]'
 	touch $@
 
-.PHONY: install serve test test-core test-sglang bench loadtest replay deb-libs bench-mooncake
+.PHONY: install serve test test-core test-sglang browser bench loadtest replay plan deb-libs bench-mooncake
 install: $(VENV)/.installed
 
 # The Debian libraries Mooncake's client and master link (the `mooncake` extra): installed
@@ -36,8 +36,15 @@ serve: $(VENV)/.installed
 # runs only the project's suite (quick local work).
 ENGINE_TESTS ?=
 ENGINE_TESTS += test-sglang
-test: test-core
+test: browser test-core
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
+
+# The /ui test drives a real headless browser: install Debian's chromium where apt can (CI is
+# root on Debian). Quiet, once; without apt or root the test skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 || \
+	  echo "chromium could not be installed: the /ui browser test will skip"
 
 test-core: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
@@ -84,3 +91,9 @@ loadtest: $(VENV)/.installed
 # replay the shared conversation trace against a sidecar started with --no-file-tier
 replay: $(VENV)/.installed
 	$(VENV)/bin/sidecar replay ../shared/traces/conversation_trace.jsonl --url $(ENGINE_URL) --capacity-pages 20000 $(ARGS)
+
+# hit rate against host pool capacity for the shared conversation trace (offline, no server):
+# one shared sidecar beside 4 per-engine caches of the same total; the chart goes to docs/
+plan: $(VENV)/.installed
+	$(VENV)/bin/sidecar plan ../shared/traces/conversation_trace.jsonl --capacities 2%,5%,10%,20%,40%,80% \
+	  --engines 4 --plot docs/plan-conversation-trace.png $(ARGS)

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI
 
-from api import routes_batch, routes_health, routes_namespaces, routes_pages
+from api import routes_batch, routes_health, routes_namespaces, routes_pages, routes_ui
 from api.errors import HANDLERS
 from api.guard import Guard
 from sidecar import __version__
@@ -44,6 +44,7 @@ def create_app(config: Config) -> FastAPI:
     for router in (routes_pages.router, routes_batch.router, routes_namespaces.router,
                    routes_health.router):
         app.include_router(router)
+    app.include_router(routes_ui.router)  # /ui, /v1/samples, /docs
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)
     app.add_middleware(Guard, token=config.token, max_body=config.max_body, stats=requests)

@@ -1,6 +1,7 @@
 """Pure ASGI middleware in front of every route: bearer token, body size, request metrics."""
 from __future__ import annotations
 
+import base64
 import hmac
 import time
 from typing import Optional
@@ -10,6 +11,7 @@ from sidecar.errors import PayloadTooLarge
 from sidecar.metrics import RequestStats
 
 OPEN_PATHS = ("/healthz",)
+BROWSER_USER = b"sidecar"  # a browser may send the token as HTTP Basic: user `sidecar`, password TOKEN
 
 
 class Guard:
@@ -18,6 +20,7 @@ class Guard:
     def __init__(self, app, token: Optional[str], max_body: int, stats: RequestStats):
         self.app = app
         self.expected = f"Bearer {token}".encode() if token else None
+        self.basic = b"Basic " + base64.b64encode(BROWSER_USER + b":" + token.encode()) if token else None
         self.max_body = max_body
         self.stats = stats
 
@@ -51,7 +54,8 @@ class Guard:
             elif name == b"authorization":
                 auth = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            if not hmac.compare_digest(auth or b"", self.expected):
+            auth = auth or b""
+            if not (hmac.compare_digest(auth, self.expected) or hmac.compare_digest(auth, self.basic)):
                 return (401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'"), False
         if length is not None:
             if not length.isdigit():
@@ -80,5 +84,6 @@ async def _reply(send, status: int, code: str, message: str) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+        headers.append((b"www-authenticate", b'Basic realm="kv-sidecar"'))  # lets a browser log in
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

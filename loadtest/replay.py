@@ -22,6 +22,7 @@ from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.bench import pct
 from loadtest.lru_sim import LruSim
+from loadtest.progress import Progress
 
 BLOCK_TOKENS = 512
 
@@ -105,6 +106,7 @@ def run(args) -> dict:
     max_pages = max((len(r["hash_ids"]) for r in trace), default=1)
     rep = Replay(client, args.page_bytes, args.capacity_pages, max(max_pages, 1))
     start = time.perf_counter()
+    bar = Progress(len(trace), "replay")
     try:
         t0 = trace[0]["timestamp"] if trace else 0
         for req in trace:
@@ -114,6 +116,8 @@ def run(args) -> dict:
                 if wait > 0:
                     time.sleep(wait)
             rep.run_one(req)
+            bar.update()
+        bar.close()
         elapsed = time.perf_counter() - start
         return rep.report(elapsed, client.stats())
     finally:

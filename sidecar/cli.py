@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from sidecar import __version__
 
 REPLAY = "loadtest.replay"  # a client of the API: loaded by name, sidecar never imports it
+PLAN = "loadtest.plan"  # the offline capacity planner, loaded the same way
 from sidecar.config import load
 
 _FLAGS = [
@@ -63,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
                        help="directory engines may register shm files from (repeatable; default /dev/shm)")
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar")
     importlib.import_module(REPLAY).parser(replay)
+    importlib.import_module(PLAN).parser(sub.add_parser("plan", help="hit rate vs capacity for a trace (offline)"))
     return p
 
 
@@ -81,4 +83,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         replay = importlib.import_module(REPLAY)
         replay.print_report(replay.run(args), args.json)
         return 0
+    if args.command == "plan":
+        return importlib.import_module(PLAN).cli(args)
     return 2

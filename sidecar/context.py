@@ -16,6 +16,7 @@ from sidecar.config import Config
 from sidecar.leases import LeaseRegistry, LendServer, fd_socket_path
 from sidecar.metrics import RequestStats
 from sidecar.peer import bind_unix, group_id
+from sidecar.samples import Sampler
 from sidecar.store import Store
 from sidecar.tiering import Tiering
 from sidecar.tiers.base import Tier
@@ -52,6 +53,7 @@ class Context:
     store: Store
     executor: ThreadPoolExecutor
     requests: RequestStats = field(default_factory=RequestStats)
+    sampler: Sampler = field(default_factory=Sampler)
     started: float = field(default_factory=time.time)
     cuda_registered: bool = False
     ready: bool = False
@@ -100,6 +102,8 @@ class Context:
             self.tiering.writer.start()
         self._tasks.append(self.loop.create_task(self._recover_then_serve()))
         self._tasks.append(self.loop.create_task(self._reaper()))
+        sample = self.sampler.run(self.store.stats, lambda: self.requests.count)
+        self._tasks.append(self.loop.create_task(sample))
 
     async def _recover_then_serve(self) -> None:
         for tier in self.tiering.tiers:

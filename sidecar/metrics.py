@@ -42,10 +42,12 @@ class _Collector:
 
     def collect(self) -> Iterator:
         yield from self._requests()
-        yield from self._namespaces()
-        yield from self._tiers()
+        stats = self.store.stats()
+        yield from self._namespaces(stats)
+        yield from self._tiers(stats)
+        yield from self._tier_events()
 
-    def _tiers(self) -> Iterator:
+    def _tier_events(self) -> Iterator:
         """Every tier's event counters (writes, reads, errors, misses by cause)."""
         events = CounterMetricFamily("kv_sidecar_tier_events", "tier events by kind",
                                      labels=["tier", "event"])
@@ -70,8 +72,7 @@ class _Collector:
             lat.add_metric([route], buckets, self.requests.sums[route])
         yield lat
 
-    def _namespaces(self) -> Iterator:
-        stats = self.store.stats()
+    def _namespaces(self, stats: dict) -> Iterator:
         hp = stats["host_pool"]
         host = GaugeMetricFamily("kv_sidecar_host_pool_bytes", "host pool size", labels=["state"])
         host.add_metric(["total"], hp["bytes"])
@@ -80,7 +81,7 @@ class _Collector:
         pages = GaugeMetricFamily("kv_sidecar_pages", "pages stored", labels=["namespace", "tier"])
         cap = GaugeMetricFamily("kv_sidecar_capacity_pages", "page capacity", labels=["namespace", "tier"])
         fams = {k: CounterMetricFamily(f"kv_sidecar_{k}", f"{k} per namespace", labels=["namespace"])
-                for k in ("hits", "misses", "evictions", "stored", "no_room")}
+                for k in ("hits", "misses", "evictions", "stored", "no_room", "tier_hits")}
         moved = CounterMetricFamily("kv_sidecar_bytes", "bytes moved", labels=["namespace", "direction"])
         for name, ns in stats["namespaces"].items():
             for tier, n in ns["pages"].items():
@@ -91,6 +92,25 @@ class _Collector:
             moved.add_metric([name, "in"], ns["bytes_in"])
             moved.add_metric([name, "out"], ns["bytes_out"])
         yield from (pages, cap, *fams.values(), moved)
+
+    def _tiers(self, stats: dict) -> Iterator:
+        io = CounterMetricFamily("kv_sidecar_tier_bytes", "bytes written to and read from each tier",
+                                 labels=["tier", "direction"])
+        errors = CounterMetricFamily("kv_sidecar_tier_errors", "failed tier I/O and corrupt pages",
+                                     labels=["tier", "kind"])
+        for name, t in stats["tiers"].items():
+            io.add_metric([name, "write"], t["bytes_written"])
+            io.add_metric([name, "read"], t["bytes_read"])
+            for kind in ("write_errors", "read_errors", "corrupt"):
+                errors.add_metric([name, kind.removesuffix("_errors")], t[kind])
+        wq = stats["write_queue"]
+        queue = GaugeMetricFamily("kv_sidecar_write_queue_pages", "pages queued for the tiers")
+        queue.add_metric([], wq["pending"])
+        lost = CounterMetricFamily("kv_sidecar_write_queue_lost", "queued tier writes that failed or were dropped",
+                                   labels=["reason"])
+        lost.add_metric(["failed"], wq["failed"])
+        lost.add_metric(["dropped"], wq["dropped"])
+        yield from (io, errors, queue, lost)
 
 
 def exposition(store: "Store", requests: RequestStats) -> bytes:
