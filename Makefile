@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps $(SGLANG)
 	touch $@
 
-.PHONY: install serve test test-core test-vllm bench loadtest replay
+.PHONY: install serve test test-core test-vllm bench-vllm bench loadtest replay
 install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
@@ -52,6 +52,10 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt Makefile
 # The vLLM connector driven by a real vLLM CPU engine; a missing vLLM fails here, never skips
 test-vllm: $(VLLM_VENV)/.installed
 	KV_SIDECAR_REQUIRE_VLLM=1 $(VPY) -m pytest -q tests/engines/vllm $(ARGS)
+
+# Time to first token of a 2,000-token prompt with and without a sidecar hit (docs/vllm.md)
+bench-vllm: $(VLLM_VENV)/.installed
+	$(VPY) -m tests.engines.vllm.bench_ttft $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)

@@ -47,13 +47,14 @@ def test_blocks_round_trip_through_staging(split):
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     a, b = PageLayout.of(src, N), PageLayout.of(dst, N)
     assert a.page_bytes == sum(v.numel() * 4 for v in src.values()) // N
-    staging = torch.zeros(4, a.page_bytes, dtype=torch.uint8)
-    a.to_staging(a.staging_views(staging), [3, 5], [1, 0])
-    b.from_staging(b.staging_views(staging), [1, 0], [7, 8])
+    staging = torch.zeros(6, a.page_bytes, dtype=torch.uint8)
+    # runs: 3->1 alone, 5->0 alone, then 10, 11, 12 -> 3, 4, 5 in one copy
+    a.to_staging(a.staging_views(staging), [3, 5, 10, 11, 12], [1, 0, 3, 4, 5])
+    b.from_staging(b.staging_views(staging), [1, 0, 3, 4, 5], [7, 8, 1, 2, 13])
+    blk = (lambda t, i: t[:, i]) if split else (lambda t, i: t[i])
     for name in src:
-        blk = (lambda t, i: t[:, i]) if split else (lambda t, i: t[i])
-        assert torch.equal(blk(dst[name], 7), blk(src[name], 3))
-        assert torch.equal(blk(dst[name], 8), blk(src[name], 5))
+        for d, s_ in ((7, 3), (8, 5), (1, 10), (2, 11), (13, 12)):
+            assert torch.equal(blk(dst[name], d), blk(src[name], s_))
         assert not blk(dst[name], 3).any()
 
 
@@ -65,8 +66,11 @@ def test_unsupported_layout_is_refused():
 def test_namespaces_are_deterministic_and_separate():
     layout = PageLayout.of(cpu_caches(), N)
     name = namespace_name(spec_for(layout))
-    code = ("import torch; from tests.api.test_vllm_connector_parts import *; "
-            "print(namespace_name(spec_for(PageLayout.of(cpu_caches(seed=5), N))))")
+    code = ("import torch; from api.engine.vllm_layout import *; "
+            f"t = {{f'model.layers.{{i}}.attn': torch.ones({N}, 2, {BS}, 64) for i in range(2)}}; "
+            f"s = dict({spec_for(layout)!r}); s.pop('layout'); "
+            "print(namespace_name({**s, 'layout': namespace_spec(model='tiny', dtype='', block_size=0, "
+            f"layout=PageLayout.of(t, {N}), backend='CPU_ATTN.vec', hashing='sha256/32', rank={{}})['layout']}}))")
     other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                            env={"PYTHONHASHSEED": "123", "PATH": ""}, check=True).stdout.strip()
     assert other == name  # another process, another hash seed, other cache contents

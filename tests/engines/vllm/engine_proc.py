@@ -5,6 +5,7 @@
             {"op": "ttft", "prompt": [ids...]}     (reset, then one token, timed)
             {"op": "quit"}
     stdout: "@@ " + JSON per command ({"ready": ...} first); everything else is vLLM's log.
+`Engine` below is the parent's side: it starts this script and exchanges the lines.
 
 `reset` empties vLLM's own prefix cache first, so a cached token can only come from the
 sidecar. Greedy sampling: the same KV gives the same tokens.
@@ -13,15 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def engine(model: str, url: str, token: str | None):
     from vllm import LLM
     extra = {"sidecar_url": url, **({"sidecar_token": token} if token else {})}
-    return LLM(model=model, dtype="float32", max_model_len=512, block_size=32, enforce_eager=True,
-               enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, seed=0,
+    max_len = int(os.environ.get("ENGINE_MAX_MODEL_LEN", "512"))
+    kv_bytes = int(os.environ.get("ENGINE_KV_BYTES", str(64 << 20)))
+    return LLM(model=model, dtype="float32", max_model_len=max_len, block_size=32, enforce_eager=True,
+               enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes, seed=0,
                kv_transfer_config={"kv_connector": "SidecarConnector",
                                    "kv_connector_module_path": "api.vllm_connector",
                                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -69,6 +78,59 @@ def main() -> None:
         answer = generate(llm, cmd) if cmd["op"] == "generate" else ttft(llm, cmd)
         print("@@ " + json.dumps(answer), flush=True)
     del llm
+
+
+class Engine:
+    """`engine_proc` as a child: one JSON command in, one JSON answer out."""
+
+    def __init__(self, model: str, url: str, token: str | None = None, **env_extra: str):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+               "PYTHONUNBUFFERED": "1", **env_extra}
+        env.pop("PYTHONHASHSEED", None)
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.engines.vllm.engine_proc", model, url, *([token] if token else [])],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._answer(300)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                self.answers.put(json.loads(line[3:]))
+            else:
+                self.log.write(line)
+        self.answers.put(None)
+
+    def _answer(self, timeout: float) -> dict:
+        try:
+            answer = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            answer = None
+        if answer is None:
+            raise RuntimeError(f"engine gave no answer:\n{self.output()[-6000:]}")
+        return answer
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def ask(self, timeout: float = 180, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    def close(self, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                return self.proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        return self.proc.wait()
 
 
 if __name__ == "__main__":

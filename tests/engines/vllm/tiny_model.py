@@ -15,7 +15,13 @@ SENTENCES = [
 ]
 
 
-def build(path: str, seed: int = 0) -> str:
+SIZES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, max positions
+    "tiny": (128, 2, 4, 2, 32, 256, 512),
+    "small": (512, 8, 8, 4, 64, 1536, 4096),   # for time-to-first-token figures
+}
+
+
+def build(path: str, seed: int = 0, size: str = "tiny") -> str:
     """Write config, weights and tokenizer to `path` (once) and return it."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -33,9 +39,11 @@ def build(path: str, seed: int = 0) -> str:
     fast.save_pretrained(path)
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      max_position_embeddings=512, initializer_range=0.3, bos_token_id=0,
+    hidden, layers, heads, kv_heads, head_dim, inter, positions = SIZES[size]
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=positions, initializer_range=0.3, bos_token_id=0,
                       eos_token_id=1, tie_word_embeddings=False, torch_dtype="float32")
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
