@@ -65,7 +65,8 @@ class WorkerSide:
             self.slots = SlotPool(slots)
         self.buffer_id: Optional[str] = None
         self.io = ThreadPoolExecutor(1, "sidecar-save")
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()             # the bookkeeping below
+        self.reg_lock = threading.Lock()         # registration (HTTP: never under self.lock)
         self.inflight: dict[str, int] = {}       # req_id -> sets not yet returned
         self.saving: set[str] = set()            # requests with saves, until reported
         self.finishing: set[str] = set()         # finished in the scheduler, not yet reported
@@ -77,7 +78,7 @@ class WorkerSide:
 
     # -- registration (lazy; again after a sidecar restart) ---------------------------
     def _ensure(self) -> str:
-        with self.lock:
+        with self.reg_lock:
             if self.buffer_id is None:
                 self.client.put_namespace(self.namespace, **self.spec)
                 if self.cuda:
@@ -99,8 +100,9 @@ class WorkerSide:
             except (SidecarUnavailable, SidecarError) as exc:
                 lost = isinstance(exc, SidecarUnavailable) or exc.code in (
                     "buffer_not_found", "namespace_not_found")
-                with self.lock:
-                    self.buffer_id = None if lost else self.buffer_id
+                if lost:
+                    with self.reg_lock:
+                        self.buffer_id = None
                 if not lost or attempt:
                     raise
         raise AssertionError("unreachable")
