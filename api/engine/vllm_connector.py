@@ -186,8 +186,8 @@ class SidecarConnector(KVConnectorBase_V1):
     @never_raises(None)
     def wait_for_save(self):
         meta = self._connector_metadata
-        if self.worker is not None and isinstance(meta, SidecarConnectorMetadata) and meta.saves:
-            self.worker.save(meta.saves)
+        if self.worker is not None and isinstance(meta, SidecarConnectorMetadata):
+            self.worker.save(meta.saves)  # also when empty: it ends the step's load failures
 
     @never_raises((None, None))
     def get_finished(self, finished_req_ids: set[str]):
