@@ -249,6 +249,13 @@ class SidecarConnector(KVConnectorBase_V1):
             saves = []
         return SidecarConnectorMetadata(loads, saves)
 
+    @never_raises(None)
+    def update_connector_output(self, connector_output):
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if self.sched is not None and invalid:
+            manager = self._kv_cache_manager
+            self.sched.load_failed(set(invalid), lambda rid: manager.get_block_ids(rid)[0])
+
     @never_raises((False, None))
     def request_finished(self, request, block_ids):
         if self.sched is None:

@@ -151,6 +151,17 @@ class SchedulerSide:
             t.stored, t.saving = len(keys), True
         return saves
 
+    def load_failed(self, invalid: set[int], block_ids_of) -> None:
+        """Blocks that did not load are recomputed by vLLM: save them (and what follows) again."""
+        for rid, t in self.tracked.items():
+            try:
+                blocks = block_ids_of(rid)
+            except Exception:  # preempted: no blocks now, nothing of it was computed on them
+                continue
+            first = next((i for i, b in enumerate(blocks[:t.stored]) if b in invalid), None)
+            if first is not None:
+                t.stored = first
+
     def finished(self, request) -> bool:
         """Forget the request; True when saves were scheduled (the worker reports them)."""
         rid = request.request_id

@@ -183,6 +183,11 @@ def test_scheduler_one_exists_call_late_answer_and_last_token(server):
     (save,) = s.saves({"r": 3 * BS}, lambda rid: [10, 11, 12, 13, 14])
     assert save.block_ids == [13, 14] and len(save.keys) == 2
     assert s.saves({"r": 3 * BS}, lambda rid: [10, 11, 12, 13, 14]) == []
+    # block 12 did not load: vLLM recomputes from it, and it is saved again with what follows
+    s.load_failed({12}, lambda rid: [10, 11, 12, 13, 14])
+    req.num_computed_tokens = 2 * BS
+    (again,) = s.saves({"r": 3 * BS}, lambda rid: [10, 11, 12, 13, 14])
+    assert again.block_ids == [12, 13, 14] and again.keys[0] == hashes[2].hex()
     assert s.finished(req) is True
     w.close()
     s.close()

@@ -4,7 +4,8 @@ Two engine processes (about a minute each) carry every scenario:
   engine 1: A (miss, saves), then B = A's first two blocks + new tokens (saves B's new blocks)
   engine 2: A with vLLM's prefix cache emptied -> loaded from the sidecar, same greedy tokens;
             the sidecar restarts on its data dir -> A loads again, same tokens;
-            B's new pages corrupted on disk -> a miss for those blocks, recomputed, same tokens.
+            B's new pages corrupted on disk -> a miss for those blocks, recomputed (same
+            tokens) and saved again.
 """
 from __future__ import annotations
 
@@ -91,4 +92,6 @@ def test_engines_share_kv_through_the_sidecar(spawn, engines, tiny_model, tmp_pa
     got = e2.ask(op="generate", prompts=[b], reset=True)
     assert got["tokens"] == ref_b["tokens"]
     assert file_stats(sidecar.url)["corrupt"] >= 1
+    # the sidecar dropped the corrupt files; the recomputed blocks are saved again
+    assert len(settled(data, 5)) == 5
     assert e2.close() == 0
