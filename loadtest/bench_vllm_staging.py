@@ -17,7 +17,7 @@ import time
 import torch
 
 from api.engine.client import SidecarClient
-from api.engine.vllm_layout import PageLayout, namespace_name, namespace_spec
+from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import Transfer
 from api.engine.vllm_worker import WorkerSide
 from loadtest.procs import start_sidecar
@@ -33,10 +33,9 @@ def main() -> None:
     n = args.pages + 2
     caches = {f"l{i}": torch.randn(n, 4, 32, 256) for i in range(args.layers)}
     layout = PageLayout.of(caches, n)
-    spec = namespace_spec(model="bench", dtype="float32", block_size=32, layout=layout,
-                          backend="CPU_ATTN", hashing="sha256/32", rank={})
+    spec = namespace_spec(EngineScope("bench", "float32", 32, "CPU_ATTN", "sha256/32", {}), layout)
     sidecar = start_sidecar("--no-file-tier", "--host-pool", f"{2 * n * layout.page_bytes >> 20}MiB")
-    w = WorkerSide(SidecarClient(sidecar.url), layout, namespace_name(spec), spec, args.pages)
+    w = WorkerSide(SidecarClient(sidecar.url), layout, spec, args.pages)
     try:
         keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(args.pages)]
         blocks, slots = list(range(1, args.pages + 1)), list(range(args.pages))

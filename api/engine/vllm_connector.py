@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole)
 
 from api.engine.client import SidecarClient
-from api.engine.vllm_layout import PageLayout, namespace_name, namespace_spec
+from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
 from api.engine.vllm_worker import WorkerSide
 
@@ -116,13 +116,12 @@ class SidecarConnector(KVConnectorBase_V1):
         cfg = self._vllm_config
         num_blocks = self._kv_cache_config.num_blocks
         layout = PageLayout.of(dict(kv_caches), num_blocks)
-        spec = namespace_spec(model=self._model_id(), dtype=self._dtype(), layout=layout,
-                              block_size=cfg.cache_config.block_size, backend=self._backend(kv_caches),
-                              hashing=self._hashing(), rank=self._rank())
-        ns = namespace_name(spec)
+        scope = EngineScope(model=self._model_id(), dtype=self._dtype(),
+                            block_size=cfg.cache_config.block_size, backend=self._backend(kv_caches),
+                            hashing=self._hashing(), rank=self._rank())
         staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(layout)
-        self.worker = WorkerSide(self.client, layout, ns, spec, staging)
-        log.info("kv-sidecar: namespace %s, %d-byte pages, %s", ns, layout.page_bytes,
+        self.worker = WorkerSide(self.client, layout, namespace_spec(scope, layout), staging)
+        log.info("kv-sidecar: namespace %s, %d-byte pages, %s", self.worker.namespace, layout.page_bytes,
                  "cuda_ipc" if self.worker.cuda else f"{self.worker.slots.capacity}-slot staging memfd")
 
     def _model_id(self) -> str:

@@ -88,16 +88,26 @@ def _block_major(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
                      f"for {num_blocks} blocks (need the block dimension first, or after K/V)")
 
 
-def namespace_spec(*, model: str, dtype: str, block_size: int, layout: PageLayout, backend: str,
-                   hashing: str, rank: dict) -> dict:
-    """The sidecar namespace spec: equal exactly when pages are interchangeable.
+@dataclass(frozen=True)
+class EngineScope:
+    """What besides the page layout makes pages interchangeable: `backend` names the
+    attention backend and kernel path, `hashing` the block hash algorithm and its block size
+    (keys are vLLM's chained block hashes), `rank` the TP/PP/CP rank and sizes."""
 
-    `backend` names the attention backend and kernel path; `hashing` the block hash
-    algorithm and its block size (keys are vLLM's chained block hashes)."""
+    model: str
+    dtype: str
+    block_size: int
+    backend: str
+    hashing: str
+    rank: dict
+
+
+def namespace_spec(scope: EngineScope, layout: PageLayout) -> dict:
+    """The sidecar namespace spec: equal exactly when pages are interchangeable."""
     digest = hashlib.sha256(layout.describe.encode()).hexdigest()[:16]
-    return {"page_bytes": layout.page_bytes, "pool": "kv", "model": model, "dtype": dtype,
-            "page_tokens": block_size, "rank": rank,
-            "layout": f"vllm:{backend}:{hashing}:{digest}"}
+    return {"page_bytes": layout.page_bytes, "pool": "kv", "model": scope.model, "dtype": scope.dtype,
+            "page_tokens": scope.block_size, "rank": scope.rank,
+            "layout": f"vllm:{scope.backend}:{scope.hashing}:{digest}"}
 
 
 def namespace_name(spec: dict) -> str:

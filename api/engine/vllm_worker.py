@@ -23,7 +23,7 @@ import torch
 
 from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
 from api.engine.shm import SharedBuffer, page_first_chunks
-from api.engine.vllm_layout import PageLayout
+from api.engine.vllm_layout import PageLayout, namespace_name
 from api.engine.vllm_scheduler import Transfer
 
 log = logging.getLogger("kv_sidecar.vllm")
@@ -52,9 +52,9 @@ class SlotPool:
 class WorkerSide:
     """Registration, loads, saves and their reports for one worker (one TP/PP rank)."""
 
-    def __init__(self, client: SidecarClient, layout: PageLayout, namespace: str, spec: dict,
-                 staging_blocks: int):
-        self.client, self.layout, self.namespace, self.spec = client, layout, namespace, spec
+    def __init__(self, client: SidecarClient, layout: PageLayout, spec: dict, staging_blocks: int):
+        self.client, self.layout, self.spec = client, layout, spec
+        self.namespace = namespace_name(spec)
         self.cuda = layout.views[0].is_cuda
         self.staging: Optional[SharedBuffer] = None
         if not self.cuda:

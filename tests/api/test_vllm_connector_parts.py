@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from api.engine.client import SidecarClient
-from api.engine.vllm_layout import PageLayout, block_keys, namespace_name, namespace_spec
+from api.engine.vllm_layout import EngineScope, PageLayout, block_keys, namespace_name, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
 from api.engine.vllm_worker import WorkerSide
 from loadtest.procs import free_port
@@ -27,11 +27,10 @@ def cpu_caches(layers=2, heads=2, head=32, seed=0):
 
 
 def spec_for(layout, **over):
-    kw = dict(model="tiny", dtype="torch.float32/auto", block_size=BS, layout=layout,
-              backend="CPU_ATTN.vec", hashing="sha256/32",
-              rank={"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "cp": 0, "cp_size": 1})
+    kw = dict(model="tiny", dtype="torch.float32/auto", block_size=BS, backend="CPU_ATTN.vec",
+              hashing="sha256/32", rank={"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "cp": 0, "cp_size": 1})
     kw.update(over)
-    return namespace_spec(**kw)
+    return namespace_spec(EngineScope(**kw), layout)
 
 
 def hkeys(n, salt="k"):
@@ -66,11 +65,8 @@ def test_unsupported_layout_is_refused():
 def test_namespaces_are_deterministic_and_separate():
     layout = PageLayout.of(cpu_caches(), N)
     name = namespace_name(spec_for(layout))
-    code = ("import torch; from api.engine.vllm_layout import *; "
-            f"t = {{f'model.layers.{{i}}.attn': torch.ones({N}, 2, {BS}, 64) for i in range(2)}}; "
-            f"s = dict({spec_for(layout)!r}); s.pop('layout'); "
-            "print(namespace_name({**s, 'layout': namespace_spec(model='tiny', dtype='', block_size=0, "
-            f"layout=PageLayout.of(t, {N}), backend='CPU_ATTN.vec', hashing='sha256/32', rank={{}})['layout']}}))")
+    code = ("import torch; from tests.api.test_vllm_connector_parts import *; "
+            "print(namespace_name(spec_for(PageLayout.of(cpu_caches(seed=5), N))))")
     other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                            env={"PYTHONHASHSEED": "123", "PATH": ""}, check=True).stdout.strip()
     assert other == name  # another process, another hash seed, other cache contents
@@ -93,7 +89,7 @@ def test_block_keys_take_the_hash_ending_each_block():
 def worker(url, caches, staging=4):
     layout = PageLayout.of(caches, N)
     spec = spec_for(layout)
-    return WorkerSide(SidecarClient(url), layout, namespace_name(spec), spec, staging)
+    return WorkerSide(SidecarClient(url), layout, spec, staging)
 
 
 def test_worker_saves_and_loads_by_slot_and_reports(make_server):
@@ -135,7 +131,7 @@ def test_a_load_failure_keeps_that_requests_saves_out():
     """Blocks computed on top of a block that did not load are never stored."""
     # nothing listens on the port: the load fails at once
     w = WorkerSide(SidecarClient(f"http://127.0.0.1:{free_port()}", timeout=0.5),
-                   PageLayout.of(cpu_caches(), N), "ns", {"page_bytes": 1}, 2)
+                   PageLayout.of(cpu_caches(), N), {"page_bytes": 1, "model": "m"}, 2)
     w.load([Transfer("r", hkeys(1), [1])])
     assert w.take_load_errors() == {1}
     w.save([Transfer("r", hkeys(1, "after"), [2])])
