@@ -150,13 +150,17 @@ class SidecarConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         pc = self._vllm_config.parallel_config
         dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
-        cp = 0
+        pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
+        cp = 0  # context parallel (prefill x decode) shards the KV by token: one rank each
         if dcp > 1:
             from vllm.distributed.parallel_state import get_dcp_group
             cp = get_dcp_group().rank_in_group
+        if pcp > 1:
+            from vllm.distributed.parallel_state import get_pcp_group
+            cp += get_pcp_group().rank_in_group * dcp
         return {"tp": get_tp_group().rank_in_group, "tp_size": pc.tensor_parallel_size,
                 "pp": get_pp_group().rank_in_group, "pp_size": pc.pipeline_parallel_size,
-                "cp": cp, "cp_size": dcp}
+                "cp": cp, "cp_size": dcp * pcp}
 
     def _default_staging(self, layout: PageLayout) -> int:
         """Enough slots for one step's saves and a long prompt's loads, at most 1 GiB."""
@@ -213,8 +217,12 @@ class SidecarConnector(KVConnectorBase_V1):
         if self.sched is None:
             return
         ranks = sorted(metadata.items())
-        if any(not isinstance(m, SidecarHandshake) for _, m in ranks):
-            log.warning("kv-sidecar: a worker has no namespace (see its log): disabled")
+        pc = self._vllm_config.parallel_config
+        expected = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        if len(ranks) < expected or any(not isinstance(m, SidecarHandshake) for _, m in ranks):
+            # a rank that cannot load would compute on KV it never received: no hits at all
+            log.warning("kv-sidecar: %d of %d workers have a namespace (see their log): disabled",
+                        len(ranks), expected)
             return
         self.sched.specs = {m.namespace: m.spec for _, m in ranks}
 
