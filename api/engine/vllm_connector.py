@@ -1,0 +1,270 @@
+"""vLLM KV connector backed by kv-sidecar (`KVConnectorBase_V1`).
+
+    vllm serve MODEL --enable-prefix-caching --kv-transfer-config '{
+      "kv_connector": "SidecarConnector", "kv_connector_module_path": "api.vllm_connector",
+      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"sidecar_url": "http://127.0.0.1:8411", "sidecar_token": "..."}}'
+
+Keys are vLLM's own chained block hashes (hex): they already fold in the LoRA adapter and
+the cache salt. The namespace names the rest of what makes pages interchangeable (model,
+dtype, block size, backend and kernel path, tensor shapes, hash algorithm, TP/PP rank); the
+worker computes it from its KV tensors and hands it to the scheduler in the startup
+handshake. Nothing raises into the engine: a failure is a miss, a failed load is reported
+through `get_block_ids_with_load_errors` and vLLM recomputes those blocks.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole)
+
+from api.engine.client import SidecarClient
+from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
+from api.engine.vllm_scheduler import SchedulerSide, Transfer
+from api.engine.vllm_worker import WorkerSide
+
+log = logging.getLogger("kv_sidecar.vllm")
+_CRYPTO_HASHES = ("sha256", "sha256_cbor")
+
+
+@dataclass
+class SidecarConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: the pages to load before the forward and to save after."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class SidecarHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at startup: this rank's namespace and its spec."""
+
+    namespace: str
+    spec: dict
+
+
+def never_raises(default):
+    """Log (rate-limited by the logger's config) and answer `default` instead of raising."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                log.exception("kv-sidecar connector %s failed (answering %r)", fn.__name__, default)
+                return default() if callable(default) else default
+        return inner
+    return wrap
+
+
+class SidecarConnector(KVConnectorBase_V1):
+    """kv_role "kv_both": loads the longest stored prefix, saves every new full block."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.extra = extra
+        url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", "http://127.0.0.1:8411")
+        token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
+        self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
+        self.sched: Optional[SchedulerSide] = None
+        self.worker: Optional[WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config, kv_cache_config)
+
+    # -- setup -------------------------------------------------------------------------
+    def _init_scheduler(self, vllm_config, kv_cache_config) -> None:
+        tc = self._kv_transfer_config
+        if tc.kv_load_failure_policy != "recompute" and self.extra.get("on_load_error") != "fail":
+            log.info("kv-sidecar: a page that fails to load is a miss: kv_load_failure_policy=recompute")
+            tc.kv_load_failure_policy = "recompute"
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) != 1:
+            log.warning("kv-sidecar: %d KV cache groups (hybrid models are not supported): disabled",
+                        len(groups))
+            return
+        block_size = groups[0].kv_cache_spec.block_size
+        hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
+        if block_size % hash_block:
+            log.warning("kv-sidecar: block size %d is no multiple of the hash block size %d: disabled",
+                        block_size, hash_block)
+            return
+        cache = vllm_config.cache_config
+        if not cache.enable_prefix_caching:
+            log.warning("kv-sidecar: needs --enable-prefix-caching (keys are its block hashes): disabled")
+        algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+        if algo not in _CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+            log.warning("kv-sidecar: %s block hashes get a random seed per process: set PYTHONHASHSEED "
+                        "(the same on every engine) or no engine finds another's pages", algo)
+        self.sched = SchedulerSide(
+            self.client, block_size, ratio=block_size // hash_block,
+            lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
+            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, never a lost result
+
+    # -- worker side -------------------------------------------------------------------
+    @never_raises(None)
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        cfg = self._vllm_config
+        num_blocks = self._kv_cache_config.num_blocks
+        layout = PageLayout.of(dict(kv_caches), num_blocks)
+        scope = EngineScope(model=self._model_id(), dtype=self._dtype(),
+                            block_size=cfg.cache_config.block_size, backend=self._backend(kv_caches),
+                            hashing=self._hashing(), rank=self._rank())
+        staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(layout)
+        self.worker = WorkerSide(self.client, layout, namespace_spec(scope, layout), staging)
+        log.info("kv-sidecar: namespace %s, %d-byte pages, %s", self.worker.namespace, layout.page_bytes,
+                 "cuda_ipc" if self.worker.cuda else f"{self.worker.slots.capacity}-slot staging memfd")
+
+    def _model_id(self) -> str:
+        mc = self._vllm_config.model_config
+        model = str(mc.model) + (f"@{mc.revision}" if getattr(mc, "revision", None) else "")
+        scope = self.extra.get("sidecar_scope")
+        return f"{model}#{scope}" if scope else model
+
+    def _dtype(self) -> str:
+        return f"{self._vllm_config.model_config.dtype}/{self._vllm_config.cache_config.cache_dtype}"
+
+    def _hashing(self) -> str:
+        algo = getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
+        hash_block = getattr(self._kv_cache_config, "hash_block_size", None)
+        return f"{algo}/{hash_block or self._vllm_config.cache_config.block_size}"
+
+    def _backend(self, kv_caches) -> str:
+        """Attention backend and kernel path of the first layer (CPU_ATTN sets `isa`)."""
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        layer = ctx.get(next(iter(kv_caches)))
+        backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: "unknown")()
+        isa = getattr(layer, "isa", None)
+        return f"{backend}.{isa}" if isa else str(backend)
+
+    def _rank(self) -> dict:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        pc = self._vllm_config.parallel_config
+        dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
+        pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
+        cp = 0  # context parallel (prefill x decode) shards the KV by token: one rank each
+        if dcp > 1:
+            from vllm.distributed.parallel_state import get_dcp_group
+            cp = get_dcp_group().rank_in_group
+        if pcp > 1:
+            from vllm.distributed.parallel_state import get_pcp_group
+            cp += get_pcp_group().rank_in_group * dcp
+        return {"tp": get_tp_group().rank_in_group, "tp_size": pc.tensor_parallel_size,
+                "pp": get_pp_group().rank_in_group, "pp_size": pc.pipeline_parallel_size,
+                "cp": cp, "cp_size": dcp * pcp}
+
+    def _default_staging(self, layout: PageLayout) -> int:
+        """Enough slots for one step's saves and a long prompt's loads, at most 1 GiB."""
+        sc = self._vllm_config.scheduler_config
+        bs = self._vllm_config.cache_config.block_size
+        want = 2 * (sc.max_num_batched_tokens // bs + 1) + self._vllm_config.model_config.max_model_len // bs
+        return max(8, min(want, (1 << 30) // layout.page_bytes))
+
+    def get_handshake_metadata(self) -> Optional[SidecarHandshake]:
+        if self.worker is None:
+            return None
+        return SidecarHandshake(self.worker.namespace, self.worker.spec)
+
+    @never_raises(None)
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, SidecarConnectorMetadata) and meta.loads:
+            self.worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # saves copy every layer at once in wait_for_save
+
+    @never_raises(None)
+    def wait_for_save(self):
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, SidecarConnectorMetadata):
+            self.worker.save(meta.saves)  # also when empty: it ends the step's load failures
+
+    @never_raises((None, None))
+    def get_finished(self, finished_req_ids: set[str]):
+        if self.worker is None:
+            return None, None
+        return self.worker.finished(set(finished_req_ids)) or None, None
+
+    @never_raises(set)
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    @never_raises(None)
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.close()
+        if self.sched is not None:
+            self.sched.close()
+
+    # -- scheduler side ----------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+        if self.sched is None:
+            return
+        ranks = sorted(metadata.items())
+        pc = self._vllm_config.parallel_config
+        expected = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        if len(ranks) < expected or any(not isinstance(m, SidecarHandshake) for _, m in ranks):
+            # a rank that cannot load would compute on KV it never received: no hits at all
+            log.warning("kv-sidecar: %d of %d workers have a namespace (see their log): disabled",
+                        len(ranks), expected)
+            return
+        self.sched.specs = {m.namespace: m.spec for _, m in ranks}
+
+    @never_raises((0, False))
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if self.sched is None:
+            return 0, False
+        return self.sched.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if self.sched is None:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        try:
+            self.sched.allocated(request, block_ids, num_external_tokens)
+        except Exception:
+            log.exception("kv-sidecar update_state_after_alloc failed: the request recomputes")
+            if num_external_tokens > 0:  # report every block as failed: vLLM recomputes them
+                self.sched.loads.append(Transfer(request.request_id, [], block_ids))
+
+    def build_connector_meta(self, scheduler_output) -> SidecarConnectorMetadata:
+        if self.sched is None:
+            return SidecarConnectorMetadata()
+        loads = self.sched.take_loads()
+        try:
+            manager = self._kv_cache_manager
+            saves = self.sched.saves(scheduler_output.num_scheduled_tokens,
+                                     lambda rid: manager.get_block_ids(rid)[0])
+        except Exception:
+            log.exception("kv-sidecar: planning this step's saves failed (they are skipped)")
+            saves = []
+        return SidecarConnectorMetadata(loads, saves)
+
+    @never_raises(None)
+    def update_connector_output(self, connector_output):
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if self.sched is not None and invalid:
+            manager = self._kv_cache_manager
+            self.sched.load_failed(set(invalid), lambda rid: manager.get_block_ids(rid)[0])
+
+    @never_raises((False, None))
+    def request_finished(self, request, block_ids):
+        if self.sched is None:
+            return False, None
+        return self.sched.finished(request), None

@@ -1,0 +1,241 @@
+"""Worker side of the vLLM connector: pages move by slot through a registered buffer.
+
+On CPU the KV cache is private memory, so the worker owns a staging memfd (SharedBuffer) of
+`staging_blocks` page slots registered with the sidecar; only keys and slot numbers go over
+HTTP. Loads run before the forward (get into staging, then copy into the KV blocks); saves
+copy the step's finished blocks into staging right after the forward, so the KV blocks are
+free again at once, and the `set` runs on an I/O thread; the request is reported through
+`get_finished` when its last set returned. On CUDA the KV tensors themselves are registered
+(cuda_ipc, `api.engine.cuda_export`) and slots are block ids: no staging, sets run in the step.
+
+    load:  sidecar --get(keys, slots)--> staging slots --copy--> KV blocks   (before forward)
+    save:  KV blocks --copy--> staging slots --set(keys, slots) on I/O thread--> sidecar
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+
+from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
+from api.engine.shm import SharedBuffer, page_first_chunks
+from api.engine.vllm_layout import PageLayout, namespace_name
+from api.engine.vllm_scheduler import Transfer
+
+log = logging.getLogger("kv_sidecar.vllm")
+
+
+class SlotPool:
+    """Free staging slots; `take` waits (bounded) for in-flight saves to give theirs back."""
+
+    def __init__(self, n: int):
+        self.capacity = n
+        self._free = list(range(n - 1, -1, -1))
+        self._cond = threading.Condition()
+
+    def take(self, n: int, timeout: float = 60.0) -> list[int]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._free) >= n, timeout):
+                raise TimeoutError(f"no {n} free staging slots in {timeout} s")
+            return [self._free.pop() for _ in range(n)]
+
+    def give(self, slots: list[int]) -> None:
+        with self._cond:
+            self._free.extend(slots)
+            self._cond.notify_all()
+
+
+class WorkerSide:
+    """Registration, loads, saves and their reports for one worker (one TP/PP rank)."""
+
+    def __init__(self, client: SidecarClient, layout: PageLayout, spec: dict, staging_blocks: int):
+        self.client, self.layout, self.spec = client, layout, spec
+        self.namespace = namespace_name(spec)
+        self.cuda = layout.views[0].is_cuda
+        self.staging: Optional[SharedBuffer] = None
+        if not self.cuda:
+            slots = max(1, min(staging_blocks, layout.num_blocks))
+            self.staging = SharedBuffer(slots * layout.page_bytes, name="kv-vllm-staging")
+            table = self.staging.tensor((slots, layout.page_bytes))
+            self.windows = layout.staging_views(table)
+            self.slots = SlotPool(slots)
+        self.buffer_id: Optional[str] = None
+        self.io = ThreadPoolExecutor(1, "sidecar-save")
+        self.lock = threading.Lock()             # the bookkeeping below
+        self.reg_lock = threading.Lock()         # registration (HTTP: never under self.lock)
+        self.inflight: dict[str, int] = {}       # req_id -> sets not yet returned
+        self.saving: set[str] = set()            # requests with saves, until reported
+        self.finishing: set[str] = set()         # finished in the scheduler, not yet reported
+        self.load_errors: set[int] = set()
+        self.failed_reqs: set[str] = set()       # a load failed this step: do not save them
+        self.pending: list[Future] = []
+        self.stats = {"loaded": 0, "load_failed": 0, "saved": 0, "save_failed": 0}
+        self._last_warning = 0.0
+
+    # -- registration (lazy; again after a sidecar restart) ---------------------------
+    def _ensure(self) -> str:
+        with self.reg_lock:
+            if self.buffer_id is None:
+                self.client.put_namespace(self.namespace, **self.spec)
+                if self.cuda:
+                    from api.engine.cuda_export import register_cuda
+                    self.buffer_id = register_cuda(self.client, self.namespace,
+                                                   [v for v in self.layout.views], self.layout.num_blocks)
+                else:
+                    slots = self.slots.capacity
+                    self.buffer_id = self.staging.register(self.client, self.namespace, slots,
+                                                           page_first_chunks(self.layout.page_bytes))
+            return self.buffer_id
+
+    def _call(self, fn: Callable, keys: list[str], slots: list[int]) -> list[bool]:
+        """One get/set by slot; a lost registration registers again and retries once."""
+        for attempt in (0, 1):
+            buffer_id = self._ensure()
+            try:
+                return fn(self.namespace, keys, buffer_id, slots)
+            except (SidecarUnavailable, SidecarError) as exc:
+                lost = isinstance(exc, SidecarUnavailable) or exc.code in (
+                    "buffer_not_found", "namespace_not_found")
+                if lost:
+                    with self.reg_lock:
+                        self.buffer_id = None
+                if not lost or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 30:
+            self._last_warning = now
+            log.warning("kv-sidecar %s failed (a miss, vLLM recomputes): %s", what, exc)
+
+    # -- loads: before the forward -----------------------------------------------------
+    def load(self, transfers: list[Transfer]) -> None:
+        """Load every page of this step; blocks that did not load become load errors."""
+        self.failed_reqs = set()
+        for t in transfers:
+            ok = self._load_one(t)
+            failed = [b for b, good in zip(t.block_ids, ok) if not good]
+            failed += t.block_ids[len(ok):]
+            self.stats["loaded"] += len(t.block_ids) - len(failed)
+            if failed:
+                self.stats["load_failed"] += len(failed)
+                self.load_errors.update(failed)
+                self.failed_reqs.add(t.req_id)
+
+    def _load_one(self, t: Transfer) -> list[bool]:
+        if not t.keys:
+            return []
+        try:
+            if self.cuda:
+                return self._call(self.client.get, t.keys, t.block_ids)
+            ok: list[bool] = []
+            step = self.slots.capacity
+            for i in range(0, len(t.keys), step):
+                keys, blocks = t.keys[i:i + step], t.block_ids[i:i + step]
+                slots = self.slots.take(len(keys))
+                try:
+                    got = self._call(self.client.get, keys, slots)
+                    good = [(s, b) for s, b, g in zip(slots, blocks, got) if g]
+                    if good:
+                        self.layout.from_staging(self.windows, [s for s, _ in good], [b for _, b in good])
+                finally:
+                    self.slots.give(slots)
+                ok += got
+            return ok
+        except Exception as exc:
+            self._warn("load", exc)
+            return []
+
+    # -- saves: after the forward ------------------------------------------------------
+    def save(self, transfers: list[Transfer]) -> None:
+        """Copy this step's finished blocks out of the KV cache now; set them in the background."""
+        with self.lock:  # the scheduler keeps these requests' blocks until they are reported
+            self.saving.update(t.req_id for t in transfers)
+        for t in transfers:
+            if t.req_id in self.failed_reqs or not t.keys:
+                continue  # computed on top of a block that did not load: never store it
+            try:
+                self._save_one(t)
+            except Exception as exc:
+                self.stats["save_failed"] += len(t.keys)
+                self._warn("save", exc)
+        self.failed_reqs = set()
+
+    def _save_one(self, t: Transfer) -> None:
+        if self.cuda:  # the sidecar reads the KV blocks themselves: finish the step's writes first
+            torch.cuda.current_stream().synchronize()
+            self._count(self._call(self.client.set, t.keys, t.block_ids))
+            return
+        step = self.slots.capacity
+        for i in range(0, len(t.keys), step):
+            keys, blocks = t.keys[i:i + step], t.block_ids[i:i + step]
+            slots = self.slots.take(len(keys))
+            try:
+                self.layout.to_staging(self.windows, blocks, slots)
+            except BaseException:
+                self.slots.give(slots)
+                raise
+            with self.lock:
+                self.inflight[t.req_id] = self.inflight.get(t.req_id, 0) + 1
+            self.pending.append(self.io.submit(self._set, t.req_id, keys, slots))
+        self.pending = [f for f in self.pending if not f.done()]
+
+    def _set(self, req_id: str, keys: list[str], slots: list[int]) -> None:
+        try:
+            self._count(self._call(self.client.set, keys, slots))
+        except Exception as exc:
+            self.stats["save_failed"] += len(keys)
+            self._warn("save", exc)
+        finally:
+            self.slots.give(slots)
+            with self.lock:
+                self.inflight[req_id] -= 1
+                if not self.inflight[req_id]:
+                    del self.inflight[req_id]
+
+    def _count(self, stored: list[bool]) -> None:
+        n = sum(1 for s in stored if s)
+        self.stats["saved"] += n
+        self.stats["save_failed"] += len(stored) - n
+
+    # -- reports -----------------------------------------------------------------------
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests the scheduler kept for their saves, now that every set returned."""
+        with self.lock:
+            self.finishing |= finished_req_ids & self.saving
+            done = {r for r in self.finishing if r not in self.inflight}
+            self.finishing -= done
+            self.saving -= done
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait for the sets in flight (shutdown, preemption on CUDA)."""
+        deadline = time.monotonic() + timeout
+        for f in list(self.pending):
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        self.pending = []
+
+    def close(self) -> None:
+        self.drain()
+        self.io.shutdown(wait=True)
+        if self.buffer_id is not None:
+            try:
+                self.client.release_buffer(self.namespace, self.buffer_id)
+            except Exception:
+                pass
+        self.client.close()
+        if self.staging is not None:
+            self.windows = []
+            self.staging.close()
