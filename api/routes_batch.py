@@ -19,7 +19,10 @@ router = APIRouter(prefix="/v1/batch")
 async def batch_exists(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     extra = hybrid.parse_extra(body.get("extra"))
-    return json(hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"), extra))
+    restorable = body.get("restorable", False)
+    if not isinstance(restorable, bool):
+        raise BadRequest("'restorable' must be a boolean")
+    return json(hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"), extra, restorable))
 
 
 @router.post("/set", openapi_extra=body("batch_move"))

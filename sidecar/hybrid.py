@@ -1,17 +1,27 @@
-"""Several pools at once (hybrid models): SGLang's `batch_exists_v2` hit rule and batch moves.
+"""Several pools at once (hybrid models): the batch hit rule and batch moves.
 
-    keys:        k0  k1  k2  k3  k4  k5
-    kv:           x   x   x   x   x   .     kv hit = 5 (longest present prefix)
-    mamba (w=1):  .   .   x   .   x   .     trailing_pages: largest p <= 5 with [p-1, p) present = 5
-    swa   (w=2):  x   x   x   .   x   .     trailing_pages: largest p with [p-2, p) present = 3
-    indexer:      x   x   .   x   x   .     all_pages: first missing index in [0, 5) = 2
-    hit = min(5, 5, 3, 2) = 2; the loop stops once the hit is 0.
+An endpoint p (pages [0, p) restored) is legal for a pool when, under its policy,
+all_pages: pages [0, p) are present; trailing_pages, window w: pages [max(0, p-w), p) are.
+hit = the greatest p <= kv legal for EVERY extra pool (the intersection, not the minimum
+of each pool's best: a trailing pool's legal endpoints have holes).
 
-Extra pools keep a page under the KV key of the same position.
+    keys:         k0  k1  k2  k3  k4  k5
+    kv:            x   x   x   x   x   .    kv = 5 (longest present prefix)
+    endpoint p:  0   1   2   3   4   5
+    mamba (w=1):   .   x   .   x   .        legal {0, 2, 4}        own best 4
+    swa   (w=2):   x   x   x   .   x        legal {0, 1, 2, 3}     own best 3
+    indexer:       x   x   x   x   x        legal {0, .., 5}       own best 5
+    hit = max({0, 2, 4} & {0, 1, 2, 3} & {0, .., 5}) = 2; min of the bests would say 3,
+    where Mamba has no state.
+
+Each pool clears its illegal endpoints in one byte per endpoint, one slice per run of
+missing pages (linear in keys x pools). Extra pools keep a page under the KV key of the
+same position.
 """
 from __future__ import annotations
 
 import asyncio
+from itertools import compress
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,22 +41,20 @@ class ExtraPool:
     window: int = 1
 
 
-def boundary(present: list[bool], kv_hit: int, policy: str, window: int = 1) -> int:
-    """How many leading pages of the KV hit this pool can serve (`present` covers >= kv_hit)."""
-    if policy == ALL_PAGES:
-        for i in range(kv_hit):
-            if not present[i]:
-                return i
-        return kv_hit
-    run = 0
-    runs = []
-    for i in range(kv_hit):  # runs[i] = present pages ending at i
-        run = run + 1 if present[i] else 0
-        runs.append(run)
-    for p in range(kv_hit, 0, -1):
-        if runs[p - 1] >= min(window, p):
-            return p
-    return 0
+def legal_endpoints(mask: bytes, top: int, window: int) -> bytearray:
+    """ok[p] = 1 for each endpoint p in 0..top this pool can restore; `mask[i]` is 1 when
+    page i is present (it covers >= top pages). all_pages is a window of `top` or more."""
+    ok = bytearray(b"\x01") * (top + 1)
+    miss = mask.find(0, 0, top)
+    while miss >= 0:
+        back = mask.find(1, miss, top)  # misses at [miss, back) make (miss, back-1+w] illegal
+        back = top if back < 0 else back
+        hi = min(top, back - 1 + window)
+        ok[miss + 1:hi + 1] = bytes(hi - miss)
+        if hi == top:
+            break
+        miss = mask.find(0, back, top)
+    return ok
 
 
 def parse_extra(raw: Any) -> list[ExtraPool]:
@@ -71,22 +79,23 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
     return out
 
 
-def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool]) -> dict[str, Any]:
-    """{"hit", "kv", "pools"}: the KV prefix, then min over extra pools (0 once it is 0)."""
+def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
+                 restorable: bool = False) -> dict[str, Any]:
+    """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all)."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    kv_hit = store.prefix(kv, keys)  # validates the keys past the prefix
-    hit, pools = kv_hit, {}
+    top = store.prefix(kv, keys)  # validates the keys past the prefix
+    common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
+    pools = {}
     for pool in extra:
-        if hit == 0:
-            pools[pool.namespace] = 0
-            continue
-        ns = store.namespaces.get(pool.namespace)
-        b = 0 if ns is None else boundary(ns.pool.present(keys[:kv_hit]), kv_hit,
-                                          pool.policy, pool.window)
-        pools[pool.namespace] = b
-        hit = min(hit, b)
-    return {"hit": hit, "kv": kv_hit, "pools": pools}
+        ok = legal_endpoints(store.mask(pool.namespace, keys[:top]), top,
+                             top if pool.policy == ALL_PAGES else pool.window)
+        pools[pool.namespace] = ok.rfind(1)
+        common &= int.from_bytes(ok, "little")
+    out = {"hit": (common.bit_length() - 1) // 8, "kv": top, "pools": pools}
+    if restorable:
+        out["restorable"] = list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,6 +161,18 @@ class Store:
             found = [hit or self.tiering.present(ns.identity, k) for k, hit in zip(keys, found)]
         return found
 
+    def mask(self, name: str, keys: list[str]) -> bytes:
+        """One byte per key, 1 when present anywhere; for keys already validated (a KV
+        prefix). A namespace that does not exist holds nothing."""
+        ns = self.namespaces.get(name)
+        if ns is None:
+            return bytes(len(keys))
+        found = bytes(map(ns.pool.ready.__contains__, keys))
+        if self.tiering.enabled and 0 in found:
+            present = self.tiering.present
+            found = bytes(hit or present(ns.identity, k) for k, hit in zip(keys, found))
+        return found
+
     async def delete(self, name: str, keys: list[str]) -> int:
         """Drop keys from every tier; the count is of keys that were present anywhere."""
         ns = self.namespace(name)

@@ -152,9 +152,11 @@ class SidecarClient:
         return self.request("POST", self._ns(namespace, "/delete"), {"keys": keys})[1]["deleted"]
 
     # -- several pools at once (hybrid models) ----------------------------------------
-    def batch_exists(self, keys: Sequence[str], kv: str, extra: Sequence[dict] = ()) -> dict:
-        """{"hit", "kv", "pools"}; `extra` items: {"namespace", "policy", "window"}."""
-        return self.request("POST", "/v1/batch/exists", {"keys": keys, "kv": kv, "extra": list(extra)})[1]
+    def batch_exists(self, keys: Sequence[str], kv: str, extra: Sequence[dict] = (),
+                     restorable: bool = False) -> dict:
+        """{"hit", "kv", "pools"} (+ "restorable"); `extra` items: {"namespace", "policy", "window"}."""
+        body = {"keys": keys, "kv": kv, "extra": list(extra), **({"restorable": True} if restorable else {})}
+        return self.request("POST", "/v1/batch/exists", body)[1]
 
     def batch_set(self, items: Sequence[dict]) -> dict[str, list[bool]]:
         """`items`: {"namespace", "keys", "buffer_id", "slots"} each; answers per namespace."""

@@ -234,3 +234,43 @@ def test_parity_with_sglang_hicache_file(server, tmp_path):
                 outs = be.batch_get(arg, [torch.zeros(page, dtype=torch.uint8) for _ in arg])
                 answers.append([None if o is None else bytes(o.tolist()) for o in outs])
         assert answers[0] == answers[1], (op, answers)
+
+
+def test_v2_endpoint_every_pool_restores_and_loads_exactly_its_pages(server):
+    """Issue 12's last row: SWA restores {1, 3}, Mamba {1, 2} (windows of 1 page over 3 KV
+    pages). The answer is 1 (min of the bests said 2, where SWA has no state), the result
+    names only endpoints both can serve, and the get for it loads one page from each."""
+    kv_pool, mamba, swa = MHAHostPool("page_first", 64, P), MambaHostPool(16), MambaHostPool(16)
+    be = make(server, kv_pool)
+    for pool, name in ((mamba, h.PoolName.MAMBA), (swa, h.PoolName.SWA)):
+        be.register_mem_host_pool_v2(pool, name)
+        fill(pool, range(16))
+    ks = keys(3, "row3")
+    fill(kv_pool, range(3))
+    assert be.batch_set_v1(ks, indices(range(3))) == [True] * 3
+    put = {h.PoolName.SWA: ([ks[0], ks[2]], [4, 6]), h.PoolName.MAMBA: ([ks[0], ks[1]], [8, 9])}
+    for name, (ts, slots) in put.items():
+        assert all(be.batch_set_v2([h.PoolTransfer(name=name, host_indices=torch.tensor(slots), keys=ts)])[name])
+    probes = [h.PoolTransfer(name=n, keys=["__placeholder__"], hit_policy=h.PoolHitPolicy.TRAILING_PAGES)
+              for n in (h.PoolName.SWA, h.PoolName.MAMBA)]
+    res = be.batch_exists_v2(ks, probes)
+    assert (res.kv_hit_pages, res.restorable_prefix_pages) == (1, [1])
+    assert res.extra_pool_hit_pages == {"kv": 3, "swa": 3, "mamba": 2}  # each pool's own best
+    fresh = {name: MambaHostPool(16) for name in put}
+    reader = make(server, MHAHostPool("page_first", 64, P))
+    for name, pool in fresh.items():
+        reader.register_mem_host_pool_v2(pool, name)
+    before = {name: stat(reader, name)["hits"] for name in put}
+    # what the controller sends for endpoint 1: each window's last page, ks[0]
+    got = reader.batch_get_v2([h.PoolTransfer(name=n, host_indices=torch.tensor([5]), keys=ks[:1])
+                               for n in put])
+    assert got == {"swa": [True], "mamba": [True]}
+    for name, (_, slots) in put.items():
+        src = swa if name == h.PoolName.SWA else mamba
+        assert fresh[name].page_bytes(5) == src.page_bytes(slots[0])
+        assert stat(reader, name)["hits"] - before[name] == 1  # exactly one page moved
+    server.invariants()
+
+
+def stat(backend, name):
+    return backend.client.stats()["namespaces"][backend.bindings[str(name)].namespace]
