@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,7 +55,8 @@ class Context:
         writer = TierWriter(tiers, config.tier_threads, config.write_queue_pages) if tiers else None
         tiering = Tiering(tiers, config.write_policy, writer, host_pool, executor)
         cuda = cuda_ipc.CudaIpc.create()
-        store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, 2), tiering, cuda)
+        store = Store(host_pool, executor, config.shm_dirs, min(config.copy_threads, os.cpu_count() or 1),
+                      tiering, cuda)
         ctx = cls(config, arena, host_pool, store, executor)
         ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(arena.address, arena.size)
         log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "

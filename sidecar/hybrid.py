@@ -79,23 +79,81 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
     return out
 
 
+class Presence:
+    """One pool's pages over the KV prefix `keys[:top]`, looked up from the top down and
+    only as far as asked, in doubling chunks: a trailing pool's hit usually needs its
+    last window only. `bits[i - lo]` is 1 when page i (lo <= i < top) is present."""
+
+    def __init__(self, store: Store, name: str, keys: list[str], top: int):
+        self.store, self.name, self.keys, self.top = store, name, keys, top
+        self.lo, self.bits = top, b""
+
+    def _reach(self, i: int) -> None:
+        if i < self.lo:
+            lo = max(0, min(i, 2 * self.lo - self.top))
+            self.bits = self.store.mask(self.name, self.keys[lo:self.lo]) + self.bits
+            self.lo = lo
+
+    def last_missing(self, lo: int, hi: int) -> int:
+        """The greatest i in [lo, hi) whose page is missing, -1 when all are present."""
+        self._reach(lo)
+        i = self.bits.rfind(0, lo - self.lo, hi - self.lo)
+        return -1 if i < 0 else i + self.lo
+
+    def last_present(self, hi: int) -> int:
+        """The greatest i < hi whose page is present, -1 when none is."""
+        while True:
+            i = self.bits.rfind(1, 0, max(0, hi - self.lo))
+            if i >= 0 or self.lo == 0:
+                return -1 if i < 0 else i + self.lo
+            hi = self.lo
+            self._reach(self.lo - 1)
+
+    def all(self) -> bytes:
+        self._reach(0)
+        return self.bits
+
+
+def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
+    """The greatest endpoint <= p this pool can restore."""
+    if pool.policy == ALL_PAGES:
+        miss = seen.all().find(0, 0, p)
+        return p if miss < 0 else miss
+    while p > 0:
+        miss = seen.last_missing(max(0, p - pool.window), p)
+        if miss < 0:
+            return p
+        # every endpoint in (q + 1, p] ends on a missing page or has one in its window
+        p = seen.last_present(miss) + 1
+    return 0
+
+
 def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
                  restorable: bool = False) -> dict[str, Any]:
     """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all)."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
     top = store.prefix(kv, keys)  # validates the keys past the prefix
-    common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
-    pools = {}
-    for pool in extra:
-        ok = legal_endpoints(store.mask(pool.namespace, keys[:top]), top,
-                             top if pool.policy == ALL_PAGES else pool.window)
-        pools[pool.namespace] = ok.rfind(1)
-        common &= int.from_bytes(ok, "little")
-    out = {"hit": (common.bit_length() - 1) // 8, "kv": top, "pools": pools}
+    seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
+    own = [cap(pool, s, top) for pool, s in zip(extra, seen)]
+    hit, legal_at = min(own, default=top), list(own)  # legal_at[i]: an endpoint pool i restores
+    while any(p != hit for p in legal_at):  # lower the hit until every pool restores it
+        for i, (pool, s) in enumerate(zip(extra, seen)):
+            if legal_at[i] != hit:
+                hit = legal_at[i] = cap(pool, s, hit)
+    out = {"hit": hit, "kv": top, "pools": {pool.namespace: b for pool, b in zip(extra, own)}}
     if restorable:
-        out["restorable"] = list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
+        out["restorable"] = common_endpoints(extra, seen, top)
     return out
+
+
+def common_endpoints(extra: list[ExtraPool], seen: list[Presence], top: int) -> list[int]:
+    """Every endpoint in 1..top that every pool can restore, ascending."""
+    common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
+    for pool, s in zip(extra, seen):
+        window = top if pool.policy == ALL_PAGES else pool.window
+        common &= int.from_bytes(legal_endpoints(s.all(), top, window), "little")
+    return list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
 
 
 @dataclass(frozen=True, slots=True)
