@@ -1,5 +1,7 @@
 """The batch hit rule: the greatest endpoint every extra pool can restore (API.md), checked
 against a brute force over every endpoint, written without the implementation's shortcuts."""
+import random
+
 import pytest
 from hypothesis import example, find, given, settings
 from hypothesis import strategies as st
@@ -64,10 +66,10 @@ def run(store, case):
             store.delete_namespace(name)
 
 
-def fill(store, name, present):
+def fill(store, name, present, keys=KEYS):
     store.put_namespace(name, parse_spec({"page_bytes": 64}))
     pool = store.namespace(name).pool
-    for k, here in zip(KEYS, present):
+    for k, here in zip(keys, present):
         if here:
             pool.commit(pool.reserve(k))
 
@@ -124,3 +126,24 @@ def test_legal_endpoints_examples():
     assert legal_endpoints(swa, 5, 9) == bytes([1, 1, 1, 1, 0, 0])  # the window is cut at the root
     assert legal_endpoints(bytes([1, 1, 0, 1, 1]), 5, 5) == bytes([1, 1, 1, 0, 0, 0])  # all_pages
     assert legal_endpoints(b"", 0, 1) == b"\x01"
+
+
+@pytest.mark.parametrize("density", [0.05, 0.5, 0.97])
+def test_long_prefixes_match_brute_force(store, density):
+    """300 pages, so the look-ups from the top reach down in several chunks."""
+    rng = random.Random(f"rule-{density}")
+    keys = [f"{i:064x}" for i in range(300)]
+    for trial in range(4):
+        pools = [([rng.random() < density for _ in keys], rng.choice(["all_pages", "trailing_pages"]),
+                  rng.choice([1, 2, 7, 40])) for _ in range(rng.randint(1, 3))]
+        kv_present = [True] * 250 + [False] + [True] * 49
+        try:
+            for name, present in [("kv", kv_present)] + [(f"p{j}", p) for j, (p, _, _) in enumerate(pools)]:
+                fill(store, name, present, keys)
+            extra = [ExtraPool(f"p{j}", policy, w) for j, (_, policy, w) in enumerate(pools)]
+            got = batch_exists(store, keys, "kv", extra, restorable=True)
+        finally:
+            for name in list(store.namespaces):
+                store.delete_namespace(name)
+        kv, hit, own, common = reference(kv_present, pools)
+        assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (kv, hit, own, common)
