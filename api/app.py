@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from api import routes_batch, routes_health, routes_namespaces, routes_pages, routes_ui
 from api.errors import HANDLERS
+from api.fastpath import FastPath
 from api.guard import Guard
 from sidecar import __version__
 from sidecar.config import Config
@@ -47,5 +48,6 @@ def create_app(config: Config) -> FastAPI:
     app.include_router(routes_ui.router)  # /ui, /v1/samples, /docs
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)
+    app.add_middleware(FastPath, state=app.state)  # added first: it runs inside the Guard
     app.add_middleware(Guard, token=config.token, max_body=config.max_body, stats=requests)
     return app

@@ -10,7 +10,12 @@ from sidecar.errors import NotReady
 
 
 async def context(request: Request) -> Context:
-    ctx = getattr(request.app.state, "ctx", None)
+    return ready(request.app.state)
+
+
+def ready(state) -> Context:
+    """The app's context once it is ready, else 503."""
+    ctx = getattr(state, "ctx", None)
     if ctx is None or not ctx.ready:
         raise NotReady("the sidecar is starting or shutting down; retry shortly")
     return ctx

@@ -35,7 +35,8 @@ SCHEMAS = {
     "batch_exists": _obj(["keys", "kv"], keys=KEYS, kv={"type": "string"}, extra={
         "type": "array", "items": _obj(["namespace"], namespace={"type": "string"},
                                        policy={"enum": ["all_pages", "trailing_pages"]},
-                                       window={"type": "integer", "minimum": 1})}),
+                                       window={"type": "integer", "minimum": 1})},
+        restorable={"type": "boolean"}),
     "batch_move": _obj(["items"], kv={"type": "string"}, items={
         "type": "array", "items": _obj(["namespace", "keys", "buffer_id", "slots"],
                                        namespace={"type": "string"}, keys=KEYS,

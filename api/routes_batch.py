@@ -5,9 +5,10 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api import fastpath
 from api.deps import context
 from api.openapi import body
-from api.wire import json, read_json
+from api.wire import json, raw_json, read_json
 from sidecar import hybrid
 from sidecar.context import Context
 from sidecar.errors import BadRequest
@@ -19,8 +20,7 @@ router = APIRouter(prefix="/v1/batch")
 @router.post("/exists", openapi_extra=body("batch_exists"))
 async def batch_exists(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    extra = hybrid.parse_extra(body.get("extra"))
-    return json(await hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"), extra))
+    return raw_json(await fastpath.batch_exists(ctx, request.scope, None, body))
 
 
 @router.post("/set", openapi_extra=body("batch_move"))

@@ -5,12 +5,12 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api import fastpath
 from api.deps import context
 from api.openapi import PAGE_BODY, body
-from api.wire import flag, json, read_json
+from api.wire import flag, json, raw_json, read_json
 from sidecar.context import Context
-from sidecar.errors import BadRequest, KeyNotFound
-from sidecar.peer import scope_peer
+from sidecar.errors import KeyNotFound
 
 router = APIRouter(prefix="/v1/namespaces/{name}")
 OCTETS = "application/octet-stream"
@@ -21,26 +21,19 @@ async def exists(name: str, request: Request, ctx: Context = Depends(context)) -
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
         return json({"present": await ctx.store.present(name, body.get("keys"))})
-    return json({"prefix": await ctx.store.prefix(name, body.get("keys"))})
+    return raw_json(await fastpath.exists(ctx, request.scope, name, body))
 
 
 @router.post("/set", openapi_extra=body("move"))
 async def set_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    durable = body.get("durable", False)
-    if not isinstance(durable, bool):
-        raise BadRequest("'durable' must be true or false")
-    stored = await ctx.store.set(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
-                                 durable, scope_peer(request.scope))
-    return json({"stored": stored})
+    return raw_json(await fastpath.set_pages(ctx, request.scope, name, body))
 
 
 @router.post("/get", openapi_extra=body("move"))
 async def get_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    loaded = await ctx.store.get(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
-                                 scope_peer(request.scope))
-    return json({"loaded": loaded})
+    return raw_json(await fastpath.get_pages(ctx, request.scope, name, body))
 
 
 @router.post("/delete", openapi_extra=body("keys"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from sidecar.errors import BadRequest, PayloadTooLarge
@@ -12,17 +12,26 @@ from sidecar.errors import BadRequest, PayloadTooLarge
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; 400 for bad JSON, 413 past `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) <= limit:
-        raw = await request.body()  # the guard holds the stream to its declared length
-    else:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"JSON body is over {limit} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+    return parse_object(await receive_body(request.receive, limit))
+
+
+async def receive_body(receive, limit: int) -> bytes:
+    """The whole request body from an ASGI `receive`; 413 past `limit` bytes."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"JSON body is over {limit} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """One orjson parse; 400 unless it is a JSON object."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -33,7 +42,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
 
 def json(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status, media_type="application/json")
+    return raw_json(orjson.dumps(data), status)
+
+
+def raw_json(data: bytes, status: int = 200) -> Response:
+    return Response(data, status, media_type="application/json")
 
 
 def flag(request: Request, name: str) -> bool:

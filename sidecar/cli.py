@@ -40,7 +40,7 @@ _FLAGS = [
      "address other Mooncake nodes reach this one at (default: the one routing to the master)"),
     ("--write-policy", "write_policy", "write_through (default), write_back or none"),
     ("--max-body", "max_body", "largest request body (default 256MiB)"),
-    ("--copy-threads", "copy_threads", "copy worker threads (default 4)"),
+    ("--copy-threads", "copy_threads", "copy worker threads (default: the cores, at least 4)"),
     ("--tier-threads", "tier_threads", "tier writer threads (default 2)"),
     ("--write-queue-pages", "write_queue_pages", "pages queued for the tiers before set waits (256)"),
     ("--shutdown-timeout", "shutdown_timeout", "seconds to drain on SIGTERM (default 30)"),

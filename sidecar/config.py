@@ -83,7 +83,7 @@ class Config:
     max_body: int = 256 * 2**20           # any request body
     max_json_body: int = 16 * 2**20       # JSON request bodies
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
-    copy_threads: int = 4
+    copy_threads: int = max(4, os.cpu_count() or 1)  # a large move is split over every core
     tier_threads: int = 2
     write_queue_pages: int = 256          # pages pinned for the tiers before a set waits
     shutdown_timeout: float = 30.0

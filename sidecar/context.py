@@ -74,7 +74,7 @@ class Context:
         st = os.fstat(arena.fd)
         own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
         sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda, own)
-        store = Store(host_pool, executor, sources, min(config.copy_threads, 2), tiering)
+        store = Store(host_pool, executor, sources, min(config.copy_threads, os.cpu_count() or 1), tiering)
         ctx = cls(config, arena, host_pool, store, executor)
         for tier in tiers:
             tier.attach(arena.address, arena.size)

@@ -1,17 +1,27 @@
-"""Several pools at once (hybrid models): SGLang's `batch_exists_v2` hit rule and batch moves.
+"""Several pools at once (hybrid models): the batch hit rule and batch moves.
 
-    keys:        k0  k1  k2  k3  k4  k5
-    kv:           x   x   x   x   x   .     kv hit = 5 (longest present prefix)
-    mamba (w=1):  .   .   x   .   x   .     trailing_pages: largest p <= 5 with [p-1, p) present = 5
-    swa   (w=2):  x   x   x   .   x   .     trailing_pages: largest p with [p-2, p) present = 3
-    indexer:      x   x   .   x   x   .     all_pages: first missing index in [0, 5) = 2
-    hit = min(5, 5, 3, 2) = 2; the loop stops once the hit is 0.
+An endpoint p (pages [0, p) restored) is legal for a pool when, under its policy,
+all_pages: pages [0, p) are present; trailing_pages, window w: pages [max(0, p-w), p) are.
+hit = the greatest p <= kv legal for EVERY extra pool (the intersection, not the minimum
+of each pool's best: a trailing pool's legal endpoints have holes).
 
-Extra pools keep a page under the KV key of the same position.
+    keys:         k0  k1  k2  k3  k4  k5
+    kv:            x   x   x   x   x   .    kv = 5 (longest present prefix)
+    endpoint p:  0   1   2   3   4   5
+    mamba (w=1):   .   x   .   x   .        legal {0, 2, 4}        own best 4
+    swa   (w=2):   x   x   x   .   x        legal {0, 1, 2, 3}     own best 3
+    indexer:       x   x   x   x   x        legal {0, .., 5}       own best 5
+    hit = max({0, 2, 4} & {0, 1, 2, 3} & {0, .., 5}) = 2; min of the bests would say 3,
+    where Mamba has no state.
+
+Each pool clears its illegal endpoints in one byte per endpoint, one slice per run of
+missing pages (linear in keys x pools). Extra pools keep a page under the KV key of the
+same position.
 """
 from __future__ import annotations
 
 import asyncio
+from itertools import compress
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,22 +42,20 @@ class ExtraPool:
     window: int = 1
 
 
-def boundary(present: list[bool], kv_hit: int, policy: str, window: int = 1) -> int:
-    """How many leading pages of the KV hit this pool can serve (`present` covers >= kv_hit)."""
-    if policy == ALL_PAGES:
-        for i in range(kv_hit):
-            if not present[i]:
-                return i
-        return kv_hit
-    run = 0
-    runs = []
-    for i in range(kv_hit):  # runs[i] = present pages ending at i
-        run = run + 1 if present[i] else 0
-        runs.append(run)
-    for p in range(kv_hit, 0, -1):
-        if runs[p - 1] >= min(window, p):
-            return p
-    return 0
+def legal_endpoints(mask: bytes, top: int, window: int) -> bytearray:
+    """ok[p] = 1 for each endpoint p in 0..top this pool can restore; `mask[i]` is 1 when
+    page i is present (it covers >= top pages). all_pages is a window of `top` or more."""
+    ok = bytearray(b"\x01") * (top + 1)
+    miss = mask.find(0, 0, top)
+    while miss >= 0:
+        back = mask.find(1, miss, top)  # misses at [miss, back) make (miss, back-1+w] illegal
+        back = top if back < 0 else back
+        hi = min(top, back - 1 + window)
+        ok[miss + 1:hi + 1] = bytes(hi - miss)
+        if hi == top:
+            break
+        miss = mask.find(0, back, top)
+    return ok
 
 
 def parse_extra(raw: Any) -> list[ExtraPool]:
@@ -72,22 +80,81 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
     return out
 
 
-async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool]) -> dict[str, Any]:
-    """{"hit", "kv", "pools"}: the KV prefix, then min over extra pools (0 once it is 0)."""
+class Presence:
+    """One pool's pages over the KV prefix `keys[:top]`, looked up from the top down and
+    only as far as asked, in doubling chunks: a trailing pool's hit usually needs its
+    last window only. `bits[i - lo]` is 1 when page i (lo <= i < top) is present."""
+
+    def __init__(self, store: Store, name: str, keys: list[str], top: int):
+        self.store, self.name, self.keys, self.top = store, name, keys, top
+        self.lo, self.bits = top, b""
+
+    async def _reach(self, i: int) -> None:
+        if i < self.lo:
+            lo = max(0, min(i, 2 * self.lo - self.top))
+            self.bits = await self.store.mask(self.name, self.keys[lo:self.lo]) + self.bits
+            self.lo = lo
+
+    async def last_missing(self, lo: int, hi: int) -> int:
+        """The greatest i in [lo, hi) whose page is missing, -1 when all are present."""
+        await self._reach(lo)
+        i = self.bits.rfind(0, lo - self.lo, hi - self.lo)
+        return -1 if i < 0 else i + self.lo
+
+    async def last_present(self, hi: int) -> int:
+        """The greatest i < hi whose page is present, -1 when none is."""
+        while True:
+            i = self.bits.rfind(1, 0, max(0, hi - self.lo))
+            if i >= 0 or self.lo == 0:
+                return -1 if i < 0 else i + self.lo
+            hi = self.lo
+            await self._reach(self.lo - 1)
+
+    async def all(self) -> bytes:
+        await self._reach(0)
+        return self.bits
+
+
+async def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
+    """The greatest endpoint <= p this pool can restore."""
+    if pool.policy == ALL_PAGES:
+        miss = (await seen.all()).find(0, 0, p)
+        return p if miss < 0 else miss
+    while p > 0:
+        miss = await seen.last_missing(max(0, p - pool.window), p)
+        if miss < 0:
+            return p
+        # every endpoint in (q + 1, p] ends on a missing page or has one in its window
+        p = await seen.last_present(miss) + 1
+    return 0
+
+
+async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
+                 restorable: bool = False) -> dict[str, Any]:
+    """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all)."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    kv_hit = await store.prefix(kv, keys)  # validates the keys past the prefix
-    hit, pools = kv_hit, {}
-    for pool in extra:
-        if hit == 0:
-            pools[pool.namespace] = 0
-            continue
-        ns = store.namespaces.get(pool.namespace)
-        b = 0 if ns is None else boundary(ns.pool.present(keys[:kv_hit]), kv_hit,
-                                          pool.policy, pool.window)
-        pools[pool.namespace] = b
-        hit = min(hit, b)
-    return {"hit": hit, "kv": kv_hit, "pools": pools}
+    top = await store.prefix(kv, keys)  # validates the keys past the prefix
+    seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
+    own = [await cap(pool, s, top) for pool, s in zip(extra, seen)]
+    hit, legal_at = min(own, default=top), list(own)  # legal_at[i]: an endpoint pool i restores
+    while any(p != hit for p in legal_at):  # lower the hit until every pool restores it
+        for i, (pool, s) in enumerate(zip(extra, seen)):
+            if legal_at[i] != hit:
+                hit = legal_at[i] = await cap(pool, s, hit)
+    out = {"hit": hit, "kv": top, "pools": {pool.namespace: b for pool, b in zip(extra, own)}}
+    if restorable:
+        out["restorable"] = await common_endpoints(extra, seen, top)
+    return out
+
+
+async def common_endpoints(extra: list[ExtraPool], seen: list[Presence], top: int) -> list[int]:
+    """Every endpoint in 1..top that every pool can restore, ascending."""
+    common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
+    for pool, s in zip(extra, seen):
+        window = top if pool.policy == ALL_PAGES else pool.window
+        common &= int.from_bytes(legal_endpoints(await s.all(), top, window), "little")
+    return list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
 
 
 @dataclass(frozen=True, slots=True)

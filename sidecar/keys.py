@@ -22,14 +22,14 @@ def check_key(key: object) -> str:
 def _batch_ok(keys: list) -> bool:
     """True when every key is valid: ASCII of the allowed set, 1-128 long, no newline inside."""
     try:
-        joined = "\n".join(keys)
-        lens = list(map(len, keys))
-        raw = joined.encode("ascii")
+        raw = "\n".join(keys).encode("ascii")
+        longest = max(map(len, keys))
     except (TypeError, UnicodeEncodeError):
         return False
-    # deleting the allowed characters must leave exactly the n-1 separators
-    return (raw.translate(None, _ALLOWED) == b"\n" * (len(keys) - 1)
-            and min(lens) >= 1 and max(lens) <= MAX_KEY)
+    # deleting the allowed characters must leave exactly the n-1 separators; then an empty
+    # key shows as two separators in a row, or one at either end
+    return (raw.translate(None, _ALLOWED) == b"\n" * (len(keys) - 1) and longest <= MAX_KEY
+            and b"\n\n" not in raw and raw[:1] != b"\n" and raw[-1:] not in (b"\n", b""))
 
 
 def check_batch(keys: object, field: str = "keys") -> list:

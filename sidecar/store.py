@@ -182,6 +182,19 @@ class Store:
             found = [hit or next(elsewhere) for hit in found]
         return found
 
+    async def mask(self, name: str, keys: list[str]) -> bytes:
+        """One byte per key, 1 when present anywhere; for keys already validated (a KV
+        prefix). A namespace that does not exist holds nothing."""
+        ns = self.namespaces.get(name)
+        if ns is None:
+            return bytes(len(keys))
+        found = bytes(map(ns.pool.ready.__contains__, keys))
+        if self.tiering.enabled and 0 in found:
+            missing = [k for k, hit in zip(keys, found) if not hit]
+            elsewhere = iter(await self.tiering.present(ns.identity, missing))
+            found = bytes(hit or next(elsewhere) for hit in found)
+        return found
+
     async def delete(self, name: str, keys: list[str]) -> int:
         """Drop keys from every tier; the count is of keys that were present anywhere."""
         ns = self.namespace(name)

@@ -3,8 +3,10 @@ invariants on its own loop), and a helper to run `python -m sidecar serve` as a 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over the engine socket (raw requests the client would never send)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
 
 
 class LiveServer:

@@ -60,7 +60,14 @@ def _pool_falses(self, transfers, *args, **kwargs):
 
 
 def _empty_result(self, *args, **kwargs):
-    return PoolTransferResult(0, {})
+    return _result(0, {}, [])
+
+
+def _result(hit: int, hits: dict, restorable: list):
+    """A PoolTransferResult; SGLang releases before `restorable_prefix_pages` get two fields."""
+    if "restorable_prefix_pages" in getattr(PoolTransferResult, "__dataclass_fields__", {}):
+        return PoolTransferResult(hit, hits, restorable_prefix_pages=restorable)
+    return PoolTransferResult(hit, hits)
 
 
 class SidecarHiCacheStorage(HiCacheStorage):
@@ -216,7 +223,9 @@ class SidecarHiCacheStorage(HiCacheStorage):
     # -- v2: several pools (hybrid models) --------------------------------------------
     @never_raises(_empty_result)
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-        """SGLang's rule, answered by the sidecar in one call (block groups: reported only)."""
+        """The greatest endpoint every pool can restore, answered by the sidecar in one call,
+        with every such endpoint for the controller's cross-rank intersection (block groups:
+        reported only)."""
         keys = list(keys)
         extra, names, groups = [], {}, []
         for t in pool_transfers or []:
@@ -231,7 +240,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
                 continue
             names[ns] = name
             extra.append({"namespace": ns, "policy": policy, "window": max(1, len(t.keys or [1]))})
-        res = self._call(self.client.batch_exists, keys, self.bindings[_KV].namespace, extra)
+        res = self._call(self.client.batch_exists, keys, self.bindings[_KV].namespace, extra, True)
         hits = {_KV: res["kv"]} if res["kv"] else {}
         hits.update({names[ns]: n for ns, n in res["pools"].items() if n})
         for name, ns, group in groups:  # reported, never gating the KV hit
@@ -239,7 +248,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
             run = next((i for i, p in enumerate(present) if not p), len(present))
             if run // group:
                 hits[name] = run // group * group
-        return PoolTransferResult(res["hit"], hits)
+        return _result(res["hit"], hits, res["restorable"])
 
     @never_raises(_pool_falses)
     def batch_set_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:

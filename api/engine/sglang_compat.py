@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC
 from dataclasses import dataclass
 from enum import Enum
+from typing import Optional
 
 
 class PoolHitPolicy(str, Enum):
@@ -17,6 +18,7 @@ class PoolHitPolicy(str, Enum):
 class PoolTransferResult:
     kv_hit_pages: int
     extra_pool_hit_pages: dict
+    restorable_prefix_pages: Optional[list] = None
 
 
 class HiCacheStorage(ABC):

@@ -7,8 +7,8 @@ import socket
 import orjson
 import pytest
 
-from api.engine.client import UnixHTTPConnection
 from api.engine.shm import SharedBuffer, page_first_chunks
+from tests.conftest import UnixHTTPConnection
 
 PAGE = 4096
 

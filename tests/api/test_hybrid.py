@@ -105,11 +105,38 @@ def test_hit_rules_on_partial_pools(client):
     mamba = {"namespace": names["mamba"], "policy": "trailing_pages", "window": 1}
     assert client.batch_exists(keys, "m-kv", [mamba]) == {"hit": 5, "kv": 5, "pools": {names["mamba"]: 5}}
     idx = {"namespace": "m-indexer", "policy": "all_pages"}
-    got = client.batch_exists(keys, "m-kv", [mamba, idx])
-    assert got == {"hit": 2, "kv": 5, "pools": {names["mamba"]: 5, "m-indexer": 2}}
+    # Mamba restores endpoints {3, 5}, the indexer {1, 2}: none in common (min would say 2)
+    got = client.batch_exists(keys, "m-kv", [mamba, idx], restorable=True)
+    assert got == {"hit": 0, "kv": 5, "pools": {names["mamba"]: 5, "m-indexer": 2}, "restorable": []}
+    client.batch_set(e.items([keys[2]], ("indexer",)))  # the indexer now restores 1..5
+    got = client.batch_exists(keys, "m-kv", [mamba, idx], restorable=True)
+    assert (got["hit"], got["restorable"]) == (5, [3, 5])
     missing = {"namespace": "nope", "policy": "all_pages"}
     got = client.batch_exists(keys, "m-kv", [missing, mamba])
-    assert got["hit"] == 0 and got["pools"] == {"nope": 0, names["mamba"]: 0}
+    assert got["hit"] == 0 and got["pools"] == {"nope": 0, names["mamba"]: 5}
+
+
+def test_batch_get_of_the_hit_loads_exactly_its_pages(client, server):
+    names = create(client)
+    w, r = Engine(client, names), Engine(client, names)
+    keys = [f"{i:064x}" for i in range(6)]
+    w.fill(keys)
+    client.batch_set(w.items(keys[:5], ("kv",)) + w.items(keys[:4], ("indexer",)))
+    mamba = {"namespace": names["mamba"], "keys": keys[2:3], "buffer_id": w.ids["mamba"], "slots": [2]}
+    client.batch_set([mamba])   # Mamba state for endpoint 3 only
+    extra = [{"namespace": names["mamba"], "policy": "trailing_pages", "window": 1},
+             {"namespace": "m-indexer", "policy": "all_pages"}]
+    got = client.batch_exists(keys, "m-kv", extra, restorable=True)
+    assert (got["hit"], got["restorable"]) == (3, [3])
+    before = {ns: v["hits"] for ns, v in client.stats()["namespaces"].items()}
+    items = r.items(keys[:3], ("kv", "indexer")) + [{**mamba, "buffer_id": r.ids["mamba"]}]
+    loaded = client.batch_get(items)
+    assert loaded == {"m-kv": [True] * 3, "m-indexer": [True] * 3, names["mamba"]: [True]}
+    after = client.stats()["namespaces"]
+    assert {ns: after[ns]["hits"] - before[ns] for ns in loaded} == {"m-kv": 3, "m-indexer": 3, names["mamba"]: 1}
+    for pool in ("kv", "indexer", "mamba"):
+        assert r.page(pool, 2) == w.page(pool, 2)
+    server.invariants()
 
 
 def test_batch_get_serves_extra_pools_only_after_every_kv_page(client, server):
@@ -181,6 +208,9 @@ def test_batch_errors_move_nothing(client, server):
         with pytest.raises(SidecarError) as exc:
             client.batch_exists(keys, "m-kv", extra)
         assert exc.value.status == 400
+    with pytest.raises(SidecarError) as exc:
+        client.request("POST", "/v1/batch/exists", {"keys": keys, "kv": "m-kv", "restorable": 1})
+    assert exc.value.status == 400
     with pytest.raises(SidecarError) as exc:
         client.batch_exists(keys, "no-such-kv")
     assert exc.value.status == 404

@@ -15,4 +15,5 @@ def test_bench_quick_json():
     assert res["exists"]["sidecar_rps"] > 0 and res["exists"]["bare_rps"] > 0
     assert res["shm"]["set_gbps"] > 0 and res["shm"]["copy_gbps"] > 0
     assert res["batch_exists"]["ratio"] > 0 and res["inline"]["get_gbps"] > 0
-    assert "exists 1000 keys" in out.stdout and "vs torch 1-thread copy" in out.stdout
+    assert res["exists"]["cpu_us"] > 0 and res["exists"]["bare_cpu_us"] >= 0 and res["client"]["ratio"] > 0
+    assert "exists 1000 keys" in out.stdout and "us CPU/request" in out.stdout and "vs torch copy" in out.stdout

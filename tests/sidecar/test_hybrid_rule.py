@@ -1,95 +1,151 @@
-"""The batch hit rule against a literal transcription of SGLang's batch_exists_v2."""
+"""The batch hit rule: the greatest endpoint every extra pool can restore (API.md), checked
+against a brute force over every endpoint, written without the implementation's shortcuts."""
 import asyncio
+import random
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, find, given, settings
 from hypothesis import strategies as st
 
 from pools import Arena, HostPool
-from sidecar.hybrid import ExtraPool, batch_exists, boundary
+from sidecar.hybrid import ExtraPool, batch_exists, legal_endpoints
 from sidecar.spec import parse_spec
 from sidecar.buffers import Sources
 from sidecar.store import Store
 
-
-def reference(keys, kv_present, pools):
-    """SGLang, mem_cache/hicache_storage.py (reference doc section 1), step by step."""
-    kv_pages = 0
-    for k in keys:
-        if k not in kv_present:
-            break
-        kv_pages += 1
-    final = kv_pages
-    for present, policy, window in pools:
-        if final == 0:
-            break
-        if present is None:  # never registered
-            final = 0
-            continue
-        if policy == "all_pages":
-            b = kv_pages
-            for i in range(kv_pages):
-                if keys[i] not in present:
-                    b = i
-                    break
-        else:
-            b = 0
-            for prefix_len in range(kv_pages, 0, -1):
-                lo = max(0, prefix_len - window)
-                if all(keys[j] in present for j in range(lo, prefix_len)):
-                    b = prefix_len
-                    break
-        final = min(final, b)
-    return kv_pages, final
+KEYS = [f"{i:064x}" for i in range(12)]
 
 
-def make_store():
+def restores(present, policy, window, p):
+    """Can a pool holding the pages `present` restore endpoint p (pages [0, p))?"""
+    lo = 0 if policy == "all_pages" else max(0, p - window)
+    return all(present[i] for i in range(lo, p))
+
+
+def reference(kv_present, pools):
+    """(kv, hit, each pool's own greatest endpoint, every endpoint > 0 legal for all)."""
+    kv = 0
+    while kv < len(kv_present) and kv_present[kv]:
+        kv += 1
+    own = [max(p for p in range(kv + 1) if restores(*pool, p)) for pool in pools]
+    common = [p for p in range(kv + 1) if all(restores(*pool, p) for pool in pools)]
+    return kv, max(common), own, common[1:]
+
+
+def min_rule(kv_present, pools):
+    """SGLang's HF3FS rule (and this project's before issue 12): min of each pool's best."""
+    kv, _, own, _ = reference(kv_present, pools)
+    return min([kv, *own])
+
+
+# Few keys and half-present pages, so holes, windows straddling them and a pool with a
+# small best before one with a larger best come up in most examples.
+presence = st.lists(st.booleans(), min_size=12, max_size=12)
+pool = st.tuples(presence, st.sampled_from(["all_pages", "trailing_pages"]), st.integers(1, 4))
+cases = st.tuples(st.integers(0, 12), presence, st.lists(pool, min_size=1, max_size=4),
+                  st.integers(-1, 3))
+
+
+@pytest.fixture(scope="module")
+def store():
     arena = Arena(4 << 20)
-    return Store(HostPool(arena, 64 << 10), None, Sources(["/dev/shm"])), arena
+    yield Store(HostPool(arena, 64 << 10), None, Sources(["/dev/shm"]))
+    arena.close()
 
 
-def fill(store, name, keys):
+def run(store, case):
+    """The sidecar's answer for `case`; pool number `missing` is never created."""
+    n, kv_present, pools, missing = case
+    try:
+        fill(store, "kv", kv_present)
+        for j, (present, _, _) in enumerate(pools):
+            if j != missing:
+                fill(store, f"p{j}", present)
+        extra = [ExtraPool(f"p{j}", policy, window) for j, (_, policy, window) in enumerate(pools)]
+        return asyncio.run(batch_exists(store, KEYS[:n], "kv", extra, restorable=True))
+    finally:
+        for name in list(store.namespaces):
+            store.delete_namespace(name)
+
+
+def fill(store, name, present, keys=KEYS):
     store.put_namespace(name, parse_spec({"page_bytes": 64}))
     pool = store.namespace(name).pool
-    for k in keys:
-        pool.commit(pool.reserve(k))
+    for k, here in zip(keys, present):
+        if here:
+            pool.commit(pool.reserve(k))
 
 
-KEYS = [f"{i:064x}" for i in range(24)]
-pool_strategy = st.tuples(
-    st.one_of(st.none(), st.sets(st.integers(0, 23))),
-    st.sampled_from(["all_pages", "trailing_pages"]),
-    st.integers(1, 6))
+def expected(case):
+    n, kv_present, pools, missing = case
+    pools = [([False] * 12 if j == missing else present, policy, window)
+             for j, (present, policy, window) in enumerate(pools)]
+    return reference(kv_present[:n], pools)
 
 
-@settings(max_examples=300, deadline=None)
-@given(n=st.integers(0, 24), kv=st.sets(st.integers(0, 23)), pools=st.lists(pool_strategy, max_size=4))
-def test_batch_exists_matches_reference(n, kv, pools):
-    store, arena = make_store()
-    try:
-        keys = KEYS[:n]
-        fill(store, "kv", [KEYS[i] for i in kv])
-        extra, ref_pools = [], []
-        for j, (present, policy, window) in enumerate(pools):
-            name = f"p{j}"
-            if present is not None:
-                fill(store, name, [KEYS[i] for i in present])
-            extra.append(ExtraPool(name, policy, window))
-            ref_pools.append((None if present is None else {KEYS[i] for i in present}, policy, window))
-        got = asyncio.run(batch_exists(store, keys, "kv", extra))
-        kv_pages, final = reference(keys, {KEYS[i] for i in kv}, ref_pools)
-        assert (got["kv"], got["hit"]) == (kv_pages, final)
-        assert set(got["pools"]) == {f"p{j}" for j in range(len(pools))}
-    finally:
-        arena.close()
+# the issue's rows: three KV pages; SWA (window 1) and Mamba (window 1) legal endpoints
+ROW_SAME = (3, [True] * 3 + [False] * 9, [([False, False, True] + [False] * 9, "trailing_pages", 1)] * 2, -1)
+ROW_DISJOINT = (3, [True] * 3 + [False] * 9, [([False, False, True] + [False] * 9, "trailing_pages", 1),
+                                              ([False, True] + [False] * 10, "trailing_pages", 1)], -1)
+ROW_HOLES = (3, [True] * 3 + [False] * 9, [([True, False, True] + [False] * 9, "trailing_pages", 1),
+                                           ([True, True] + [False] * 10, "trailing_pages", 1)], -1)
 
 
-def test_boundary_examples():
-    p = [False, False, True, False, True, False]
-    assert boundary(p, 5, "trailing_pages", 1) == 5
-    assert boundary(p, 4, "trailing_pages", 1) == 3
-    assert boundary(p, 2, "trailing_pages", 1) == 0
-    swa = [True, True, True, False, True, False]
-    assert boundary(swa, 5, "trailing_pages", 2) == 3
-    assert boundary(swa, 5, "trailing_pages", 9) == 3   # the window is cut at the root
-    assert boundary([True, True, False, True, True], 5, "all_pages") == 2
-    assert boundary([], 0, "all_pages") == 0
+@pytest.mark.parametrize("case, hit, pools", [
+    (ROW_SAME, 3, [3, 3]),        # {3} and {3}: 3
+    (ROW_DISJOINT, 0, [3, 2]),    # {3} and {2}: no common endpoint (min would say 2)
+    (ROW_HOLES, 1, [3, 2]),       # {1, 3} and {1, 2}: 1 (min would say 2)
+])
+def test_issue_rows(store, case, hit, pools):
+    got = run(store, case)
+    assert (got["kv"], got["hit"], list(got["pools"].values())) == (3, hit, pools)
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(cases)
+@example(ROW_DISJOINT)
+@example(ROW_HOLES)
+def test_batch_exists_matches_brute_force(store, case):
+    got = run(store, case)
+    kv, hit, own, common = expected(case)
+    assert (got["kv"], got["hit"], got["restorable"]) == (kv, hit, common)
+    assert list(got["pools"].values()) == own
+    assert list(got["pools"]) == [f"p{j}" for j in range(len(case[2]))]
+
+
+def test_the_cases_catch_the_min_rule(store):
+    """The generator itself reaches a case where the old rule is wrong, in every run."""
+    case = find(cases, lambda c: min_rule(c[1][:c[0]], c[2]) != expected(c)[1],
+                settings=settings(max_examples=400, database=None))
+    assert min_rule(case[1][:case[0]], case[2]) != run(store, case)["hit"]
+
+
+def test_legal_endpoints_examples():
+    mask = bytes([0, 0, 1, 0, 1, 0])
+    assert legal_endpoints(mask, 5, 1) == bytes([1, 0, 0, 1, 0, 1])
+    swa = bytes([1, 1, 1, 0, 1, 0])
+    assert legal_endpoints(swa, 5, 2) == bytes([1, 1, 1, 1, 0, 0])
+    assert legal_endpoints(swa, 5, 9) == bytes([1, 1, 1, 1, 0, 0])  # the window is cut at the root
+    assert legal_endpoints(bytes([1, 1, 0, 1, 1]), 5, 5) == bytes([1, 1, 1, 0, 0, 0])  # all_pages
+    assert legal_endpoints(b"", 0, 1) == b"\x01"
+
+
+@pytest.mark.parametrize("density", [0.05, 0.5, 0.97])
+def test_long_prefixes_match_brute_force(store, density):
+    """300 pages, so the look-ups from the top reach down in several chunks."""
+    rng = random.Random(f"rule-{density}")
+    keys = [f"{i:064x}" for i in range(300)]
+    for trial in range(4):
+        pools = [([rng.random() < density for _ in keys], rng.choice(["all_pages", "trailing_pages"]),
+                  rng.choice([1, 2, 7, 40])) for _ in range(rng.randint(1, 3))]
+        kv_present = [True] * 250 + [False] + [True] * 49
+        try:
+            for name, present in [("kv", kv_present)] + [(f"p{j}", p) for j, (p, _, _) in enumerate(pools)]:
+                fill(store, name, present, keys)
+            extra = [ExtraPool(f"p{j}", policy, w) for j, (_, policy, w) in enumerate(pools)]
+            got = asyncio.run(batch_exists(store, keys, "kv", extra, restorable=True))
+        finally:
+            for name in list(store.namespaces):
+                store.delete_namespace(name)
+        kv, hit, own, common = reference(kv_present, pools)
+        assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (kv, hit, own, common)

@@ -189,3 +189,44 @@ def test_parity_with_sglang_hicache_file(server, tmp_path):
                 outs = be.batch_get(arg, [torch.zeros(page, dtype=torch.uint8) for _ in arg])
                 answers.append([None if o is None else bytes(o.tolist()) for o in outs])
         assert answers[0] == answers[1], (op, answers)
+
+
+def test_v2_endpoint_every_pool_restores_and_loads_exactly_its_pages(server):
+    """Issue 12's last row: SWA restores {1, 3}, Mamba {1, 2} (windows of 1 page over 3 KV
+    pages). The answer is 1 (min of the bests said 2, where SWA has no state), the result
+    names only endpoints both can serve, and the get for it loads one page from each."""
+    (_, kv_pool), (_, mamba), (_, swa) = kit.mha(), kit.mamba(), kit.mamba()
+    be = make(server, kv_pool)
+    for pool, name in ((mamba, kit.PoolName.MAMBA), (swa, kit.PoolName.SWA)):
+        be.register_mem_host_pool_v2(pool, name)
+        kit.randomize(pool)
+    ks = keys(3, "row3")
+    kit.randomize(kv_pool)
+    assert be.batch_set_v1(ks, indices(range(3))) == [True] * 3
+    put = {kit.PoolName.SWA: ([ks[0], ks[2]], [4, 6]), kit.PoolName.MAMBA: ([ks[0], ks[1]], [8, 9])}
+    for name, (ts, slots) in put.items():
+        t = kit.PoolTransfer(name=name, host_indices=torch.tensor(slots), keys=ts)
+        assert all(be.batch_set_v2([t])[str(name.value)])
+    probes = [kit.PoolTransfer(name=n, keys=["__placeholder__"], hit_policy=kit.PoolHitPolicy.TRAILING_PAGES)
+              for n in (kit.PoolName.SWA, kit.PoolName.MAMBA)]
+    res = be.batch_exists_v2(ks, probes)
+    assert (res.kv_hit_pages, res.restorable_prefix_pages) == (1, [1])
+    assert res.extra_pool_hit_pages == {"kv": 3, "swa": 3, "mamba": 2}  # each pool's own best
+    fresh = {name: kit.mamba()[1] for name in put}
+    reader = make(server, kit.mha()[1])
+    for name, pool in fresh.items():
+        reader.register_mem_host_pool_v2(pool, name)
+    before = {name: stat(reader, name)["hits"] for name in put}
+    # what the controller sends for endpoint 1: each window's last page, ks[0]
+    got = reader.batch_get_v2([kit.PoolTransfer(name=n, host_indices=torch.tensor([5]), keys=ks[:1])
+                               for n in put])
+    assert got == {"swa": [True], "mamba": [True]}
+    for name, (_, slots) in put.items():
+        src = swa if name == kit.PoolName.SWA else mamba
+        assert kit.page_bytes(fresh[name], 5) == kit.page_bytes(src, slots[0])
+        assert stat(reader, name)["hits"] - before[name] == 1  # exactly one page moved
+    server.invariants()
+
+
+def stat(backend, name):
+    return backend.client.stats()["namespaces"][backend.bindings[str(name.value)].namespace]
