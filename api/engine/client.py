@@ -128,6 +128,7 @@ _ONE_WRITE = 256 << 10
 _RETRYABLE = (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected,
               http.client.CannotSendRequest)
 LEND_FRAME = b"LEND\n"
+ENGINE_URL = "unix:///run/kv-sidecar/sidecar.sock"  # the engine socket of a root sidecar / the image
 
 
 class SidecarClient:

@@ -5,7 +5,7 @@ Load it in SGLang with:
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
     '{"backend_name": "kv_sidecar", "module_path": "api.engine.sglang_backend",
       "class_name": "SidecarHiCacheStorage", "interface_v1": 1, "allocator": "shm",
-      "sidecar_url": "http://127.0.0.1:8411"}'
+      "sidecar_url": "unix:///run/kv-sidecar/sidecar.sock"}'
 
 SGLang constructs it as `cls(storage_config, kwargs)`. Host pools that live in one shared
 mapping (`"allocator": "shm"` keeps them in a memfd) are registered as shm buffers and
@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
+from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
 from api.engine.sglang_pools import PoolBinding, _tensor_bytes, bind_pool, namespace_name, namespace_spec
 
 try:  # the real interface when SGLang is importable (it always is inside SGLang)
@@ -77,7 +77,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         self.config = storage_config
         self.interface_v1 = bool(int(extra.get("interface_v1", 0) or 0))
-        url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", "http://127.0.0.1:8411")
+        url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
         self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
         self.bindings: dict[str, PoolBinding] = {}

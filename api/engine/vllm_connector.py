@@ -3,7 +3,7 @@
     vllm serve MODEL --enable-prefix-caching --kv-transfer-config '{
       "kv_connector": "SidecarConnector", "kv_connector_module_path": "api.vllm_connector",
       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-      "kv_connector_extra_config": {"sidecar_url": "http://127.0.0.1:8411", "sidecar_token": "..."}}'
+      "kv_connector_extra_config": {"sidecar_url": "unix:///run/kv-sidecar/sidecar.sock", "sidecar_token": "..."}}'
 
 Keys are vLLM's own chained block hashes (hex): they already fold in the LoRA adapter and
 the cache salt. The namespace names the rest of what makes pages interchangeable (model,
@@ -23,7 +23,7 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole)
 
-from api.engine.client import SidecarClient
+from api.engine.client import ENGINE_URL, SidecarClient
 from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
 from api.engine.vllm_worker import WorkerSide
@@ -69,7 +69,7 @@ class SidecarConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.extra = extra
-        url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", "http://127.0.0.1:8411")
+        url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
         self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
         self.sched: Optional[SchedulerSide] = None
