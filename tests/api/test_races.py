@@ -60,7 +60,7 @@ def outcome(call):
 @pytest.fixture
 def tiered(make_server, tmp_path):
     srv = make_server(file_tier=True, data_dir=str(tmp_path))
-    c = srv.client()
+    c = srv.client(timeout=60)   # a flush waits for fsync, slow on a busy disk
     c.put_namespace("kv", PAGE)
     for k in ("a", "b"):
         c.put_page("kv", k, bytes([ord(k)]) * PAGE)

@@ -303,7 +303,7 @@ def test_dead_engine_buffers_are_released(open_server):
 # -- tenants and files ---------------------------------------------------------------
 def test_equal_specs_in_two_namespaces_never_share_tier_pages(make_server, tmp_path):
     srv = make_server(file_tier=True, data_dir=str(tmp_path))
-    c = srv.client()
+    c = srv.client(timeout=60)
     for ns in ("tenant-a", "tenant-b"):
         c.put_namespace(ns, PAGE, model="m")
     c.put_page("tenant-a", "k", pattern("k"))
@@ -319,7 +319,7 @@ def test_equal_specs_in_two_namespaces_never_share_tier_pages(make_server, tmp_p
 def test_page_files_are_private(make_server, tmp_path):
     data = tmp_path / "data"
     srv = make_server(file_tier=True, data_dir=str(data))
-    c = srv.client()
+    c = srv.client(timeout=60)
     c.put_namespace("p", PAGE)
     c.put_page("p", "k", pattern("k"))
     c.request("POST", "/v1/flush", {})
