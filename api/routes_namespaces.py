@@ -18,10 +18,12 @@ router = APIRouter(prefix="/v1/namespaces")
 
 
 def _describe(ctx: Context, name: str, peer: Optional[Peer]) -> dict:
-    """A namespace; its buffers as far as `peer` may use them."""
+    """A namespace; the buffers `peer` registered on the engine socket. A buffer registered
+    on TCP (cuda_ipc) is never listed: its id is the capability."""
     ns = ctx.store.namespace(name)
     return {"name": name, "spec": ns.spec.to_json(), "identity": ns.identity,
-            "buffers": [b.describe() for b in ns.buffers.values() if b.usable_by(peer)]}
+            "buffers": [b.describe() for b in ns.buffers.values()
+                        if b.owner_uid is not None and b.usable_by(peer)]}
 
 
 @router.get("")

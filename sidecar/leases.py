@@ -18,6 +18,7 @@ recvmsg); connections and leases per connection are capped.
 from __future__ import annotations
 
 import array
+import fcntl
 import logging
 import os
 import secrets
@@ -28,13 +29,15 @@ from typing import Callable, Optional
 
 import orjson
 
-from sidecar.errors import Forbidden, LeaseNotFound
+from sidecar.errors import Forbidden, LeaseNotFound, TooMany
 from sidecar.peer import Peer, peer_of, unlink_if_ours
 
 log = logging.getLogger("kv_sidecar.leases")
 FRAME = b"LEND\n"
 MAX_CONNECTIONS = 256
 MAX_LEASES_PER_CONNECTION = 1024
+MAX_LEASES_PER_UID = 1024      # each holds an fd: one user cannot take them all
+O_PATH = getattr(os, "O_PATH", 0o10000000)
 _FD_ROOM = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room to see (and close) extras
 
 
@@ -69,11 +72,11 @@ class LeaseRegistry:
     def lend(self, fd: int, peer: Peer) -> Lease:
         """Take ownership of `fd` as a new lease, or close it and raise."""
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise Forbidden("only a memfd or a shared-memory file can be lent")
+            st = _check_lendable(fd)
             if (st.st_dev, st.st_ino) in self.forbidden:
                 raise Forbidden("that memory belongs to the sidecar and cannot be lent")
+            if sum(1 for x in self.leases.values() if x.peer.uid == peer.uid) >= MAX_LEASES_PER_UID:
+                raise TooMany(f"at most {MAX_LEASES_PER_UID} leases a user; close some first")
         except BaseException:
             os.close(fd)
             raise
@@ -87,7 +90,10 @@ class LeaseRegistry:
         if lease is None or peer is None or peer.uid != lease.peer.uid:
             raise LeaseNotFound("unknown lease: lend the fd on the fd socket first, from the "
                                 "same user that registers it")
-        return lease, os.dup(lease.fd)
+        try:
+            return lease, os.dup(lease.fd)
+        except OSError:  # EMFILE: the sidecar is out of descriptors
+            raise TooMany("the sidecar has no file descriptor left for another buffer") from None
 
     def end(self, leases: list[Lease]) -> None:
         for lease in leases:
@@ -159,7 +165,7 @@ class LendServer:
                               f"exactly one fd (at most {MAX_LEASES_PER_CONNECTION} a connection)"}}
         try:
             lease = self.registry.lend(fds[0], conn.peer)
-        except Forbidden as exc:
+        except (Forbidden, TooMany) as exc:
             return {"error": {"code": exc.code, "message": exc.message}}
         conn.leases.append(lease)
         return {"lease": lease.id, "size": lease.size}
@@ -177,6 +183,20 @@ class LendServer:
         self.loop.remove_reader(fd)
         conn.sock.close()
         self.registry.end(conn.leases)
+
+
+def _check_lendable(fd: int) -> os.stat_result:
+    """A regular file open read-write (not O_PATH, not append-only); else Forbidden."""
+    try:
+        st = os.fstat(fd)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        raise Forbidden("the lent fd cannot be inspected") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise Forbidden("only a memfd or a shared-memory file can be lent")
+    if flags & os.O_ACCMODE != os.O_RDWR or flags & (os.O_APPEND | O_PATH):
+        raise Forbidden("a lent fd must be open read-write, not O_APPEND or O_PATH")
+    return st
 
 
 def _fds(ancillary) -> list[int]:

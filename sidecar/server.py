@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import resource
 import socket
 
 import uvicorn
@@ -103,9 +104,17 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def _raise_fd_limit() -> None:
+    """Every lent buffer holds an fd: take the hard limit, not a distribution's 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def serve(config: Config) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_fd_limit()
     try:
         socks = listeners(config)
     except (OSError, RuntimeError, ValueError) as exc:

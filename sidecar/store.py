@@ -149,7 +149,8 @@ class Store:
         dead = []
         for ns in self.namespaces.values():
             for buf in [b for b in ns.buffers.values() if not b.owner_alive()]:
-                self.release_buffer(ns.name, buf.id)
+                buf.release()  # the sidecar's own decision: no caller to check
+                del ns.buffers[buf.id]
                 dead.append(buf.id)
         return dead
 

@@ -345,3 +345,56 @@ def test_sockets_have_the_configured_mode_and_refuse_a_second_sidecar(make_serve
     open(plain, "w").close()
     with pytest.raises(RuntimeError, match="not a socket"):
         bind_unix(plain, 0o600)
+
+
+def test_lent_fds_must_be_read_write_and_not_append(open_server):
+    c = open_server.client()
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvs-")
+    path = victim_file(d, 0o600)
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_APPEND, os.O_PATH):
+        fd = os.open(path, flags)
+        with pytest.raises(SidecarError) as e:
+            c.lend_fd(fd)
+        assert e.value.code == "forbidden", flags
+        os.close(fd)
+
+
+def test_leases_per_user_are_capped(open_server, monkeypatch):
+    from sidecar import leases
+    monkeypatch.setattr(leases, "MAX_LEASES_PER_UID", 2)
+    c = open_server.client()
+    buf = SharedBuffer(PAGE)
+    c.lend_fd(buf.fd)
+    c.lend_fd(buf.fd)
+    with pytest.raises(SidecarError) as e:
+        c.lend_fd(buf.fd)
+    assert e.value.code == "too_many_buffers"
+    c.close_leases()            # the leases end with their connection: room again
+    deadline = time.time() + 10
+    while open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    c.lend_fd(buf.fd)
+
+
+def test_a_dead_engines_path_buffer_is_reaped(open_server):
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvs-")
+    path = victim_file(d, 0o600)
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+
+    def engine():
+        c = SidecarClient(open_server.socket_url)
+        child.send(c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE), path=path))
+        child.recv()
+        os._exit(0)
+    p = ctx.Process(target=engine)
+    p.start()
+    bid = parent.recv()
+    parent.send("die")
+    p.join(30)
+    buffers = lambda: open_server.on_loop(lambda: set(open_server.ctx.store.namespace("victim").buffers))
+    deadline = time.time() + 10
+    while bid in buffers():
+        assert time.time() < deadline, "the reaper did not release the dead engine's buffer"
+        time.sleep(0.05)
