@@ -12,8 +12,6 @@ One sidecar process; in interleaved rounds, through `api.engine.client`:
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import time
 
 import orjson

@@ -11,7 +11,7 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
 from pools.page_pool import BUSY, PRESENT, Entry

@@ -198,3 +198,23 @@ def spawn():
     yield make
     for p in procs:
         p.kill()
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    """Poll `cond` (state another process or thread owns) until true or `timeout`."""
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def cluster():
+    """A real Mooncake cluster on loopback: mooncake_master and one store node."""
+    from loadtest.mooncake_cluster import Master, StoreNode
+    master = Master().start()
+    node = StoreNode(master, "64MB").start()
+    yield master, node
+    node.kill()
+    master.kill()

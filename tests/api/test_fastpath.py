@@ -2,7 +2,6 @@
 
 A query string sends a hot request to FastAPI instead (`?each=0` changes nothing else), so
 the same body can be asked of both paths on one live server."""
-import http.client
 
 import orjson
 import pytest

@@ -2,13 +2,12 @@
 loopback): two sidecars with their own host pools, a restart with an empty host pool, the
 master down at start and restarted mid-run."""
 import hashlib
-import time
 
-import pytest
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.mooncake_cluster import Master, StoreNode
+from tests.conftest import wait_for
 
 PAGE = 64 * 1024
 N = 16
@@ -16,23 +15,6 @@ N = 16
 
 def data(key: str) -> bytes:
     return hashlib.shake_256(key.encode()).digest(PAGE)
-
-
-def wait_for(cond, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        if time.time() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def cluster():
-    master = Master().start()
-    node = StoreNode(master, "64MB").start()
-    yield master, node
-    node.kill()
-    master.kill()
 
 
 def sidecar(spawn, master, *extra):

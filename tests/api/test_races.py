@@ -11,6 +11,7 @@ import pytest
 
 from api.engine.client import SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
+from tests.conftest import wait_for
 
 PAGE = 4096
 
@@ -137,17 +138,13 @@ def test_registrations_are_bounded(server, client, monkeypatch):
 
 def test_a_set_meeting_an_upload_in_flight_is_false_until_it_commits(server, client):
     import socket as so
-    import time
     client.put_namespace("kv", PAGE)
     buf = SharedBuffer(2 * PAGE)
     bid = buf.register(client, "kv", 2, page_first_chunks(PAGE))
     s = so.create_connection(("127.0.0.1", server.config.port), timeout=10)
     s.sendall(b"PUT /v1/namespaces/kv/pages/up HTTP/1.1\r\nHost: x\r\n"
               b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * (PAGE // 2))
-    deadline = time.time() + 10
-    while "up" not in server.on_loop(lambda: server.ctx.store.namespace("kv").pool.entries):
-        assert time.time() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: "up" in server.on_loop(lambda: server.ctx.store.namespace("kv").pool.entries), 10)
     # the key is reserved by the stalled upload: not stored yet, so not "true"
     assert client.set("kv", ["up", "other", "other"], bid, [0, 1, 1]) == [False, True, True]
     with pytest.raises(SidecarError) as e:
@@ -170,7 +167,6 @@ def closed_by_server(s) -> bool:
 
 def test_stalled_clients_are_cut_off_and_capped(make_server):
     import socket as so
-    import time
     srv = make_server(read_timeout=0.5, max_connections=6)
     c = srv.client()
     c.put_namespace("kv", PAGE)           # the client's own connection: 1 of 6
@@ -187,9 +183,7 @@ def test_stalled_clients_are_cut_off_and_capped(make_server):
     assert closed_by_server(extra)         # the 7th connection is refused at once
     for s in heads:        # ...until the read timeout closes each of them
         assert closed_by_server(s)
-    deadline = time.time() + 10
-    while "u" in srv.on_loop(lambda: srv.ctx.store.namespace("kv").pool.entries):
-        assert time.time() < deadline
-        time.sleep(0.01)   # the stalled upload's reservation is aborted with its connection
+    # the stalled upload's reservation is aborted with its connection
+    wait_for(lambda: "u" not in srv.on_loop(lambda: srv.ctx.store.namespace("kv").pool.entries), 10)
     assert c.exists("kv", ["u"]) == 0 and c.health()["status"] == "ok"
     srv.invariants()

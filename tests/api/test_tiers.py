@@ -1,7 +1,6 @@
 """Durable tiers end to end: restart, promotion, prefetch, flush, policies, faults, SIGKILL,
 and two sidecars sharing one 3FS directory."""
 import hashlib
-import os
 import threading
 import time
 

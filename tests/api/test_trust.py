@@ -21,6 +21,7 @@ import pytest
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
+from tests.conftest import wait_for
 
 PAGE = 4096
 NOBODY = 65534
@@ -289,13 +290,8 @@ def test_dead_engine_buffers_are_released(open_server):
     assert bid in open_server.on_loop(lambda: open_server.ctx.store.namespace("victim").buffers)
     parent.send("die")
     p.join(30)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        if bid not in open_server.on_loop(lambda: open_server.ctx.store.namespace("victim").buffers):
-            break
-        time.sleep(0.02)
-    else:
-        pytest.fail("the dead engine's buffer is still registered")
+    wait_for(lambda: bid not in open_server.on_loop(
+        lambda: open_server.ctx.store.namespace("victim").buffers), 10)
     assert not open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases)
     assert c.health()["status"] == "ok"
 
@@ -370,10 +366,7 @@ def test_leases_per_user_are_capped(open_server, monkeypatch):
         c.lend_fd(buf.fd)
     assert e.value.code == "too_many_buffers"
     c.close_leases()            # the leases end with their connection: room again
-    deadline = time.time() + 10
-    while open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases):
-        assert time.time() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: not open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases), 10)
     c.lend_fd(buf.fd)
 
 
@@ -394,7 +387,4 @@ def test_a_dead_engines_path_buffer_is_reaped(open_server):
     parent.send("die")
     p.join(30)
     buffers = lambda: open_server.on_loop(lambda: set(open_server.ctx.store.namespace("victim").buffers))
-    deadline = time.time() + 10
-    while bid in buffers():
-        assert time.time() < deadline, "the reaper did not release the dead engine's buffer"
-        time.sleep(0.05)
+    wait_for(lambda: bid not in buffers(), 10)   # the reaper released the dead engine's buffer

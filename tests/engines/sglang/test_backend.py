@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.engines.sglang import kit
-from tests.engines.sglang.kit import P, indices
+from tests.engines.sglang.kit import indices
 from api.engine.sglang_pools import namespace_name, namespace_spec
 
 FP8 = torch.float8_e4m3fn

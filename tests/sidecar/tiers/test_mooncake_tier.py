@@ -1,10 +1,10 @@
 """The Mooncake tier against a real mooncake_master and store node on loopback."""
 import hashlib
-import time
 
 import pytest
 
 from loadtest.mooncake_cluster import Master, StoreNode
+from tests.conftest import wait_for
 from pools import Arena
 from sidecar.tiers import pagefile
 from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
@@ -15,23 +15,6 @@ ID = "a" * 32
 
 def data(key: str, size: int = PAGE) -> bytes:
     return hashlib.shake_256(key.encode()).digest(size)
-
-
-def wait_for(cond, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        if time.time() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def cluster():
-    master = Master().start()
-    node = StoreNode(master, "64MB").start()
-    yield master, node
-    node.kill()
-    master.kill()
 
 
 @pytest.fixture
