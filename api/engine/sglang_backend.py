@@ -22,7 +22,6 @@ import os
 import time
 from typing import Any, Optional
 
-
 from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
 from api.engine.sglang_pools import PoolBinding, _tensor_bytes, bind_pool, namespace_name, namespace_spec
 
