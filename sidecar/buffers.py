@@ -95,7 +95,11 @@ class Sources:
     shm_dirs: Sequence[str]
     leases: LeaseRegistry = field(default_factory=LeaseRegistry)
     cuda: Any = None
-    own_memory: tuple = ()
+
+    @property
+    def own_memory(self) -> tuple:
+        """(st_dev, st_ino) of the sidecar's memory: what the lease registry refuses too."""
+        return self.leases.forbidden
 
 
 def open_buffer(namespace: str, body: Any, page_bytes: int, src: Sources,

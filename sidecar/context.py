@@ -73,7 +73,7 @@ class Context:
         cuda = cuda_ipc.CudaIpc.create()
         st = os.fstat(arena.fd)
         own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
-        sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda, own)
+        sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda)
         store = Store(host_pool, executor, sources, min(config.copy_threads, os.cpu_count() or 1), tiering)
         ctx = cls(config, arena, host_pool, store, executor)
         for tier in tiers:

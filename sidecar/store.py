@@ -139,20 +139,22 @@ class Store:
     def release_lent(self, lease_ids: list[str]) -> None:
         """A lender went away: release every buffer registered with its leases."""
         ended = set(lease_ids)
-        for ns in self.namespaces.values():
-            for buf in [b for b in ns.buffers.values() if b.lease in ended]:
-                buf.release()
-                del ns.buffers[buf.id]
+        self._release_where(lambda b: b.lease in ended)
 
     def reap_dead_buffers(self) -> list[str]:
         """Release the buffers whose owning process has exited; return their ids."""
-        dead = []
+        return self._release_where(lambda b: not b.owner_alive())
+
+    def _release_where(self, doomed) -> list[str]:
+        """Release every buffer `doomed(buffer)` picks: the sidecar's own decision, so no
+        caller's ownership is checked. Returns their ids."""
+        gone = []
         for ns in self.namespaces.values():
-            for buf in [b for b in ns.buffers.values() if not b.owner_alive()]:
-                buf.release()  # the sidecar's own decision: no caller to check
+            for buf in [b for b in ns.buffers.values() if doomed(b)]:
+                buf.release()
                 del ns.buffers[buf.id]
-                dead.append(buf.id)
-        return dead
+                gone.append(buf.id)
+        return gone
 
     # -- lookups ----------------------------------------------------------------------
     # A key found in the index was validated when it was stored, so look-ups validate only
