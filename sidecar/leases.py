@@ -36,6 +36,7 @@ log = logging.getLogger("kv_sidecar.leases")
 FRAME = b"LEND\n"
 MAX_CONNECTIONS = 256
 MAX_LEASES_PER_CONNECTION = 1024
+ACCEPT_PAUSE = 1.0            # seconds without accepting after EMFILE
 MAX_LEASES_PER_UID = 1024      # each holds an fd: one user cannot take them all
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 _FD_ROOM = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room to see (and close) extras
@@ -131,7 +132,12 @@ class LendServer:
     def _accept(self) -> None:
         try:
             sock, _ = self.sock.accept()
-        except OSError:
+        except BlockingIOError:
+            return
+        except OSError as exc:  # EMFILE: the socket stays readable, so pause, never spin
+            log.warning("fd socket: cannot accept (%s); pausing for %.0f s", exc.strerror, ACCEPT_PAUSE)
+            self.loop.remove_reader(self.sock.fileno())
+            self.loop.call_later(ACCEPT_PAUSE, self._resume)
             return
         if len(self.conns) >= MAX_CONNECTIONS:
             sock.close()
@@ -141,6 +147,10 @@ class LendServer:
         conn = _Conn(sock, peer_of(sock))
         self.conns[sock.fileno()] = conn
         self.loop.add_reader(sock.fileno(), self._readable, conn)
+
+    def _resume(self) -> None:
+        if self.sock.fileno() >= 0:  # not closed meanwhile
+            self.loop.add_reader(self.sock.fileno(), self._accept)
 
     def _readable(self, conn: _Conn) -> None:
         try:

@@ -144,3 +144,47 @@ def test_adjacent_chunks_merge_and_runs_are_bounded():
     check_runs(MAX_RUNS, 1)
     with pytest.raises(PayloadTooLarge):
         check_runs(1024, 4096)
+
+
+def test_fd_socket_pauses_instead_of_spinning_when_out_of_fds(tmp_path, monkeypatch):
+    """accept() failing with EMFILE leaves the socket readable: the server must stop
+    watching it for a while rather than call accept() in a busy loop."""
+    import asyncio
+    import errno
+    import socket as so
+    from sidecar import leases
+    monkeypatch.setattr(leases, "ACCEPT_PAUSE", 0.2)
+    path = str(tmp_path / "f.sock")
+    listener = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen()
+
+    class NoFds:  # the listener, whose accept() fails as when the process is out of fds
+        calls = 0
+
+        def fileno(self):
+            return listener.fileno()
+
+        def setblocking(self, flag):
+            listener.setblocking(flag)
+
+        def accept(self):
+            NoFds.calls += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def close(self):
+            listener.close()
+
+    async def run():
+        server = leases.LendServer(leases.LeaseRegistry(), NoFds(), path)
+        server.start(asyncio.get_running_loop())
+        client = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
+        client.connect(path)                 # pending: the listener is readable from now on
+        await asyncio.sleep(0.1)
+        paused = NoFds.calls
+        await asyncio.sleep(0.25)             # past the pause: it tries again, once or so
+        client.close()
+        server.close()
+        return paused, NoFds.calls
+    paused, later = asyncio.run(run())
+    assert paused == 1 and 2 <= later <= 4
