@@ -46,8 +46,8 @@ async def get_namespace(name: str, request: Request, ctx: Context = Depends(cont
 
 @router.delete("/{name}")
 async def delete_namespace(name: str, ctx: Context = Depends(context)) -> Response:
-    await ctx.store.drop_tiers(ctx.store.delete_namespace(name))
-    return json({"deleted": name})
+    failed = await ctx.store.drop_tiers(ctx.store.delete_namespace(name))
+    return json({"deleted": name, "failed": failed})
 
 
 @router.post("/{name}/buffers", openapi_extra=body("buffer"))

@@ -39,7 +39,8 @@ async def get_pages(name: str, request: Request, ctx: Context = Depends(context)
 @router.post("/delete", openapi_extra=body("keys"))
 async def delete_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json({"deleted": await ctx.store.delete(name, body.get("keys"))})
+    deleted, failed = await ctx.store.delete(name, body.get("keys"))
+    return json({"deleted": deleted, "failed": failed})
 
 
 @router.put("/pages/{key}", openapi_extra=PAGE_BODY)

@@ -64,8 +64,9 @@ class HostPool:
             raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes, "
                            f"{len(self.free_segments)} free and {idle} reclaimable")
         while len(self.free_segments) < need:
-            reclaimed = self._reclaim_any()
-            assert reclaimed, "idle segment count was wrong"
+            if not self._reclaim_any():  # write-back kept pages it could not queue yet
+                raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes; shared "
+                               f"namespaces hold pages not yet written back: retry")
         for _ in range(need):
             pool.add_segment(self.free_segments.pop())
         self.explicit_segments += need

@@ -9,7 +9,8 @@ A slot is a byte offset into the arena. Its page lives at [offset, offset + page
 
 An entry is RESERVED (being written, invisible to readers) or READY (published). Writers
 go `reserve -> commit | abort`; readers `pin -> unpin`. Only READY entries with no pins
-are evicted. A deleted entry that is still pinned or being written becomes "doomed": gone
+are evicted, and only those `on_evict` lets go (write-back keeps a page it cannot queue
+for writing yet; eviction then takes the next one). A deleted entry that is still pinned or being written becomes "doomed": gone
 from the index at once, its slot freed when the last pin or the writer lets go.
 
 The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
@@ -47,7 +48,7 @@ class Entry:
 
 
 Grow = Callable[["PagePool"], bool]
-OnEvict = Callable[["PagePool", Entry], None]
+OnEvict = Callable[["PagePool", Entry], bool]   # False: keep this page (not written yet)
 
 
 class PagePool:
@@ -164,15 +165,16 @@ class PagePool:
         self._after_release()
 
     # -- readers ----------------------------------------------------------------------
-    def pin(self, key: str) -> Optional[Entry]:
-        """Pin a READY page (and mark it most recent); None when absent."""
+    def pin(self, key: str, touch: bool = True) -> Optional[Entry]:
+        """Pin a READY page (and, with `touch`, mark it most recent); None when absent."""
         e = self.ready.get(key)
         if e is None:
             return None
         if e.pins == 0:
             self._pinned += 1
         e.pins += 1
-        self.lru.touch(e)
+        if touch:
+            self.lru.touch(e)
         return e
 
     def unpin(self, e: Entry) -> None:
@@ -204,10 +206,9 @@ class PagePool:
         return was_ready
 
     def evict_one(self) -> Optional[int]:
-        """Evict the least recent unpinned page; return its freed slot, or None."""
+        """Evict the least recent unpinned page `on_evict` lets go; its freed slot, or None."""
         for e in self.lru.from_lru():
-            if e.pins == 0:
-                self._evict(e)
+            if e.pins == 0 and self._evict(e):
                 return e.offset
         return None
 
@@ -217,16 +218,21 @@ class PagePool:
         return sum(1 for s in self.segments if s not in busy)
 
     def reclaim_segment(self) -> Optional[int]:
-        """Give back one segment with no busy slot, coldest first; its pages are evicted."""
+        """Give back one segment with no busy slot, coldest first; its pages are evicted.
+        A segment holding a page `on_evict` keeps is skipped (its other pages may be gone)."""
         busy = {e.offset // self.segment_size for e in self._busy_entries()}
         order = [e.offset // self.segment_size for e in self.lru.from_lru()]
-        candidates = [s for s in dict.fromkeys(order + self.segments) if s not in busy]
-        if not candidates:
-            return None
-        seg = candidates[0]
+        for seg in dict.fromkeys(order + self.segments):
+            if seg not in busy and self._empty_segment(seg):
+                return self._give_back(seg)
+        return None
+
+    def _empty_segment(self, seg: int) -> bool:
         lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
-        for e in [e for e in self.lru.from_lru() if lo <= e.offset < hi]:
-            self._evict(e)
+        return all(self._evict(e) for e in [e for e in self.lru.from_lru() if lo <= e.offset < hi])
+
+    def _give_back(self, seg: int) -> int:
+        lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
         kept = [o for o in self.free if not lo <= o < hi]
         self._slots -= len(self.free) - len(kept)
         self.free = kept
@@ -251,14 +257,15 @@ class PagePool:
             return None
         return self.free.pop()
 
-    def _evict(self, e: Entry) -> None:
-        if self.on_evict is not None:
-            self.on_evict(self, e)
+    def _evict(self, e: Entry) -> bool:
+        if self.on_evict is not None and not self.on_evict(self, e):
+            return False
         self.lru.remove(e)
         del self.entries[e.key]
         del self.ready[e.key]
         self.free.append(e.offset)
         self.evictions += 1
+        return True
 
     def _bury(self, e: Entry) -> None:
         del self._doomed_entries[id(e)]

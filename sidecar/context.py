@@ -125,8 +125,7 @@ class Context:
                 log.info("released buffer %s: its process exited", buffer_id)
 
     async def flush(self, timeout: float) -> int:
-        writer = self.tiering.writer
-        return 0 if writer is None else await writer.flush(timeout)
+        return await self.store.flush(timeout)
 
     async def close(self, timeout: Optional[float] = None) -> None:
         """Phases: stop answering ready, stop background tasks, flush queued tier writes,
@@ -140,7 +139,10 @@ class Context:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         pending = await self.flush(timeout)
         if pending:
-            log.warning("%d queued tier writes did not finish within %.0f s", pending, timeout)
+            log.error("shutdown: %d pages not written to the tiers within %.1f s "
+                      "(--shutdown-timeout); they are lost", pending, timeout)
+        elif self.tiering.writer is not None:
+            log.info("shutdown: every page is written to the tiers")
         drain = self.loop.run_in_executor(None, self.executor.shutdown, True)
         try:
             await asyncio.wait_for(drain, timeout)

@@ -114,10 +114,12 @@ class Store:
         self.host_pool.drop(name)
         return ns
 
-    async def drop_tiers(self, ns: Namespace) -> None:
-        """Remove a deleted namespace's tier pages, unless another namespace has its spec."""
-        if not any(o.identity == ns.identity for o in self.namespaces.values()):
-            await self.tiering.drop(ns.identity)
+    async def drop_tiers(self, ns: Namespace) -> int:
+        """Remove a deleted namespace's tier pages (its queued writes cancelled first),
+        unless another namespace has its identity; return the pages a tier kept (failed)."""
+        if any(o.identity == ns.identity for o in self.namespaces.values()):
+            return 0
+        return await self.tiering.drop(ns.identity)
 
     # -- buffers ----------------------------------------------------------------------
     def register_buffer(self, name: str, body: Any, peer: Optional[Peer] = None) -> Buffer:
@@ -198,14 +200,15 @@ class Store:
             found = bytes(hit or next(elsewhere) for hit in found)
         return found
 
-    async def delete(self, name: str, keys: list[str]) -> int:
-        """Drop keys from every tier; the count is of keys that were present anywhere."""
+    async def delete(self, name: str, keys: list[str]) -> tuple[int, int]:
+        """Drop keys from the host pool and every tier: (keys that were present anywhere,
+        keys some tier failed to remove and still holds)."""
         ns = self.namespace(name)
         was = await self.present(name, keys)  # validates every key it does not find
         for k in keys:
             ns.pool.delete(k)
-        await self.tiering.delete(ns.identity, keys)
-        return sum(was)
+        failed = await self.tiering.delete(ns.identity, keys)
+        return sum(was), failed
 
     # -- page moves through engine buffers --------------------------------------------
     def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any,
@@ -395,6 +398,19 @@ class Store:
         ns.counters.hits += 1
         ns.counters.bytes_out += len(out)
         return out
+
+    async def flush(self, timeout: float) -> int:
+        """Wait until every page accepted before the call is in every tier (write_back:
+        queue the host pool's dirty pages first); return the pages still not written."""
+        writer = self.tiering.writer
+        if writer is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        unqueued = 0
+        for ns in list(self.namespaces.values()):
+            unqueued += await self.tiering.write_dirty(ns.identity, ns.pool, deadline)
+        return unqueued + await writer.flush(max(0.0, deadline - loop.time()))
 
     # -- observation ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -98,26 +98,60 @@ class Tiering:
             return []
         futures = []
         for e in entries:
-            while self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2):
-                await self.writer.wait_change()
-            pinned = pool.pin(e.key)
-            if pinned is None:   # deleted meanwhile
-                continue
-            view = self.host_pool.view(pinned.offset, pool.page_bytes)
-            self.writing[pool.name] = self.writing.get(pool.name, 0) + 1
-            futures.append(await self.writer.submit(identity, e.key, view,
-                                                    lambda p=pinned: self._written(pool, p)))
+            await self._room(pool)
+            fut = self._queue_pinned(identity, pool, e.key)
+            if fut is not None:   # (None: deleted meanwhile)
+                futures.append(fut)
         return futures
+
+    async def _room(self, pool: PagePool) -> None:
+        """Wait until the writer takes a page and `pool` may pin one more for writing."""
+        while self.writer.full or self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2):
+            await self.writer.wait_change()
+
+    def _queue_pinned(self, identity: str, pool: PagePool, key: str, touch: bool = True):
+        pinned = pool.pin(key, touch)
+        if pinned is None:
+            return None
+        view = self.host_pool.view(pinned.offset, pool.page_bytes)
+        self.writing[pool.name] = self.writing.get(pool.name, 0) + 1
+        return self.writer.enqueue(identity, key, view, lambda p=pinned: self._written(pool, p))
 
     def _written(self, pool: PagePool, e: Entry) -> None:
         self.writing[pool.name] -= 1
         pool.unpin(e)
 
+    def dirty(self, identity: str, pool: PagePool) -> list[str]:
+        """write_back: host pages in no tier yet and not queued (what a restart would lose)."""
+        if self.policy != "write_back" or pool.closed:
+            return []
+        return [k for k in pool.ready if not self.writer.queued(identity, k)
+                and not self.durable(identity, k)]
+
+    async def write_dirty(self, identity: str, pool: PagePool, deadline: float) -> int:
+        """write_back: queue every dirty page (pinned, LRU order kept) until the loop time
+        `deadline`; return how many could not be queued in time."""
+        todo = self.dirty(identity, pool)
+        loop = asyncio.get_running_loop()
+        for n, key in enumerate(todo):
+            try:
+                await asyncio.wait_for(self._room(pool), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return len(todo) - n
+            if pool.closed:
+                return 0
+            if not self.writer.queued(identity, key):
+                self._queue_pinned(identity, pool, key, touch=False)
+        return 0
+
     def on_evict(self, identity: str):
-        """For write_back: stage an evicted page's bytes and queue them (never blocks)."""
-        def evicted(pool: PagePool, e: Entry) -> None:
-            if not self.durable(identity, e.key):
-                self.writer.submit_nowait(identity, e.key, bytes(self.host_pool.view(e.offset, pool.page_bytes)))
+        """For write_back: a page in no tier may leave the host pool only once a staged
+        copy of it is queued; with the queue full the pool keeps it (and evicts another)."""
+        def evicted(pool: PagePool, e: Entry) -> bool:
+            if self.writer.queued(identity, e.key) or self.durable(identity, e.key):
+                return True
+            page = bytes(self.host_pool.view(e.offset, pool.page_bytes))
+            return self.writer.try_submit(identity, e.key, page)
         return evicted
 
     # -- promotion --------------------------------------------------------------------
@@ -179,16 +213,34 @@ class Tiering:
                 out[i] = bool(good)
         return out
 
-    async def delete(self, identity: str, keys: list[str]) -> None:
-        if self.tiers:
-            loop = asyncio.get_running_loop()
-            for tier in self.tiers:
-                await loop.run_in_executor(self.executor, tier.delete, identity, keys)
+    async def delete(self, identity: str, keys: list[str]) -> int:
+        """Remove keys from every tier after cancelling their queued writes and waiting for
+        the running ones (none publishes after this); return the keys some tier still holds
+        (a delete the tier could not perform: a read-only or failing disk)."""
+        if not self.tiers:
+            return 0
+        await self._settle(identity, keys)
+        loop = asyncio.get_running_loop()
+        for tier in self.tiers:
+            await loop.run_in_executor(self.executor, tier.delete, identity, keys)
+        return sum(any(t.contains(identity, k) for t in self.tiers) for k in keys)
 
-    async def drop(self, identity: str) -> None:
+    async def drop(self, identity: str) -> int:
+        """Remove every page of one identity from every tier (a deleted namespace), after
+        its writes settle; return the pages some tier could not remove."""
+        if not self.tiers:
+            return 0
+        await self._settle(identity, None)
         loop = asyncio.get_running_loop()
         for tier in self.tiers:
             await loop.run_in_executor(self.executor, tier.drop, identity)
+        return sum(t.count(identity) for t in self.tiers)
+
+    async def _settle(self, identity: str, keys) -> None:
+        if self.writer is not None:
+            running = self.writer.cancel(identity, keys)
+            if running:
+                await asyncio.gather(*running)
 
     def counts(self, identity: str) -> dict[str, int]:
         return {t.name: t.count(identity) for t in self.tiers}

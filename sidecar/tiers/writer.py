@@ -1,8 +1,14 @@
 """The write-behind queue: pages waiting to be written to the durable tiers.
 
+    loop: submit / try_submit --> queue.Queue --> writer threads: write_batch per tier
+          cancel(identity, keys) marks queued jobs;      (a cancelled job is skipped)
+          in_flight(...) -> futures of started jobs  <-- _finish on the loop (unpin, future)
+
 Jobs are queued from the event loop (`submit` waits while `max_pages` are in flight:
-back-pressure on the engine), written by worker threads in batches (one directory fsync
-per batch), and finished back on the loop (unpin, future, flush bookkeeping).
+back-pressure on the engine; `try_submit` answers False instead), written by worker
+threads in batches (one directory fsync per batch), and finished back on the loop.
+A delete cancels the jobs of its keys still queued and waits for those a thread already
+took (`in_flight`), so no write publishes a page after its delete.
 """
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from sidecar.tiers.base import Tier
 
@@ -25,21 +31,29 @@ class WriteJob:
     seq: int
     future: asyncio.Future
     release: Optional[Callable[[], None]] = field(default=None)
+    started: bool = False                    # a thread took it (under TierWriter._lock)
+    cancelled: bool = False                  # deleted before a thread took it
 
 
 class TierWriter:
-    """Writes every queued page to every tier; `flush` waits for what was queued before it."""
+    """Writes every queued page to every tier; `flush` waits for what was queued before it.
+
+    `failed` counts pages a tier refused (I/O errors); `dropped` pages that could not be
+    queued and were lost (none since evictions wait for room: kept for the metric)."""
 
     def __init__(self, tiers: list[Tier], threads: int = 2, max_pages: int = 1024):
         self.tiers = tiers
         self.max_pages = max_pages
         self.failed = 0
         self.dropped = 0
+        self.cancelled = 0
         self._threads = [threading.Thread(target=self._work, name=f"kv-tier-{i}", daemon=True)
                          for i in range(threads)]
         self._q: queue.Queue = queue.Queue()
         self._seq = 0
-        self._outstanding: set[int] = set()
+        self._outstanding: dict[int, WriteJob] = {}
+        self._by_key: dict[tuple[str, str], list[WriteJob]] = {}
+        self._lock = threading.Lock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._changed: Optional[asyncio.Event] = None
 
@@ -53,27 +67,55 @@ class TierWriter:
     def pending(self) -> int:
         return len(self._outstanding)
 
+    @property
+    def full(self) -> bool:
+        return len(self._outstanding) >= self.max_pages
+
+    def queued(self, identity: str, key: str) -> bool:
+        """A write of this page is queued or running."""
+        return (identity, key) in self._by_key
+
     async def submit(self, identity: str, key: str, page, release=None) -> asyncio.Future:
         """Queue one page, waiting while the queue is full; the future tells if it is durable."""
-        while len(self._outstanding) >= self.max_pages:
+        while self.full:
             await self._wait_change()
-        return self._enqueue(identity, key, page, release)
+        return self.enqueue(identity, key, page, release)
 
-    def submit_nowait(self, identity: str, key: str, page) -> bool:
-        """Queue a staged copy without waiting (write-back on eviction); False if full."""
-        if len(self._outstanding) >= self.max_pages:
-            self.dropped += 1
+    def try_submit(self, identity: str, key: str, page) -> bool:
+        """Queue a staged copy without waiting (write-back on eviction); False when full:
+        the caller keeps the page."""
+        if self.full:
             return False
-        self._enqueue(identity, key, page, None)
+        self.enqueue(identity, key, page, None)
         return True
 
-    def _enqueue(self, identity, key, page, release) -> asyncio.Future:
+    def enqueue(self, identity, key, page, release) -> asyncio.Future:
+        """Queue one page now (the caller checked `full`)."""
         self._seq += 1
-        fut = self._loop.create_future()
-        self._outstanding.add(self._seq)
-        self._q.put(WriteJob(identity, key, page, self._seq, fut, release))
-        return fut
+        job = WriteJob(identity, key, page, self._seq, self._loop.create_future(), release)
+        self._outstanding[job.seq] = job
+        self._by_key.setdefault((identity, key), []).append(job)
+        self._q.put(job)
+        return job.future
 
+    # -- deletes ----------------------------------------------------------------------
+    def cancel(self, identity: str, keys: Optional[Iterable[str]] = None) -> list[asyncio.Future]:
+        """Cancel the queued writes of `keys` (None: every key of `identity`); return the
+        futures of those a thread already runs (await them before deleting the files)."""
+        if keys is None:
+            jobs = [j for (ident, _), js in self._by_key.items() if ident == identity for j in js]
+        else:
+            jobs = [j for k in keys for j in self._by_key.get((identity, k), ())]
+        running = []
+        with self._lock:
+            for job in jobs:
+                if job.started:
+                    running.append(job.future)
+                else:
+                    job.cancelled = True
+        return running
+
+    # -- workers ----------------------------------------------------------------------
     async def wait_change(self) -> None:
         """Return after the next batch of writes finishes."""
         await self._wait_change()
@@ -82,35 +124,52 @@ class TierWriter:
         self._changed.clear()
         await self._changed.wait()
 
-    def _work(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            batch = [job]
-            while len(batch) < BATCH:
-                try:
-                    nxt = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._q.put(None)  # leave the stop mark for this thread's next get
-                    break
-                batch.append(nxt)
-            ok = [True] * len(batch)
-            for tier in self.tiers:
-                res = tier.write_batch([(j.identity, j.key, j.page) for j in batch])
-                ok = [a and b for a, b in zip(ok, res)]
-            self._loop.call_soon_threadsafe(self._finish, batch, ok)
+    def _take(self) -> Optional[list[WriteJob]]:
+        """The next batch (cancelled jobs included, marked), or None at the stop mark."""
+        job = self._q.get()
+        if job is None:
+            return None
+        batch = [job]
+        while len(batch) < BATCH:
+            try:
+                nxt = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._q.put(None)  # leave the stop mark for this thread's next get
+                break
+            batch.append(nxt)
+        with self._lock:
+            for j in batch:
+                j.started = not j.cancelled
+        return batch
 
-    def _finish(self, batch: list[WriteJob], ok: list[bool]) -> None:
-        for job, good in zip(batch, ok):
+    def _work(self) -> None:
+        while (batch := self._take()) is not None:
+            live = [j for j in batch if j.started]
+            ok = [True] * len(live)
+            for tier in self.tiers:
+                if not live:
+                    break
+                res = tier.write_batch([(j.identity, j.key, j.page) for j in live])
+                ok = [a and b for a, b in zip(ok, res)]
+            good = {id(j): g for j, g in zip(live, ok)}
+            self._loop.call_soon_threadsafe(self._finish, batch, good)
+
+    def _finish(self, batch: list[WriteJob], good: dict[int, bool]) -> None:
+        for job in batch:
             if job.release is not None:
                 job.release()
-            self._outstanding.discard(job.seq)
-            self.failed += not good
+            del self._outstanding[job.seq]
+            same = self._by_key[(job.identity, job.key)]
+            same.remove(job)
+            if not same:
+                del self._by_key[(job.identity, job.key)]
+            ok = good.get(id(job), False)
+            self.failed += not (ok or job.cancelled)
+            self.cancelled += job.cancelled
             if not job.future.done():
-                job.future.set_result(good)
+                job.future.set_result(ok)
         self._changed.set()
 
     async def flush(self, timeout: float) -> int:
