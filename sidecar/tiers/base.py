@@ -30,6 +30,7 @@ class TierStats:
     read_errors: int = 0
     corrupt: int = 0
     evictions: int = 0
+    delete_errors: int = 0
 
 
 class Tier:

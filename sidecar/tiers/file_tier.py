@@ -30,6 +30,7 @@ from sidecar.tiers.base import Tier, TierStats
 
 log = logging.getLogger("kv_sidecar.tiers")
 _IDENTITY_LEN = 32
+ENOSPC_RETRIES = 3
 __all__ = ["FileTier", "TierStats"]
 
 
@@ -105,13 +106,7 @@ class FileTier(Tier):
         for i, (identity, key, page) in enumerate(jobs):
             directory = os.path.dirname(self._path(identity, key))
             try:
-                self._ensure_dir(directory)
-                try:
-                    tmp, fd, size = pagefile.write_temp(directory, key, page, self.file_mode)
-                except FileNotFoundError:  # the directory vanished: make it again, once
-                    self._dirs.discard(directory)
-                    self._ensure_dir(directory)
-                    tmp, fd, size = pagefile.write_temp(directory, key, page, self.file_mode)
+                tmp, fd, size = self._write_temp(directory, key, page)
             except OSError as exc:
                 self._failed("write", exc)
                 self._dirs.discard(directory)  # it may have vanished: make it again next time
@@ -145,6 +140,43 @@ class FileTier(Tier):
                 self.stats.bytes_written += size
         return ok
 
+    def _write_temp(self, directory: str, key: str, page) -> tuple[str, int, int]:
+        """`pagefile.write_temp`, making a vanished directory again (once) and, when the
+        file system is full (ENOSPC), evicting this tier's least recent pages and retrying."""
+        remade = False
+        for attempt in range(ENOSPC_RETRIES + 1):
+            self._ensure_dir(directory)
+            try:
+                return pagefile.write_temp(directory, key, page, self.file_mode)
+            except FileNotFoundError:
+                if remade:
+                    raise
+                remade = True
+                self._dirs.discard(directory)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or attempt == ENOSPC_RETRIES:
+                    raise
+                need = max(len(memoryview(page).cast("B")) + pagefile.BLOCK, self.used // 64)
+                if not self._evict_bytes(need):
+                    raise
+                log.warning("%s tier: the file system is full; evicted least recent pages "
+                            "and retrying", self.name)
+        raise OSError(errno.ENOSPC, "no space left after evicting")
+
+    def _evict_bytes(self, want: int) -> int:
+        """Remove least recent pages until `want` bytes are freed; return the bytes freed."""
+        freed = 0
+        while freed < want:
+            with self._lock:
+                if not self.lru:
+                    break
+                (identity, key), size = next(iter(self.lru.items()))
+                self._forget(identity, key)
+                self.stats.evictions += 1
+            pagefile._unlink(self._path(identity, key))
+            freed += size
+        return freed
+
     def _ensure_dir(self, directory: str) -> None:
         if directory not in self._dirs:
             self._make_dir(directory)
@@ -166,14 +198,8 @@ class FileTier(Tier):
             return
         if size > self.capacity:
             raise OSError(errno.EFBIG, f"a page of {size} bytes is over the tier's capacity")
-        while True:
-            with self._lock:
-                if self.used + size <= self.capacity or not self.lru:
-                    return
-                (identity, key), _ = next(iter(self.lru.items()))
-                self._forget(identity, key)
-                self.stats.evictions += 1
-            pagefile._unlink(self._path(identity, key))
+        while self.used + size > self.capacity and self._evict_bytes(1):
+            pass
 
     # -- reads (copy executor threads) ------------------------------------------------
     def read(self, identity: str, key: str, dst: memoryview) -> bool:
@@ -203,25 +229,65 @@ class FileTier(Tier):
         return True
 
     def delete(self, identity: str, keys: list[str]) -> int:
+        """Remove pages; return how many this tier knew. A file that cannot be removed
+        (read-only or failing disk) stays in the index: the caller reports it as failed."""
         n = 0
         for key in keys:
             with self._lock:
-                known = self._forget(identity, key)
-            if known or self.shared:
-                pagefile._unlink(self._path(identity, key))
-                n += known
+                size = self.keys.get(identity, {}).get(key)
+                self._forget(identity, key)
+            if size is None and not self.shared:
+                continue
+            try:
+                pagefile.remove(self._path(identity, key))
+            except OSError as exc:
+                self._failed("delete", exc)
+                with self._lock:
+                    self._add(identity, key, size or 0)
+                continue
+            n += size is not None
         return n
 
     def drop(self, identity: str) -> None:
-        """Remove every page of one identity (a deleted namespace)."""
+        """Remove every page file of one identity (those other nodes wrote too) and its
+        directory; pages that cannot be removed stay in the index (`count` shows them)."""
+        directory = os.path.join(self.root, identity)
         with self._lock:
-            keys = list(self.keys.get(identity, ()))
-        self.delete(identity, keys)
+            known = list(self.keys.get(identity, ()))
+        self.delete(identity, known)
+        try:
+            with os.scandir(directory) as it:
+                names = [e.name[:-len(pagefile.SUFFIX)] for e in it if pagefile.is_page_name(e.name)]
+        except FileNotFoundError:
+            names = []
+        except OSError as exc:
+            self._failed("delete", exc)
+            names = []
+        if names:
+            self._delete_unknown(identity, names)
+        self._dirs.discard(directory)
+        with self._lock:
+            if not self.keys.get(identity):
+                self.keys.pop(identity, None)
+        try:
+            os.rmdir(directory)  # fails while another writer's temporary is there: harmless
+        except OSError:
+            pass
+
+    def _delete_unknown(self, identity: str, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                pagefile.remove(self._path(identity, key))
+            except OSError as exc:
+                self._failed("delete", exc)
+                self._adopt(identity, key)
 
     def _failed(self, what: str, exc: OSError) -> None:
         with self._lock:
             if what == "read":
                 self.stats.read_errors += 1
+            elif what == "delete":
+                self.stats.delete_errors += 1
             else:
                 self.stats.write_errors += 1
             self.degraded = f"{what}: {exc.strerror or exc}"
@@ -232,7 +298,8 @@ class FileTier(Tier):
 
     # -- recovery ---------------------------------------------------------------------
     def recover(self) -> int:
-        """Rebuild the index from the directory (LRU order by mtime); drop temporaries."""
+        """Rebuild the index from the directory (LRU order by mtime); remove abandoned
+        temporaries (pagefile.abandoned), never another live writer's."""
         found = []
         os.makedirs(os.path.dirname(self.root), exist_ok=True)
         self._make_dir(self.root)
@@ -249,15 +316,21 @@ class FileTier(Tier):
         return len(found)
 
     def _scan_dir(self, ident: str, directory: str) -> list:
-        out = []
+        """Pages of one directory; removes temporaries no live writer can publish."""
+        out, now = [], time.time()
         with os.scandir(directory) as it:
             for entry in it:
                 name = entry.name
-                if pagefile.TMP_MARK in name:
-                    pagefile._unlink(entry.path)  # a write that never published
-                elif name.endswith(pagefile.SUFFIX) and entry.is_file(follow_symlinks=False):
+                try:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
                     st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # published or removed meanwhile
+                    continue
+                if pagefile.is_page_name(name):
                     out.append((st.st_mtime_ns, ident, name[:-len(pagefile.SUFFIX)], st.st_size))
+                elif pagefile.abandoned(name, st.st_mtime, now):
+                    pagefile._unlink(entry.path)  # a write that will never publish
         return out
 
     def describe(self) -> dict:

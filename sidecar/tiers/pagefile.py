@@ -11,6 +11,11 @@ aligned memory, such as an arena slot: no page-cache copy), and 64 otherwise (sm
 unaligned pages, staged copies). Published by writing a unique temporary name in the same
 directory, fdatasync, rename; the directory is fsynced after (once per batch). A file whose
 size, magic, header checksum, key or page checksum is wrong is not a page: a miss.
+
+Temporary names start with `~`, which no key holds (keys are [0-9A-Za-z_.:-]), and say
+who writes them, so a scan removes only provably abandoned ones (`abandoned`):
+
+    ~<node>~<boot>~<pid>~<random>.tmp     node: host name + pid namespace; boot: boot id
 """
 from __future__ import annotations
 
@@ -18,9 +23,14 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 import secrets
+import socket
 import struct
 import threading
+import time
+
+from typing import Optional
 
 import xxhash
 
@@ -30,8 +40,65 @@ HEADER = struct.Struct("<8sIIQQQ")      # 40 bytes, then the header's own xxh3 (
 HEADER_SIZE = 64
 BLOCK = 4096                             # the O_DIRECT alignment and data offset
 SUFFIX = ".pg"
-TMP_MARK = ".tmp."
+TMP_PREFIX = "~"
+TEMP_MAX_AGE = 600.0                     # seconds: any writer's temporary older is abandoned
+_PAGE_NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}\.pg")
+_TEMP_NAME = re.compile(r"~([0-9A-Za-z.-]{1,80})~([0-9a-f]{1,32})~([0-9]{1,10})~[0-9a-f]{8}\.tmp")
+_LEGACY_TEMP = re.compile(r"\..*\.pg\.tmp\.[0-9]+\.[0-9a-f]{8}")   # before temporaries began with ~
 _local = threading.local()
+
+
+def _node() -> str:
+    """This node's name for temporaries: host name and pid namespace (a pid means one
+    process only within one namespace)."""
+    host = re.sub(r"[^0-9A-Za-z.-]", "-", socket.gethostname())[:60] or "host"
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{host}-{ns}"
+
+
+def _boot() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().replace("-", "")[:32] or "0"
+    except OSError:
+        return "0"
+
+
+NODE, BOOT = _node(), _boot()
+
+
+def is_page_name(name: str) -> bool:
+    return _PAGE_NAME.fullmatch(name) is not None
+
+
+def temp_name() -> str:
+    return f"{TMP_PREFIX}{NODE}~{BOOT}~{os.getpid()}~{secrets.token_hex(4)}.tmp"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def abandoned(name: str, mtime: float, now: Optional[float] = None) -> bool:
+    """True for a temporary no live writer can still publish: one of this node's from an
+    earlier boot or of an exited process, or anyone's older than TEMP_MAX_AGE."""
+    now = time.time() if now is None else now
+    m = _TEMP_NAME.fullmatch(name)
+    if m is None:
+        return _LEGACY_TEMP.fullmatch(name) is not None and now - mtime > TEMP_MAX_AGE
+    node, boot, pid = m.group(1), m.group(2), int(m.group(3))
+    if node == NODE and (boot != BOOT or not _alive(pid)):
+        return True
+    return now - mtime > TEMP_MAX_AGE
 
 
 def key_tag(key: str) -> int:
@@ -80,7 +147,7 @@ def write_temp(directory: str, key: str, page, mode: int = 0o600) -> tuple[str, 
     """Write header + page to a new temporary file in `directory` (not yet synced), readable
     by the owner only unless `mode` says more; return (its path, its open fd, its size)."""
     view = memoryview(page).cast("B")
-    tmp = os.path.join(directory, f".{page_name(key)}{TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
+    tmp = os.path.join(directory, temp_name())
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     direct = direct_ok(view)
     try:
@@ -194,6 +261,15 @@ def _read_all(fd: int, dst: memoryview, offset: int) -> bool:
         if n == 0:
             return False
         got += n
+    return True
+
+
+def remove(path: str) -> bool:
+    """Unlink `path`; False when it was not there. Other errors (EROFS, EACCES, EIO) raise."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
     return True
 
 

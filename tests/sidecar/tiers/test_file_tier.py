@@ -1,6 +1,8 @@
 """Page files and the file tier: publish, verify, recover, evict, degrade."""
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -8,6 +10,7 @@ from sidecar.tiers import pagefile
 from sidecar.tiers.file_tier import FileTier
 
 ID = "0123456789abcdef0123456789abcdef"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def page(key, size=4096):
@@ -35,8 +38,12 @@ def test_unpublished_temporaries_are_never_served_and_are_cleaned(tmp_path):
     t.write_batch([(ID, "a", memoryview(page("a")))])
     directory = os.path.dirname(t._path(ID, "b"))
     os.makedirs(directory, exist_ok=True)
-    tmp, fd, _ = pagefile.write_temp(directory, "b", page("b"))  # crashed before the rename
-    os.close(fd)
+    # a process of this node that crashed before the rename: its pid is gone
+    code = ("import os, sys; from sidecar.tiers import pagefile; "
+            "tmp, fd, _ = pagefile.write_temp(sys.argv[1], 'b', b'x' * 4096); print(tmp)")
+    tmp = subprocess.run([sys.executable, "-c", code, directory], check=True, text=True,
+                         capture_output=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout.strip()
+    assert os.path.exists(tmp)
     fresh = FileTier("file", str(tmp_path))
     assert fresh.recover() == 1 and not fresh.contains(ID, "b")
     assert not os.path.exists(tmp)
