@@ -31,6 +31,7 @@ class Tiering:
         self.executor = executor
         self.read_parallel = 2
         self.writing: dict[str, int] = {}   # pages pinned for the writer, per pool
+        self.dropping: dict[str, asyncio.Future] = {}  # identities whose tier pages go now
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +97,8 @@ class Tiering:
         so a slow disk slows `set` down instead of filling the pool with unevictable pages."""
         if self.policy != "write_through":
             return []
+        if identity in self.dropping:  # a namespace created again while its pages go
+            await asyncio.shield(self.dropping[identity])
         futures = []
         for e in entries:
             await self._room(pool)
@@ -104,9 +107,12 @@ class Tiering:
                 futures.append(fut)
         return futures
 
+    def _crowded(self, pool: PagePool) -> bool:
+        return self.writer.full or self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2)
+
     async def _room(self, pool: PagePool) -> None:
         """Wait until the writer takes a page and `pool` may pin one more for writing."""
-        while self.writer.full or self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2):
+        while self._crowded(pool):
             await self.writer.wait_change()
 
     def _queue_pinned(self, identity: str, pool: PagePool, key: str, touch: bool = True):
@@ -131,13 +137,16 @@ class Tiering:
     async def write_dirty(self, identity: str, pool: PagePool, deadline: float) -> int:
         """write_back: queue every dirty page (pinned, LRU order kept) until the loop time
         `deadline`; return how many could not be queued in time."""
+        if identity in self.dropping:
+            await asyncio.shield(self.dropping[identity])
         todo = self.dirty(identity, pool)
         loop = asyncio.get_running_loop()
         for n, key in enumerate(todo):
-            try:
-                await asyncio.wait_for(self._room(pool), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                return len(todo) - n
+            if self._crowded(pool):
+                try:
+                    await asyncio.wait_for(self._room(pool), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    return len(todo) - n
             if pool.closed:
                 return 0
             if not self.writer.queued(identity, key):
@@ -150,6 +159,8 @@ class Tiering:
         def evicted(pool: PagePool, e: Entry) -> bool:
             if self.writer.queued(identity, e.key) or self.durable(identity, e.key):
                 return True
+            if identity in self.dropping:   # written now, it would be dropped: keep it
+                return False
             page = bytes(self.host_pool.view(e.offset, pool.page_bytes))
             return self.writer.try_submit(identity, e.key, page)
         return evicted
@@ -219,6 +230,10 @@ class Tiering:
         (a delete the tier could not perform: a read-only or failing disk)."""
         if not self.tiers:
             return 0
+        # shielded: a caller that goes away must not leave a write to publish after it
+        return await asyncio.shield(self._delete(identity, keys))
+
+    async def _delete(self, identity: str, keys: list[str]) -> int:
         await self._settle(identity, keys)
         loop = asyncio.get_running_loop()
         for tier in self.tiers:
@@ -230,6 +245,13 @@ class Tiering:
         its writes settle; return the pages some tier could not remove."""
         if not self.tiers:
             return 0
+        task = self.dropping.get(identity)
+        if task is None:
+            task = self.dropping[identity] = asyncio.ensure_future(self._drop(identity))
+            task.add_done_callback(lambda _: self.dropping.pop(identity, None))
+        return await asyncio.shield(task)
+
+    async def _drop(self, identity: str) -> int:
         await self._settle(identity, None)
         loop = asyncio.get_running_loop()
         for tier in self.tiers:

@@ -206,3 +206,34 @@ def test_a_delete_the_tier_refuses_is_answered_as_failed(make_server, tmp_path, 
     monkeypatch.undo()
     c.put_namespace("kv", PAGE)
     assert c.exists("kv", ["a", "b"]) == 2        # nothing came back silently "deleted"
+
+
+def test_a_namespace_created_again_while_its_pages_go_keeps_its_new_pages(make_server, tmp_path):
+    srv = tiered(make_server, tmp_path)
+    c = srv.client(timeout=30)
+    c.put_namespace("kv", PAGE)
+    gate = Gate(file_tier(srv))
+    put(c, "kv", ["old"])
+    assert gate.entered.wait(10)                   # the old page's write is held
+    threads, answers = [], []
+
+    def run(fn):
+        threads.append(threading.Thread(target=lambda: answers.append(fn())))
+        threads[-1].start()
+    run(lambda: c.request("DELETE", "/v1/namespaces/kv")[1])
+    wait_for(lambda: "kv" not in srv.ctx.store.namespaces)
+    c.put_namespace("kv", PAGE)                     # the same spec, so the same identity
+    run(lambda: c.put_page("kv", "new", data("new")))
+    wait_for(lambda: srv.ctx.store.namespaces["kv"].pool.contains("new"))
+    gate.open()
+    for t in threads:
+        t.join(30)
+    assert {"deleted": "kv", "failed": 0} in answers
+    assert c.request("POST", "/v1/flush")[1] == {"pending": 0, "failed": 0}
+    assert c.stats()["namespaces"]["kv"]["pages"] == {"host": 1, "file": 1}
+    srv.stop()
+    again = tiered(make_server, tmp_path)
+    c2 = again.client(timeout=30)
+    c2.put_namespace("kv", PAGE)
+    assert c2.exists_each("kv", ["old", "new"]) == [False, True]
+    assert c2.get_page("kv", "new") == data("new")
