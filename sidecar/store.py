@@ -434,7 +434,8 @@ class Store:
                 "write_policy": tiering.policy,
                 "write_queue": {"pending": writer.pending if writer else 0,
                                 "failed": writer.failed if writer else 0,
-                                "dropped": writer.dropped if writer else 0},
+                                "dropped": writer.dropped if writer else 0,
+                                "cancelled": writer.cancelled if writer else 0},
                 "namespaces": spaces}
 
     # -- prefetch ---------------------------------------------------------------------

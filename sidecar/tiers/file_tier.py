@@ -242,8 +242,11 @@ class FileTier(Tier):
                 pagefile.remove(self._path(identity, key))
             except OSError as exc:
                 self._failed("delete", exc)
-                with self._lock:
-                    self._add(identity, key, size or 0)
+                if size is None:
+                    self._adopt(identity, key)
+                else:
+                    with self._lock:
+                        self._add(identity, key, size)
                 continue
             n += size is not None
         return n
@@ -263,6 +266,9 @@ class FileTier(Tier):
         except OSError as exc:
             self._failed("delete", exc)
             names = []
+        with self._lock:
+            kept = self.keys.get(identity, {})
+            names = [n for n in names if n not in kept]  # (those failed once already)
         if names:
             self._delete_unknown(identity, names)
         self._dirs.discard(directory)
@@ -304,7 +310,10 @@ class FileTier(Tier):
         os.makedirs(os.path.dirname(self.root), exist_ok=True)
         self._make_dir(self.root)
         for ident in _subdirs(self.root, _IDENTITY_LEN):
-            found += self._scan_dir(ident, os.path.join(self.root, ident))
+            try:
+                found += self._scan_dir(ident, os.path.join(self.root, ident))
+            except FileNotFoundError:  # dropped meanwhile (another node deleted the namespace)
+                continue
         found.sort()
         with self._lock:
             self.keys.clear()
