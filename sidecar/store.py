@@ -229,6 +229,8 @@ class Store:
         stored, todo, mine, repeats = [False] * len(keys), [], {}, []
         for i, key in enumerate(keys):
             r = ns.pool.reserve(key)
+            if r is None and self.tiering.backlogged():
+                r = await self._reserve_after_writes(ns, key)
             if r is PRESENT:
                 stored[i] = True
             elif r is BUSY:  # true only if this request's own copy of the key commits
@@ -259,6 +261,16 @@ class Store:
         if durable and self.tiering.policy == "write_through":
             await self._await_durable(ns, keys, stored, dict(zip((e.key for e in committed), futures)))
         return stored
+
+    async def _reserve_after_writes(self, ns: Namespace, key: str):
+        """write_back with a full write queue: the pool keeps its unwritten pages, so wait
+        for the writer (back-pressure on the engine) and try again; None once the queue has
+        room and still no slot is free, or the namespace is gone."""
+        r = None
+        while r is None and self.tiering.backlogged() and not ns.pool.closed:
+            await self.tiering.writer.wait_change()
+            r = None if ns.pool.closed else ns.pool.reserve(key)
+        return r
 
     async def _await_durable(self, ns: Namespace, keys: list[str], stored: list[bool],
                              futures: dict) -> None:
@@ -342,6 +354,8 @@ class Store:
         check_key(key)
         size = ns.spec.page_bytes
         r = ns.pool.reserve(key)
+        if r is None and self.tiering.backlogged():
+            r = await self._reserve_after_writes(ns, key)
         if r is BUSY:
             raise Conflict(f"page {key!r} is being written by another request; retry")
         if r is PRESENT:

@@ -127,6 +127,10 @@ class Tiering:
         self.writing[pool.name] -= 1
         pool.unpin(e)
 
+    def backlogged(self) -> bool:
+        """write_back with a full write queue: evictions wait for the writer."""
+        return self.policy == "write_back" and self.writer.full
+
     def dirty(self, identity: str, pool: PagePool) -> list[str]:
         """write_back: host pages in no tier yet and not queued (what a restart would lose)."""
         if self.policy != "write_back" or pool.closed:

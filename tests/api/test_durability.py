@@ -57,26 +57,41 @@ def put(client, ns, keys):
 # -- 1. acknowledged means kept -------------------------------------------------------
 def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowledged_page(
         make_server, tmp_path):
+    """64 keys through 8 slots and a 4-page write queue while no tier write can finish: the
+    sets wait for the writer (back-pressure) instead of dropping evicted pages."""
     srv = tiered(make_server, tmp_path, write_policy="write_back", write_queue_pages=4)
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE, host_capacity_bytes=8 * PAGE)
     gate = Gate(file_tier(srv))
+    writer = srv.ctx.store.tiering.writer
+    ident = srv.ctx.store.namespaces["kv"].identity
     buf = SharedBuffer(8 * PAGE)
     bid = buf.register(c, "kv", 8, page_first_chunks(PAGE))
-    acked, refused = [], []
-    for r in range(8):  # 64 keys through 8 slots while no write can finish
-        keys = [f"r{r}-{j}" for j in range(8)]
-        for j, k in enumerate(keys):
-            buf.view(j * PAGE, PAGE)[:] = data(k)
-        for k, ok in zip(keys, c.set("kv", keys, bid, list(range(8)))):
-            (acked if ok else refused).append(k)
-        srv.invariants()
-    assert gate.entered.is_set() and refused, "the queue never filled: nothing was forced"
-    assert srv.ctx.store.tiering.writer.pending == 4
+    acked, answers = [], []
+
+    def engine():
+        for r in range(8):
+            keys = [f"r{r}-{j}" for j in range(8)]
+            for j, k in enumerate(keys):
+                buf.view(j * PAGE, PAGE)[:] = data(k)
+            got = c.set("kv", keys, bid, list(range(8)))
+            answers.extend(got)
+            acked.extend(k for k, ok in zip(keys, got) if ok)
+    t = threading.Thread(target=engine)
+    t.start()
+    wait_for(lambda: gate.entered.is_set() and writer.full)
+
+    def kept():  # on the loop: every acknowledged key is in the host pool or queued
+        pool = srv.ctx.store.namespaces["kv"].pool
+        pool.invariants()
+        return [k for k in list(acked) if not (pool.contains(k) or writer.queued(ident, k))]
+    assert srv.on_loop(kept) == []
+    assert t.is_alive()         # 8 slots + 4 queued cannot hold 64 keys: the engine waits
     gate.open()
+    t.join(30)
+    assert answers == [True] * 64
     assert c.request("POST", "/v1/flush")[1] == {"pending": 0, "failed": 0}
-    stats = c.stats()
-    assert stats["write_queue"]["dropped"] == 0
+    assert c.stats()["write_queue"]["dropped"] == 0
     assert all(c.exists_each("kv", acked)), "an acknowledged page was dropped"
     for k in acked:
         assert c.get_page("kv", k) == data(k)
