@@ -149,7 +149,7 @@ class Context:
         except asyncio.TimeoutError:
             log.warning("copy workers did not finish within the shutdown timeout")
         if self.tiering.writer is not None:
-            await self.loop.run_in_executor(None, self.tiering.writer.stop)
+            await self.loop.run_in_executor(None, self.tiering.writer.stop, timeout)
         for tier in self.tiering.tiers:
             await self.loop.run_in_executor(None, tier.close)
         for name in list(self.store.namespaces):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -186,9 +187,11 @@ class TierWriter:
                 break
         return sum(1 for s in self._outstanding if s <= target)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the workers, waiting at most `timeout` seconds in all (a hung disk)."""
         for _ in self._threads:  # one stop mark per worker
             self._q.put(None)
+        deadline = time.monotonic() + timeout
         for t in self._threads:
             if t.is_alive():
-                t.join(30)
+                t.join(max(0.0, deadline - time.monotonic()))
