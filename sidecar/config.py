@@ -81,7 +81,7 @@ class Config:
     mooncake_local_hostname: str = ""       # empty: the address that routes to the master
     write_policy: str = "write_through"
     max_body: int = 256 * 2**20           # any request body
-    max_json_body: int = 16 * 2**20       # JSON request bodies
+    max_json_body: int = 4 * 2**20        # JSON request bodies (the largest allowed is ~2.3 MB)
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
     copy_threads: int = max(4, os.cpu_count() or 1)  # a large move is split over every core
     tier_threads: int = 2

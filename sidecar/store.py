@@ -11,6 +11,7 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
@@ -22,8 +23,7 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import (CopyFailed, check_runs, check_slots, coalesce, page_runs,
-                                     split_plan)
+from sidecar.transports.base import INLINE_RUNS, CopyFailed, check_runs, check_slots, plan_parts
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -236,11 +236,10 @@ class Store:
             else:
                 mine[key] = i
                 todo.append((i, r))
-        plan = [(self._base + e.offset + off, src, n)
-                for i, e in todo for src, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         ok = False
         try:
-            ok = await self._copy(buf, plan, into_engine=False)
+            ok = await self._copy(buf, [(self._base + e.offset, slots[i]) for i, e in todo],
+                                  into_engine=False)
         finally:
             for i, e in todo:
                 if ok:
@@ -294,31 +293,35 @@ class Store:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
             if not ns.pool.closed:
                 pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
-        plan = [(dst, self._base + e.offset + off, n)
-                for i, e in enumerate(pinned) if e is not None
-                for dst, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         ok = False
         try:
-            ok = await self._copy(buf, plan, into_engine=True)
+            ok = await self._copy(buf, [(self._base + e.offset, slots[i])
+                                        for i, e in enumerate(pinned) if e is not None],
+                                  into_engine=True)
         finally:
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
         return [ok and e is not None for e in pinned]
 
-    async def _copy(self, buf: Buffer, plan: list, into_engine: bool) -> bool:
-        """Run a plan in the executor, large ones in parallel slices; a cancelled request
-        still waits for every slice to end before its slots are released. False when the
-        engine's memory failed the copy (it shrank): those pages answer false."""
-        if not plan:
+    async def _copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
+        """Move (host address, slot) pages in the executor, large moves in parallel slices;
+        a plan of more than INLINE_RUNS runs is built there too, off the event loop. A
+        cancelled request still waits for every slice to end before its slots are released.
+        False when the engine's memory failed the copy (it shrank): those pages answer false."""
+        if not pages:
             return True
+        loop = asyncio.get_running_loop()
+        build = partial(plan_parts, buf.chunks, buf.mapping.addresses, pages, into_engine,
+                        self.copy_parallel)
+        parts = build() if len(pages) * len(buf.chunks) <= INLINE_RUNS \
+            else await loop.run_in_executor(self.executor, build)
         if buf.released:  # released while the request waited (promotion, back-pressure)
             return False
         buf.acquire()
         try:
-            loop = asyncio.get_running_loop()
             futs = [loop.run_in_executor(self.executor, buf.mapping.run_plan, part, into_engine)
-                    for part in split_plan(coalesce(plan), self.copy_parallel)]
+                    for part in parts]
             try:
                 await asyncio.shield(asyncio.gather(*futs))
             except asyncio.CancelledError:

@@ -18,6 +18,7 @@ from sidecar.errors import BadRequest, GeometryMismatch, PayloadTooLarge
 
 MAX_CHUNKS = 4096
 MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
+INLINE_RUNS = 1024     # plans of more runs are built in the copy executor, off the event loop
 
 
 class CopyFailed(Exception):
@@ -112,6 +113,35 @@ def page_runs(chunks: Sequence[Chunk], bases: Sequence[int], slot: int) -> Itera
     for c in chunks:
         yield bases[c.region] + c.offset + slot * c.stride, page_off, c.size
         page_off += c.size
+
+
+def build_plan(chunks: Sequence[Chunk], bases: Sequence[int], pages: Sequence[tuple[int, int]],
+               into_engine: bool) -> list[list[int]]:
+    """The coalesced plan moving each (host address, slot) page of `pages` between the host
+    pool and the engine buffer, in one pass: one [dst, src, n] per run that does not continue
+    the one before (at most len(pages) x len(chunks), i.e. MAX_RUNS, about 8 MiB)."""
+    runs, page_off = [], 0
+    for c in chunks:
+        runs.append((bases[c.region] + c.offset, c.stride, page_off, c.size))
+        page_off += c.size
+    out: list[list[int]] = []
+    last = [0, 0, -1]        # no run ends where a real one starts
+    for host, slot in pages:
+        for engine, stride, off, n in runs:
+            dst, src = (engine + slot * stride, host + off) if into_engine \
+                else (host + off, engine + slot * stride)
+            if last[0] + last[2] == dst and last[1] + last[2] == src:
+                last[2] += n
+            else:
+                last = [dst, src, n]
+                out.append(last)
+    return out
+
+
+def plan_parts(chunks: Sequence[Chunk], bases: Sequence[int], pages: Sequence[tuple[int, int]],
+               into_engine: bool, parts: int) -> list[list]:
+    """`build_plan`, cut into up to `parts` slices for parallel copy threads."""
+    return split_plan(build_plan(chunks, bases, pages, into_engine), parts)
 
 
 def coalesce(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
