@@ -11,7 +11,6 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
@@ -23,7 +22,7 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import INLINE_RUNS, CopyFailed, check_runs, check_slots, plan_parts
+from sidecar.transports.base import CopyFailed, check_runs, check_slots, copy_jobs
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -305,23 +304,19 @@ class Store:
         return [ok and e is not None for e in pinned]
 
     async def _copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
-        """Move (host address, slot) pages in the executor, large moves in parallel slices;
-        a plan of more than INLINE_RUNS runs is built there too, off the event loop. A
-        cancelled request still waits for every slice to end before its slots are released.
-        False when the engine's memory failed the copy (it shrank): those pages answer false."""
+        """Move (host address, slot) pages in the executor, large moves on several threads
+        that plan as they copy (`copy_jobs`): the loop only lists the pages. A cancelled
+        request still waits for every job to end before its slots are released. False when
+        the engine's memory failed the copy (it shrank): those pages answer false."""
         if not pages:
             return True
-        loop = asyncio.get_running_loop()
-        build = partial(plan_parts, buf.chunks, buf.mapping.addresses, pages, into_engine,
-                        self.copy_parallel)
-        parts = build() if len(pages) * len(buf.chunks) <= INLINE_RUNS \
-            else await loop.run_in_executor(self.executor, build)
         if buf.released:  # released while the request waited (promotion, back-pressure)
             return False
         buf.acquire()
         try:
-            futs = [loop.run_in_executor(self.executor, buf.mapping.run_plan, part, into_engine)
-                    for part in parts]
+            loop = asyncio.get_running_loop()
+            futs = [loop.run_in_executor(self.executor, job) for job in
+                    copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.copy_parallel)]
             try:
                 await asyncio.shield(asyncio.gather(*futs))
             except asyncio.CancelledError:
