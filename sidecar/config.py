@@ -68,7 +68,7 @@ class Config:
     segment_size: int = 0                 # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
     data_dir: str = field(default_factory=_default_data_dir)
     file_tier: bool = True
-    file_tier_size: int = 64 * 2**30
+    file_tier_size: int = 0               # 0: min(64 GiB, 90% of free + held), see datadir
     hf3fs_dir: Optional[str] = None
     hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
     hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
