@@ -136,3 +136,21 @@ def test_healthz_stays_fast_while_the_largest_requests_run(spawn):
     assert page_in(buf, 7) == first
     buf.close()
     client.close()
+
+
+def test_a_batch_plans_at_most_max_runs_in_all(server, client, monkeypatch):
+    from api.engine.shm import page_first_chunks
+    from sidecar import hybrid
+    monkeypatch.setattr(hybrid, "MAX_RUNS", 3)        # each item alone is within the cap
+    buf = SharedBuffer(2 * 4096)
+    items = []
+    for name in ("kv", "mamba"):
+        client.put_namespace(name, 4096)
+        bid = buf.register(client, name, 2, page_first_chunks(4096))
+        items.append({"namespace": name, "keys": ["a", "b"], "buffer_id": bid, "slots": [0, 1]})
+    with pytest.raises(SidecarError) as e:
+        client.batch_set(items)
+    assert (e.value.status, e.value.code) == (413, "payload_too_large")
+    assert client.exists("kv", ["a"]) == 0             # refused before anything moved
+    assert client.batch_set(items[:1]) == {"kv": [True, True]}
+    buf.close()
