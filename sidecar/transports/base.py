@@ -127,7 +127,7 @@ def build_plan(chunks: Sequence[Chunk], bases: Sequence[int], pages: Sequence[tu
     for c in chunks:
         runs.append((bases[c.region] + c.offset, c.stride, page_off, c.size))
         page_off += c.size
-    out: list[tuple[int, int, int]] = []   # tuples: no GC-tracked garbage per run
+    out: list[tuple[int, int, int]] = []   # tuples of ints: untracked at the next GC pass
     ld, ls, ln = 0, 0, -1                    # no run ends where a real one starts
     for host, slot in pages:
         for engine, stride, off, n in runs:
