@@ -15,9 +15,19 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return parse_object(await receive_body(request.receive, limit))
 
 
+# What a parse costs is set by the values it creates (a list ~200 ns, a short string ~70 ns),
+# not by the bytes: 16 MiB of `[],` took 1.8 s. A body past COUNT_FROM bytes has its
+# structural bytes counted as it arrives (a C pass, ~0.5 ms/MiB); past MAX_JSON_VALUES it is
+# refused before any parse, which bounds every parse to ~12 ms (4 MiB of 128-byte strings).
+COUNT_FROM = 64 * 1024
+MAX_JSON_VALUES = 1 << 15       # "," "[" "{" in a body; the largest single-route request has ~8,200
+_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b",[{")
+
+
 async def receive_body(receive, limit: int) -> bytes:
-    """The whole request body from an ASGI `receive`; 413 past `limit` bytes."""
-    chunks, size, more = [], 0, True
+    """The whole request body from an ASGI `receive`; 413 past `limit` bytes or past
+    MAX_JSON_VALUES values."""
+    chunks, size, counted, values, more = [], 0, 0, 0, True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -27,6 +37,11 @@ async def receive_body(receive, limit: int) -> bytes:
         if size > limit:
             raise PayloadTooLarge(f"JSON body is over {limit} bytes")
         chunks.append(chunk)
+        if size > COUNT_FROM:
+            values += sum(len(c.translate(None, _NOT_STRUCTURAL)) for c in chunks[counted:])
+            counted = len(chunks)
+            if values > MAX_JSON_VALUES:
+                raise PayloadTooLarge(f"JSON body holds over {MAX_JSON_VALUES} values")
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -25,7 +25,8 @@ _FLAGS = [
     ("--host-pool", "host_pool", "host pool size, units allowed: 512MiB, 4GiB (default 2GiB)"),
     ("--segment-size", "segment_size", "arena segment size (default host pool / 64, 1-64 MiB)"),
     ("--data-dir", "data_dir", "local file tier directory (default ~/.cache/kv-sidecar)"),
-    ("--file-tier-size", "file_tier_size", "local file tier size limit (default 64GiB)"),
+    ("--file-tier-size", "file_tier_size", "local file tier size limit (default: 90%% of the "
+                                           "free space plus what the tier holds, at most 64GiB)"),
     ("--hf3fs-dir", "hf3fs_dir", "3FS mount directory for the shared tier (off by default)"),
     ("--hf3fs-size", "hf3fs_size", "size limit of this node's view of the 3FS tier (default: none)"),
     ("--hf3fs-group", "hf3fs_group", "group of the 3FS pages (files 0640, dirs 2770); "

@@ -68,7 +68,7 @@ class Config:
     segment_size: int = 0                 # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
     data_dir: str = field(default_factory=_default_data_dir)
     file_tier: bool = True
-    file_tier_size: int = 64 * 2**30
+    file_tier_size: int = 0               # 0: min(64 GiB, 90% of free + held), see datadir
     hf3fs_dir: Optional[str] = None
     hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
     hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
@@ -81,7 +81,7 @@ class Config:
     mooncake_local_hostname: str = ""       # empty: the address that routes to the master
     write_policy: str = "write_through"
     max_body: int = 256 * 2**20           # any request body
-    max_json_body: int = 16 * 2**20       # JSON request bodies
+    max_json_body: int = 4 * 2**20        # JSON request bodies (the largest allowed is ~2.3 MB)
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
     copy_threads: int = max(4, os.cpu_count() or 1)  # a large move is split over every core
     tier_threads: int = 2

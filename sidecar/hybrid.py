@@ -25,10 +25,11 @@ from itertools import compress
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sidecar.errors import BadRequest
+from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
+from sidecar.transports.base import MAX_RUNS
 
 ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
@@ -169,7 +170,7 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None) -> list[Ite
     """Validate every item (namespace, keys, buffer, slots) before any page moves."""
     if not isinstance(raw, list) or not raw or len(raw) > 64:
         raise BadRequest("'items' must be a non-empty list of at most 64 items")
-    items, seen = [], set()
+    items, seen, runs = [], set(), 0
     for i, it in enumerate(raw):
         if not isinstance(it, dict):
             raise BadRequest(f"items[{i}] must be an object")
@@ -178,8 +179,11 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None) -> list[Ite
             raise BadRequest(f"items[{i}].namespace must be a namespace named once per request")
         seen.add(name)
         item = Item(name, it.get("keys"), it.get("buffer_id"), it.get("slots"))
-        store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
+        _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
+        runs += len(item.keys) * len(buf.chunks)
         items.append(item)
+    if runs > MAX_RUNS:   # the copy plans of one request, all items together
+        raise PayloadTooLarge(f"the items plan {runs} copies in all; at most {MAX_RUNS} a request")
     return items
 
 

@@ -12,6 +12,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.config import Config
+from sidecar.datadir import UnusableDir, check_dirs
 from sidecar.peer import PEER_KEY, bind_unix, peer_of, unlink_if_ours
 
 log = logging.getLogger("kv_sidecar")
@@ -115,6 +116,11 @@ def serve(config: Config) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _raise_fd_limit()
+    try:
+        check_dirs(config)
+    except UnusableDir as exc:
+        log.error("cannot start: %s", exc)
+        return 1
     try:
         socks = listeners(config)
     except (OSError, RuntimeError, ValueError) as exc:

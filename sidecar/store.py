@@ -22,8 +22,7 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import (CopyFailed, check_runs, check_slots, coalesce, page_runs,
-                                     split_plan)
+from sidecar.transports.base import CopyFailed, check_runs, check_slots, copy_jobs
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -241,11 +240,10 @@ class Store:
             else:
                 mine[key] = i
                 todo.append((i, r))
-        plan = [(self._base + e.offset + off, src, n)
-                for i, e in todo for src, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         ok = False
         try:
-            ok = await self._copy(buf, plan, into_engine=False)
+            ok = await self._copy(buf, [(self._base + e.offset, slots[i]) for i, e in todo],
+                                  into_engine=False)
         finally:
             for i, e in todo:
                 if ok:
@@ -309,31 +307,31 @@ class Store:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
             if not ns.pool.closed:
                 pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
-        plan = [(dst, self._base + e.offset + off, n)
-                for i, e in enumerate(pinned) if e is not None
-                for dst, off, n in page_runs(buf.chunks, buf.mapping.addresses, slots[i])]
         ok = False
         try:
-            ok = await self._copy(buf, plan, into_engine=True)
+            ok = await self._copy(buf, [(self._base + e.offset, slots[i])
+                                        for i, e in enumerate(pinned) if e is not None],
+                                  into_engine=True)
         finally:
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
         return [ok and e is not None for e in pinned]
 
-    async def _copy(self, buf: Buffer, plan: list, into_engine: bool) -> bool:
-        """Run a plan in the executor, large ones in parallel slices; a cancelled request
-        still waits for every slice to end before its slots are released. False when the
-        engine's memory failed the copy (it shrank): those pages answer false."""
-        if not plan:
+    async def _copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
+        """Move (host address, slot) pages in the executor, large moves on several threads
+        that plan as they copy (`copy_jobs`): the loop only lists the pages. A cancelled
+        request still waits for every job to end before its slots are released. False when
+        the engine's memory failed the copy (it shrank): those pages answer false."""
+        if not pages:
             return True
         if buf.released:  # released while the request waited (promotion, back-pressure)
             return False
         buf.acquire()
         try:
             loop = asyncio.get_running_loop()
-            futs = [loop.run_in_executor(self.executor, buf.mapping.run_plan, part, into_engine)
-                    for part in split_plan(coalesce(plan), self.copy_parallel)]
+            futs = [loop.run_in_executor(self.executor, job) for job in
+                    copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.copy_parallel)]
             try:
                 await asyncio.shield(asyncio.gather(*futs))
             except asyncio.CancelledError:

@@ -11,13 +11,17 @@ A copy plan is a list of (dst_address, src_address, nbytes), coalesced where run
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Sequence
 
 from sidecar.errors import BadRequest, GeometryMismatch, PayloadTooLarge
 
 MAX_CHUNKS = 4096
 MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
+YIELD_RUNS = 2048      # runs a copy thread plans and copies before it yields the GIL
+SPLIT_MIN = 8 << 20    # moves of fewer bytes stay on one copy thread
 
 
 class CopyFailed(Exception):
@@ -114,6 +118,61 @@ def page_runs(chunks: Sequence[Chunk], bases: Sequence[int], slot: int) -> Itera
         page_off += c.size
 
 
+def build_plan(chunks: Sequence[Chunk], bases: Sequence[int], pages: Sequence[tuple[int, int]],
+               into_engine: bool) -> list[tuple[int, int, int]]:
+    """The coalesced plan moving each (host address, slot) page of `pages` between the host
+    pool and the engine buffer, in one pass: one (dst, src, n) per run that does not
+    continue the one before."""
+    runs, page_off = [], 0
+    for c in chunks:
+        runs.append((bases[c.region] + c.offset, c.stride, page_off, c.size))
+        page_off += c.size
+    out: list[tuple[int, int, int]] = []   # tuples of ints: untracked at the next GC pass
+    ld, ls, ln = 0, 0, -1                    # no run ends where a real one starts
+    for host, slot in pages:
+        for engine, stride, off, n in runs:
+            dst, src = (engine + slot * stride, host + off) if into_engine \
+                else (host + off, engine + slot * stride)
+            if ld + ln == dst and ls + ln == src:
+                ln += n
+                out[-1] = (ld, ls, ln)
+            else:
+                ld, ls, ln = dst, src, n
+                out.append((dst, src, n))
+    return out
+
+
+def copy_pages(mapping, chunks: Sequence[Chunk], pages: Sequence[tuple[int, int]],
+               into_engine: bool) -> int:
+    """Move `pages` on this (copy) thread: plan and run YIELD_RUNS runs at a time, then let
+    the event loop's thread take the GIL. The plan of a request is never whole in memory,
+    and no copy thread holds the GIL for long (a 65,536-run move once stalled the loop)."""
+    step = max(1, YIELD_RUNS // len(chunks))
+    moved = 0
+    for i in range(0, len(pages), step):
+        if i:
+            time.sleep(0)
+        moved += mapping.run_plan(build_plan(chunks, mapping.addresses, pages[i:i + step],
+                                             into_engine), into_engine)
+    return moved
+
+
+def copy_jobs(mapping, chunks: Sequence[Chunk], pages: Sequence[tuple[int, int]],
+              into_engine: bool, parts: int) -> list[Callable[[], int]]:
+    """One move as jobs for up to `parts` copy threads, cut by pages (all the same size).
+    A move of fewer pages than threads is planned here (at most parts x MAX_CHUNKS runs)
+    and its plan cut by bytes."""
+    total = len(pages) * sum(c.size for c in chunks)
+    if parts <= 1 or total < SPLIT_MIN:
+        return [partial(copy_pages, mapping, chunks, pages, into_engine)]
+    if len(pages) >= parts:
+        per = -(-len(pages) // parts)
+        return [partial(copy_pages, mapping, chunks, pages[i:i + per], into_engine)
+                for i in range(0, len(pages), per)]
+    plan = build_plan(chunks, mapping.addresses, pages, into_engine)
+    return [partial(mapping.run_plan, part, into_engine) for part in split_plan(plan, parts, SPLIT_MIN)]
+
+
 def coalesce(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """Merge consecutive copies whose source and destination runs are both adjacent."""
     out: list[list[int]] = []
@@ -125,7 +184,7 @@ def coalesce(plan: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return [tuple(x) for x in out]
 
 
-def split_plan(plan: list[tuple[int, int, int]], parts: int, minimum: int = 8 << 20) -> list[list]:
+def split_plan(plan: list[tuple[int, int, int]], parts: int, minimum: int = SPLIT_MIN) -> list[list]:
     """Cut a plan into up to `parts` slices of about equal bytes (runs are split too), so
     one large request copies on several threads. Plans under `minimum` bytes stay whole."""
     total = sum(n for _, _, n in plan)
