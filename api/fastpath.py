@@ -1,24 +1,29 @@
-"""The hot routes as raw ASGI, in front of FastAPI and inside the Guard (token, body size,
-metrics still apply). FastAPI keeps every route, serves the rest, and documents these.
+"""The hot routes as raw ASGI, before any of FastAPI's layers but inside a Guard of their
+own (same token, body size and metrics as the app's). FastAPI keeps every route, serves
+the rest, and documents these.
 
-    Guard -> FastPath --POST exists | set | get | batch/exists, no query--> one handler
-                      `-- anything else ---------------------------------> FastAPI
+    uvicorn -> SidecarApp --POST exists | set | get | batch/exists, no query--> Guard -> FastPath
+                         `-- anything else --> FastAPI (its middleware, Guard, routes)
 
 A served request costs one receive loop, one orjson parse, the store call and two
 `send`s with a precomputed head: no routing table walk, no dependency resolution, no
-Request/Response objects. Errors go through the same handlers as FastAPI's, so the
-status, code and body are the same bytes. Each handler is `(ctx, scope, name, body)`:
-the FastAPI routes call the same functions, so a change to one route is one line.
+Request/Response objects, no telemetry or error middleware. Errors go through the same
+handlers as FastAPI's, so the status, code and body are the same bytes (an unexpected
+error answers 500 as FastAPI's ServerErrorMiddleware would, then propagates to the
+server's log). Each handler is `(ctx, scope, name, body)`: the FastAPI routes call the
+same functions, so a change to one route is one line. The look-ups answer on the event
+loop; only a remote tier (Mooncake) is awaited.
 """
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Optional
 
 import orjson
-from starlette.requests import ClientDisconnect
+from fastapi import FastAPI
+from starlette.requests import ClientDisconnect, Request
 
 from api.deps import ready
-from api.errors import on_disconnect, on_domain_error
+from api.errors import on_disconnect, on_domain_error, on_unexpected
 from api.wire import parse_object, receive_body
 from sidecar import hybrid
 from sidecar.context import Context
@@ -28,10 +33,15 @@ from sidecar.peer import scope_peer
 Handler = Callable[[Context, dict, Optional[str], dict], Awaitable[bytes]]
 JSON = (b"content-type", b"application/json")
 PREFIX = "/v1/namespaces/"
+HOT = "kv_sidecar.hot"  # scope key: the matched (route, namespace), until the Guard lets it in
 
 
 async def exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
-    return b'{"prefix":%d}' % await ctx.store.prefix(name, body.get("keys"))
+    keys = body.get("keys")
+    n, more = ctx.store.local_prefix(name, keys)
+    if more:
+        n = await ctx.store.remote_prefix(name, keys, n)
+    return b'{"prefix":%d}' % n
 
 
 async def set_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
@@ -82,16 +92,28 @@ def match(scope: dict) -> tuple[Optional[Route], Optional[str]]:
     return (BATCH_EXISTS, None) if path == BATCH_EXISTS.path else (None, None)
 
 
-class FastPath:
-    """ASGI middleware: serve the hot routes, pass everything else to `app`."""
+_HEADS: dict[int, dict] = {}  # the 200 response start, by body length (small bodies)
 
-    def __init__(self, app, state: Any):
-        self.app, self.state = app, state
+
+def _start(out: bytes) -> dict:
+    """The response start for `out`, made once per length (uvicorn copies the headers)."""
+    head = _HEADS.get(len(out))
+    if head is None:
+        head = {"type": "http.response.start", "status": 200,
+                "headers": [JSON, (b"content-length", b"%d" % len(out))]}
+        if len(out) < 4096:
+            _HEADS[len(out)] = head
+    return head
+
+
+class FastPath:
+    """ASGI app for a request `SidecarApp` matched (behind a Guard): one handler, no routing."""
+
+    def __init__(self, state: Any):
+        self.state = state
 
     async def __call__(self, scope, receive, send):
-        route, name = match(scope) if scope["type"] == "http" else (None, None)
-        if route is None:
-            return await self.app(scope, receive, send)
+        route, name = scope.pop(HOT)
         scope["route"] = route
         try:
             ctx = ready(self.state)
@@ -101,6 +123,23 @@ class FastPath:
             return await (await on_domain_error(None, exc))(scope, receive, send)
         except ClientDisconnect as exc:
             return await (await on_disconnect(None, exc))(scope, receive, send)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [JSON, (b"content-length", b"%d" % len(out))]})
+        except Exception as exc:  # as FastAPI's ServerErrorMiddleware: answer 500, re-raise
+            await (await on_unexpected(Request(scope), exc))(scope, receive, send)
+            raise
+        await send(_start(out))
         await send({"type": "http.response.body", "body": out})
+
+
+class SidecarApp(FastAPI):
+    """FastAPI, with the hot requests sent to `hot` (a Guard around a FastPath) before any
+    of FastAPI's own layers run; lifespan and every other request go to FastAPI."""
+
+    hot: Optional[Callable[..., Awaitable[None]]] = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.hot is not None:
+            route, name = match(scope)
+            if route is not None:
+                scope[HOT] = (route, name)
+                return await self.hot(scope, receive, send)
+        await super().__call__(scope, receive, send)

@@ -4,6 +4,8 @@
                               req/s, server CPU per request (/proc/<pid>/stat), p99
     batch/exists, 3 extra pools  vs a single-pool exists
     client exists, 1,000 keys vs a raw socket sending the same request
+    shm set/get, 64 x 4 KiB   vs bare FastAPI set/get endpoints taking the same body (Unix
+                              socket): req/s, server CPU per request, p99
     set/get via shm, 64 x 2 MiB pages a request  vs a torch copy of the same bytes with its
                               default threads (and a one-thread memmove, reported)
     inline PUT/GET of 2 MiB pages (GB/s, reported)
@@ -29,7 +31,7 @@ from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import Proc, start_bare, start_sidecar
 
-TARGETS = {"exists": 1.0, "exists_p99": 1.2, "batch_exists": 0.9, "client": 1.2,
+TARGETS = {"exists": 1.0, "exists_p99": 1.2, "set": 1.0, "get": 1.0, "batch_exists": 0.9, "client": 1.2,
            "shm_set": 0.85, "shm_get": 0.85}
 
 
@@ -93,10 +95,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(server: Proc, path: str, body: bytes, n: int) -> tuple[float, float, list[float]]:
-    """(req/s, server CPU seconds a request, latencies) of `n` sequential POSTs."""
+def measure(server: Proc, path: str, body: bytes, n: int,
+            url: str | None = None) -> tuple[float, float, list[float]]:
+    """(req/s, server CPU seconds a request, latencies) of `n` sequential POSTs to `url`
+    (default: the server's TCP address)."""
     cpu = cpu_seconds(server.proc.pid)
-    lat = post_loop(server.url, path, body, n)
+    lat = post_loop(url or server.url, path, body, n)
     return n / sum(lat), (cpu_seconds(server.proc.pid) - cpu) / n, lat
 
 
@@ -110,13 +114,13 @@ def exists_keys(url: str, name: str) -> list[str]:
     return keys
 
 
-def bench_exists(sidecar: Proc, bare: Proc, n: int, rounds: int) -> dict:
-    body = orjson.dumps({"keys": exists_keys(sidecar.url, "bench-exists")})
-    path = "/v1/namespaces/bench-exists/exists"
+def against_bare(sidecar: Proc, bare: Proc, path: str, body: bytes, n: int, rounds: int,
+                 unix: bool = False) -> dict:
+    """The same request to the sidecar and to the bare endpoint, in interleaved rounds."""
     side, bare_ = {"rps": [], "cpu": [], "lat": []}, {"rps": [], "cpu": [], "lat": []}
     for _ in range(rounds):  # interleave rounds so drift hits both alike
         for proc, acc in ((bare, bare_), (sidecar, side)):
-            rps, cpu, lat = measure(proc, path, body, n)
+            rps, cpu, lat = measure(proc, path, body, n, proc.socket_url if unix else proc.url)
             acc["rps"].append(rps)
             acc["cpu"].append(cpu)
             acc["lat"] += lat
@@ -128,6 +132,31 @@ def bench_exists(sidecar: Proc, bare: Proc, n: int, rounds: int) -> dict:
             "p50_ms": pct(side["lat"], 0.5) * 1e3, "p99_ms": pct(side["lat"], 0.99) * 1e3,
             "bare_p50_ms": pct(bare_["lat"], 0.5) * 1e3, "bare_p99_ms": pct(bare_["lat"], 0.99) * 1e3,
             "p99_ratio": div(pct(side["lat"], 0.99), pct(bare_["lat"], 0.99))}
+
+
+def bench_exists(sidecar: Proc, bare: Proc, n: int, rounds: int) -> dict:
+    body = orjson.dumps({"keys": exists_keys(sidecar.url, "bench-exists")})
+    return against_bare(sidecar, bare, "/v1/namespaces/bench-exists/exists", body, n, rounds)
+
+
+def bench_moves(sidecar: Proc, bare: Proc, n: int, rounds: int, pages: int = 64) -> dict:
+    """shm set and get of `pages` x 4 KiB pages over the Unix socket vs the bare endpoints
+    (which parse the same body and answer the same shape). The set's keys are present after
+    the first request, so it measures the request and the index, not a copy; the get copies
+    the pages into the engine's buffer every time."""
+    c = SidecarClient(sidecar.socket_url)
+    c.put_namespace("bench-moves", 4096)
+    buf = SharedBuffer(pages * 4096)
+    buf.bytes.fill_(5)
+    bid = buf.register(c, "bench-moves", pages, page_first_chunks(4096))
+    body = orjson.dumps({"keys": [f"{i:064x}" for i in range(pages)], "buffer_id": bid,
+                         "slots": list(range(pages))})
+    try:
+        return {op: against_bare(sidecar, bare, f"/v1/namespaces/bench-moves/{op}", body, n, rounds,
+                                 unix=True) for op in ("set", "get")}
+    finally:
+        c.delete_namespace("bench-moves")
+        buf.close()
 
 
 def bench_client(url: str, n: int, rounds: int) -> dict:
@@ -264,6 +293,7 @@ def main(argv=None) -> int:
     try:
         res = {"exists": bench_exists(sidecar, bare, n, rounds),
                "batch_exists": bench_batch_exists(sidecar, n, rounds),
+               "moves": bench_moves(sidecar, bare, n, rounds),
                "client": bench_client(sidecar.url, n // 3 or 1, rounds),
                "client_uds": bench_client(sidecar.socket_url, n // 3 or 1, rounds),
                "shm": bench_shm(sidecar.socket_url, pages, page, reps),
@@ -277,13 +307,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def versus_line(label: str, e: dict, target: float) -> str:
+    return (f"{label}: {e['sidecar_rps']:.0f} req/s, {e['cpu_us']:.0f} us CPU/request "
+            f"(p50 {e['p50_ms']:.3f} ms, p99 {e['p99_ms']:.3f} ms) vs bare {e['bare_rps']:.0f} req/s, "
+            f"{e['bare_cpu_us']:.0f} us CPU/request (p99 {e['bare_p99_ms']:.3f} ms) -> req/s {e['ratio']:.2f}x, "
+            f"CPU {e['cpu_ratio']:.2f}x (bare CPU / ours; targets >= {target}x), "
+            f"p99 {e['p99_ratio']:.2f}x of bare (target <= {TARGETS['exists_p99']}x)")
+
+
 def report(res: dict) -> None:
     e, b, c, s, i = res["exists"], res["batch_exists"], res["client"], res["shm"], res["inline"]
-    print(f"exists 1000 keys: {e['sidecar_rps']:.0f} req/s, {e['cpu_us']:.0f} us CPU/request "
-          f"(p50 {e['p50_ms']:.3f} ms, p99 {e['p99_ms']:.3f} ms) vs bare {e['bare_rps']:.0f} req/s, "
-          f"{e['bare_cpu_us']:.0f} us CPU/request (p99 {e['bare_p99_ms']:.3f} ms) -> req/s {e['ratio']:.2f}x, "
-          f"CPU {e['cpu_ratio']:.2f}x (bare CPU / ours; targets >= {TARGETS['exists']}x), "
-          f"p99 {e['p99_ratio']:.2f}x of bare (target <= {TARGETS['exists_p99']}x)")
+    print(versus_line("exists 1000 keys", e, TARGETS["exists"]))
+    for op in ("set", "get"):
+        print(versus_line(f"shm {op} 64 x 4 KiB (Unix socket{', pages present' if op == 'set' else ''})",
+                          res["moves"][op], TARGETS[op]))
     print(f"batch/exists 1000 keys, kv + 3 extra pools: {b['batch_rps']:.0f} req/s, {b['cpu_us']:.0f} us CPU "
           f"vs single-pool exists {b['exists_rps']:.0f} req/s, {b['exists_cpu_us']:.0f} us CPU -> "
           f"req/s {b['ratio']:.2f}x, CPU {b['cpu_ratio']:.2f}x (target >= {TARGETS['batch_exists']}x)")

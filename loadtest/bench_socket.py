@@ -18,6 +18,7 @@ import orjson
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
+from loadtest.bench import cpu_seconds
 from loadtest.procs import start_sidecar
 
 
@@ -43,14 +44,17 @@ def summary(lat: list[float], nbytes: int = 0) -> dict:
     return row
 
 
-def bench_exists(uds: SidecarClient, tcp: SidecarClient, rounds: int, n: int) -> dict:
+def bench_exists(uds: SidecarClient, tcp: SidecarClient, rounds: int, n: int, pid: int) -> dict:
+    """Per listener: req/s, p50, p99, and the server's CPU per request (/proc/<pid>/stat)."""
     keys = [f"k{i}" for i in range(1000)]
     uds.put_namespace("bs-exists", 4096)
-    lat = {"uds": [], "tcp": []}
+    lat, cpu = {"uds": [], "tcp": []}, {"uds": 0.0, "tcp": 0.0}
     for _ in range(rounds):
         for name, c in (("tcp", tcp), ("uds", uds)):
+            before = cpu_seconds(pid)
             lat[name] += timed(lambda: c.exists("bs-exists", keys), n)
-    return {k: summary(v) for k, v in lat.items()}
+            cpu[name] += cpu_seconds(pid) - before
+    return {k: {**summary(v), "cpu_us": cpu[k] / len(v) * 1e6} for k, v in lat.items()}
 
 
 def bench_small_moves(uds: SidecarClient, tcp: SidecarClient, rounds: int, n: int) -> dict:
@@ -96,7 +100,7 @@ def run(rounds: int, n: int) -> dict:
     side = start_sidecar("--host-pool", "1GiB", "--no-file-tier")
     try:
         uds, tcp = SidecarClient(side.socket_url, timeout=120), SidecarClient(side.url, timeout=120)
-        res = {"exists": bench_exists(uds, tcp, rounds, n),
+        res = {"exists": bench_exists(uds, tcp, rounds, n, side.proc.pid),
                "small_moves": bench_small_moves(uds, tcp, rounds, max(n // 10, 5)),
                "copy_modes": bench_copy_modes(uds, rounds)}
     finally:

@@ -59,8 +59,7 @@ def start_sidecar(*args: str) -> Proc:
 
 
 def start_bare() -> Proc:
-    port = free_port()
-    code = ("import uvicorn; from loadtest.bare_app import create_bare_app; "
-            f"uvicorn.run(create_bare_app(), host='127.0.0.1', port={port}, loop='uvloop', "
-            "http='httptools', log_level='warning', access_log=False)")
-    return Proc([sys.executable, "-c", code], port)
+    """The bare baseline (loadtest/bare_app.py) on a free port and a Unix socket."""
+    port, sock = free_port(), socket_path()
+    code = f"from loadtest.bare_app import serve; serve({port}, {sock!r})"
+    return Proc([sys.executable, "-c", code], port, sock)

@@ -34,6 +34,7 @@ from sidecar.transports.base import MAX_RUNS
 ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 POLICIES = (ALL_PAGES, TRAILING_PAGES)
+_EXTRA_FIELDS = frozenset({"namespace", "policy", "window"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +69,8 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("namespace"), str):
             raise BadRequest(f"extra[{i}] must be an object with a 'namespace' string")
-        unknown = set(item) - {"namespace", "policy", "window"}
-        if unknown:
-            raise BadRequest(f"extra[{i}] has unknown fields {sorted(unknown)}")
+        if not _EXTRA_FIELDS.issuperset(item):
+            raise BadRequest(f"extra[{i}] has unknown fields {sorted(set(item) - _EXTRA_FIELDS)}")
         policy = item.get("policy", ALL_PAGES)
         if policy not in POLICIES:
             raise BadRequest(f"extra[{i}].policy must be one of {list(POLICIES)}")
@@ -84,77 +84,108 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
 class Presence:
     """One pool's pages over the KV prefix `keys[:top]`, looked up from the top down and
     only as far as asked, in doubling chunks: a trailing pool's hit usually needs its
-    last window only. `bits[i - lo]` is 1 when page i (lo <= i < top) is present."""
+    last window only. `bits[i - lo]` is 1 when page i (lo <= i < top) is present.
+    Look-ups are synchronous (host pool, local tiers); with a remote tier, `bits` comes
+    whole from one awaited look-up instead."""
 
-    def __init__(self, store: Store, name: str, keys: list[str], top: int):
+    __slots__ = ("store", "name", "keys", "top", "lo", "bits", "run", "run_ends")
+
+    def __init__(self, store: Store, name: str, keys: list[str], top: int,
+                 bits: Optional[bytes] = None):
         self.store, self.name, self.keys, self.top = store, name, keys, top
-        self.lo, self.bits = top, b""
+        self.lo, self.bits = (top, b"") if bits is None else (0, bits)
+        self.run, self.run_ends = 0, False
 
-    async def _reach(self, i: int) -> None:
+    def _reach(self, i: int) -> None:
         if i < self.lo:
             lo = max(0, min(i, 2 * self.lo - self.top))
-            self.bits = await self.store.mask(self.name, self.keys[lo:self.lo]) + self.bits
+            self.bits = self.store.local_mask(self.name, self.keys[lo:self.lo]) + self.bits
             self.lo = lo
 
-    async def last_missing(self, lo: int, hi: int) -> int:
+    def last_missing(self, lo: int, hi: int) -> int:
         """The greatest i in [lo, hi) whose page is missing, -1 when all are present."""
-        await self._reach(lo)
+        self._reach(lo)
         i = self.bits.rfind(0, lo - self.lo, hi - self.lo)
         return -1 if i < 0 else i + self.lo
 
-    async def last_present(self, hi: int) -> int:
+    def last_present(self, hi: int) -> int:
         """The greatest i < hi whose page is present, -1 when none is."""
         while True:
             i = self.bits.rfind(1, 0, max(0, hi - self.lo))
             if i >= 0 or self.lo == 0:
                 return -1 if i < 0 else i + self.lo
             hi = self.lo
-            await self._reach(self.lo - 1)
+            self._reach(self.lo - 1)
 
-    async def all(self) -> bytes:
-        await self._reach(0)
+    def first_missing(self, p: int) -> int:
+        """The least i < p whose page is missing, p when none is. Below what `bits` holds,
+        a walk from page 0 that stops at the first miss (remembered in `run`: pages
+        [0, run) are present, and page run is missing when `run_ends`)."""
+        if self.lo > 0:
+            below = min(p, self.lo)
+            if self.run < below and not self.run_ends:
+                self.run = self.store.local_run(self.name, self.keys, below)
+                self.run_ends = self.run < below
+            if self.run < below or p <= self.lo:
+                return min(self.run, p)
+        i = self.bits.find(0, 0, p - self.lo)
+        return p if i < 0 else i + self.lo
+
+    def all(self) -> bytes:
+        self._reach(0)
         return self.bits
 
 
-async def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
+def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
     """The greatest endpoint <= p this pool can restore."""
     if pool.policy == ALL_PAGES:
-        miss = (await seen.all()).find(0, 0, p)
-        return p if miss < 0 else miss
+        return seen.first_missing(p)
     while p > 0:
-        miss = await seen.last_missing(max(0, p - pool.window), p)
+        miss = seen.last_missing(max(0, p - pool.window), p)
         if miss < 0:
             return p
         # every endpoint in (q + 1, p] ends on a missing page or has one in its window
-        p = await seen.last_present(miss) + 1
+        p = seen.last_present(miss) + 1
     return 0
 
 
 async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
-                 restorable: bool = False) -> dict[str, Any]:
-    """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all)."""
+                       restorable: bool = False) -> dict[str, Any]:
+    """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all).
+    The keys are validated once, by the KV look-up; every pool reads that prefix only."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    top = await store.prefix(kv, keys)  # validates the keys past the prefix
-    seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
-    own = [await cap(pool, s, top) for pool, s in zip(extra, seen)]
+    top, more = store.local_prefix(kv, keys)  # validates the keys past the prefix
+    if more:
+        top = await store.remote_prefix(kv, keys, top)
+    if store.tiering.remote and extra:  # one remote look-up per pool, all at once
+        masks = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
+        seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, masks)]
+    else:
+        seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
+    return hit_rule(extra, seen, top, restorable)
+
+
+def hit_rule(extra: list[ExtraPool], seen: list[Presence], top: int,
+             restorable: bool) -> dict[str, Any]:
+    own = [cap(pool, s, top) for pool, s in zip(extra, seen)]
     hit, legal_at = min(own, default=top), list(own)  # legal_at[i]: an endpoint pool i restores
     while any(p != hit for p in legal_at):  # lower the hit until every pool restores it
         for i, (pool, s) in enumerate(zip(extra, seen)):
             if legal_at[i] != hit:
-                hit = legal_at[i] = await cap(pool, s, hit)
+                hit = legal_at[i] = cap(pool, s, hit)
     out = {"hit": hit, "kv": top, "pools": {pool.namespace: b for pool, b in zip(extra, own)}}
     if restorable:
-        out["restorable"] = await common_endpoints(extra, seen, top)
+        out["restorable"] = common_endpoints(extra, seen, top)
     return out
 
 
-async def common_endpoints(extra: list[ExtraPool], seen: list[Presence], top: int) -> list[int]:
+def common_endpoints(extra: list[ExtraPool], seen: list[Presence], top: int) -> list[int]:
     """Every endpoint in 1..top that every pool can restore, ascending."""
     common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
     for pool, s in zip(extra, seen):
         window = top if pool.policy == ALL_PAGES else pool.window
-        common &= int.from_bytes(legal_endpoints(await s.all(), top, window), "little")
+        common &= int.from_bytes(legal_endpoints(s.all(), top, window), "little")
     return list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
 
 

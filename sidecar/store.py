@@ -11,6 +11,7 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
@@ -160,17 +161,34 @@ class Store:
     # -- lookups ----------------------------------------------------------------------
     # A key found in the index was validated when it was stored, so look-ups validate only
     # the keys they do not find (an unhashable entry falls through to the full check).
-    async def prefix(self, name: str, keys: list[str]) -> int:
-        """Longest run of keys from index 0 present in the host pool or any tier."""
+    # The host pool and local tiers answer on the event loop: only a remote tier (Mooncake)
+    # is awaited, and only for keys found nowhere else.
+    def local_prefix(self, name: str, keys: list[str]) -> tuple[int, bool]:
+        """(n, more): the leading run of keys in the host pool or a local tier, and whether
+        a remote tier must still be asked about the rest (then call `remote_prefix`)."""
         ns = self.namespace(name)
         try:
             n = ns.pool.prefix(check_batch(keys))
         except TypeError:
             n = 0
+        if n == len(keys):
+            return n, False
         check_keys(keys[n:])
-        if self.tiering.enabled and n < len(keys):
-            n += await self.tiering.prefix(ns.identity, keys[n:], ns.pool.ready)
-        return n
+        tiering = self.tiering
+        if not tiering.enabled:
+            return n, False
+        n += tiering.local_prefix(ns.identity, keys[n:], ns.pool.ready)
+        return n, n < len(keys) and tiering.remote
+
+    async def remote_prefix(self, name: str, keys: list[str], n: int) -> int:
+        """`local_prefix`'s n, extended by what the remote tiers hold."""
+        ns = self.namespace(name)
+        return n + await self.tiering.remote_prefix(ns.identity, keys[n:], ns.pool.ready)
+
+    async def prefix(self, name: str, keys: list[str]) -> int:
+        """Longest run of keys from index 0 present in the host pool or any tier."""
+        n, more = self.local_prefix(name, keys)
+        return await self.remote_prefix(name, keys, n) if more else n
 
     async def present(self, name: str, keys: list[str]) -> list[bool]:
         ns = self.namespace(name)
@@ -186,14 +204,35 @@ class Store:
             found = [hit or next(elsewhere) for hit in found]
         return found
 
-    async def mask(self, name: str, keys: list[str]) -> bytes:
-        """One byte per key, 1 when present anywhere; for keys already validated (a KV
-        prefix). A namespace that does not exist holds nothing."""
+    def local_mask(self, name: str, keys: list[str]) -> bytes:
+        """One byte per key, 1 when in the host pool or a local tier; for keys already
+        validated (a KV prefix). A namespace that does not exist holds nothing."""
         ns = self.namespaces.get(name)
         if ns is None:
             return bytes(len(keys))
         found = bytes(map(ns.pool.ready.__contains__, keys))
         if self.tiering.enabled and 0 in found:
+            missing = [k for k, hit in zip(keys, found) if not hit]
+            elsewhere = iter(self.tiering.local_present(ns.identity, missing))
+            found = bytes(hit or next(elsewhere) for hit in found)
+        return found
+
+    def local_run(self, name: str, keys: list[str], hi: int) -> int:
+        """The leading run of `keys[:hi]` in the host pool or a local tier, for keys already
+        validated; stops at the first miss. A namespace that does not exist holds nothing."""
+        ns = self.namespaces.get(name)
+        if ns is None:
+            return 0
+        n = ns.pool.prefix(islice(keys, hi))
+        if n < hi and self.tiering.enabled:
+            n += self.tiering.local_prefix(ns.identity, keys[n:hi], ns.pool.ready)
+        return n
+
+    async def mask(self, name: str, keys: list[str]) -> bytes:
+        """`local_mask`, with the remote tiers asked about what no local tier holds."""
+        found = self.local_mask(name, keys)
+        ns = self.namespaces.get(name)
+        if ns is not None and self.tiering.remote and 0 in found:
             missing = [k for k, hit in zip(keys, found) if not hit]
             elsewhere = iter(await self.tiering.present(ns.identity, missing))
             found = bytes(hit or next(elsewhere) for hit in found)

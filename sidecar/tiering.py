@@ -54,31 +54,59 @@ class Tiering:
     async def present(self, identity: str, keys: list[str]) -> list[bool]:
         return [t is not None for t in await self.locate(identity, keys)]
 
+    @property
+    def remote(self) -> bool:
+        """Whether a tier must be asked over the network (in the executor): Mooncake."""
+        return any(t.remote_lookup for t in self.tiers)
+
+    def local_present(self, identity: str, keys: list[str]) -> list[bool]:
+        """Whether each key is in some local tier (they answer on the event loop)."""
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, hit in enumerate(found) if not hit]
+            if not todo:
+                break
+            if not tier.remote_lookup:
+                for i, hit in zip(todo, tier.lookup(identity, [keys[i] for i in todo])):
+                    found[i] = bool(hit)
+        return found
+
+    def local_prefix(self, identity: str, keys: list[str], ready) -> int:
+        """Length of the leading run of keys in `ready` (the host pool) or a local tier,
+        walked key by key up to the first miss."""
+        local = [t for t in self.tiers if not t.remote_lookup]
+        n = 0
+        for k in keys:
+            if not (k in ready or any(t.contains(identity, k) for t in local)):
+                break
+            n += 1
+        return n
+
+    async def remote_prefix(self, identity: str, keys: list[str], ready) -> int:
+        """Length of the leading run of keys found anywhere, for keys whose first one is in
+        no local tier: the remote tiers are asked once for all of them."""
+        local = [t for t in self.tiers if not t.remote_lookup]
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            if tier.remote_lookup:
+                todo = [i for i, hit in enumerate(found) if not hit]
+                for i, hit in zip(todo, await self._lookup(tier, identity, [keys[i] for i in todo])):
+                    found[i] = hit
+        n = 0
+        for k, hit in zip(keys, found):
+            if not (hit or k in ready or any(t.contains(identity, k) for t in local)):
+                break
+            n += 1
+        return n
+
     async def prefix(self, identity: str, keys: list[str], ready) -> int:
         """Length of the leading run of keys in `ready` (the host pool) or in some tier.
         Local tiers are walked key by key up to the first miss; remote tiers are then asked
         once for the rest."""
-        local = [t for t in self.tiers if not t.remote_lookup]
-        remote = [t for t in self.tiers if t.remote_lookup]
-
-        def here(k: str) -> bool:
-            return k in ready or any(t.contains(identity, k) for t in local)
-
-        n = 0
-        while n < len(keys) and here(keys[n]):
-            n += 1
-        if n == len(keys) or not remote:
+        n = self.local_prefix(identity, keys, ready)
+        if n == len(keys) or not self.remote:
             return n
-        rest, found = keys[n:], [False] * (len(keys) - n)
-        for tier in remote:
-            todo = [i for i, hit in enumerate(found) if not hit]
-            for i, hit in zip(todo, await self._lookup(tier, identity, [rest[i] for i in todo])):
-                found[i] = hit
-        for k, hit in zip(rest, found):
-            if not (hit or here(k)):
-                break
-            n += 1
-        return n
+        return n + await self.remote_prefix(identity, keys[n:], ready)
 
     async def _lookup(self, tier: Tier, identity: str, keys: list[str]) -> list[bool]:
         if not tier.remote_lookup:

@@ -29,3 +29,25 @@ def test_examples():
     assert _batch_ok(["a" * 128, "0-9._:A"])
     for bad in (["", "a"], ["a", ""], [""], ["a\nb"], ["a", "b\n"], ["a" * 129], ["é"], [None]):
         assert not _batch_ok(bad), bad
+
+
+# keys of one length take the batch check's stride shortcut: newlines, outsiders and
+# lengths just around the limit must still be caught there
+same_length = st.integers(0, 130).flatmap(
+    lambda n: st.lists(st.one_of(st.text(chars, min_size=n, max_size=n),
+                                 st.text(st.sampled_from("aZ09_.:-"), min_size=n, max_size=n)),
+                       min_size=1, max_size=6))
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(same_length)
+def test_batch_check_of_keys_of_one_length(keys):
+    assert _batch_ok(keys) == all(valid(k) for k in keys)
+
+
+def test_one_length_examples():
+    assert _batch_ok(["ab", "cd", "ef"]) and _batch_ok(["a" * 128] * 3) and _batch_ok(["ab", "c", "de"])
+    for bad in (["ab", "c\n", "de"], ["a\nb", "cde"], ["a" * 129] * 2, ["", ""], ["ab", "c.", "d/"],
+                ["abc", "d", "e\n"], ["a\n", "\nb"], ["a\nbc", "de", "fg"],
+                ["aa", "", "aaaa"], ["a" * 100, "a" * 160, "a" * 40]):  # same total as one length
+        assert not _batch_ok(bad), bad
