@@ -23,7 +23,8 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import CopyFailed, check_runs, check_slots, copy_jobs
+from sidecar.transports.base import (INLINE_MAX, CopyFailed, check_runs, check_slots,
+                                     copy_jobs, copy_pages)
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -366,6 +367,9 @@ class Store:
             return True
         if buf.released:  # released while the request waited (promotion, back-pressure)
             return False
+        if getattr(buf.mapping, "inline", False) and \
+                len(pages) * sum(c.size for c in buf.chunks) <= INLINE_MAX:
+            return self._copy_inline(buf, pages, into_engine)
         buf.acquire()
         try:
             loop = asyncio.get_running_loop()
@@ -383,6 +387,16 @@ class Store:
             return True
         finally:
             buf.release_ref()
+
+    def _copy_inline(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
+        """A small shm move on the loop: a memmove or pread/pwrite of at most INLINE_MAX
+        bytes costs less than two thread hand-offs (get of 64 x 4 KiB: 0.5x -> see bench)."""
+        try:
+            copy_pages(buf.mapping, buf.chunks, pages, into_engine)
+        except CopyFailed as exc:
+            log.warning("copy with buffer %s failed: %s", buf.id, exc)
+            return False
+        return True
 
     # -- inline pages -----------------------------------------------------------------
     async def put_page(self, name: str, key: str, body: AsyncIterator[bytes]) -> bool:

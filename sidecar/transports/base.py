@@ -22,6 +22,7 @@ MAX_CHUNKS = 4096
 MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
 YIELD_RUNS = 2048      # runs a copy thread plans and copies before it yields the GIL
 SPLIT_MIN = 8 << 20    # moves of fewer bytes stay on one copy thread
+INLINE_MAX = 1 << 20   # moves of at most this many bytes run on the event loop (shm only)
 
 
 class CopyFailed(Exception):

@@ -90,6 +90,7 @@ class ShmMapping:
     sealed. `addresses` are mapping addresses, or file offsets (base 0) in fd mode."""
 
     __slots__ = ("size", "fd", "ident", "sealed", "_mm", "_anchor", "address")
+    inline = True   # small moves may run on the event loop: no copy can block (tmpfs/memfd)
 
     def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = ()):
         self.fd, self._mm, self._anchor = fd, None, None
