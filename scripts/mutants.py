@@ -129,11 +129,11 @@ MUTANTS = [
       "        store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)\n",
       "        if i == 0:\n"
       "            store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)\n",
-      ("tests/api/test_hybrid.py",)),
+      ("tests/api/test_hybrid.py::test_every_batch_item_is_validated_before_any_page_moves",)),
     M("hybrid: KV-first gating off", "sidecar/hybrid.py",
       "complete = all(all(v) for v in loaded.values())",
       "complete = True",
-      ("tests/api/test_hybrid.py",)),
+      ("tests/api/test_hybrid.py::test_batch_get_serves_extra_pools_only_after_every_kv_page",)),
 ]
 
 

@@ -4,6 +4,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from api.engine.client import SidecarClient, SidecarUnavailable
 from api.engine.shm import SharedBuffer, page_first_chunks
 from sidecar.tiers.file_tier import FileTier
@@ -15,6 +17,7 @@ def data(key: str) -> bytes:
     return hashlib.shake_256(key.encode()).digest(PAGE)
 
 
+@pytest.mark.slow
 def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tmp_path):
     args = ("--host-pool", "64MiB", "--data-dir", str(tmp_path / "data"))
     p = spawn(*args).wait_ready()

@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
 from tests.conftest import ROOT, wait_for
 
@@ -34,6 +36,7 @@ def test_serve_env_toml_and_flags(spawn, tmp_path):
     assert "from-env" not in out and "from-file" not in out  # no secrets in logs
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0(spawn):
     p = spawn("--host-pool", "32MiB", "--no-file-tier").wait_ready()
     c = SidecarClient(p.url)
@@ -67,6 +70,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(spawn):
     assert failures == []
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--host-pool", "lots"],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
