@@ -134,6 +134,26 @@ MUTANTS = [
       "complete = all(all(v) for v in loaded.values())",
       "complete = True",
       ("tests/api/test_hybrid.py::test_batch_get_serves_extra_pools_only_after_every_kv_page",)),
+    # -- claims of the README / API.md (tests/api/test_claims.py) ----------------------------
+    M("readyz: ready before the tiers are recovered", "api/routes_health.py",
+      "if ctx is None or not ctx.ready:", "if ctx is None:",
+      ("tests/api/test_claims.py::test_readyz_is_503_until_tiers_are_recovered",)),
+    M("3fs: no periodic rescan", "sidecar/context.py",
+      "        while shared:\n", "        while False:\n",
+      ("tests/api/test_claims.py::test_hf3fs_and_shm_flags_from_the_command_line",)),
+    M("prefetch: a failed promotion reported as done", "sidecar/store.py",
+      'state["state"] = "failed"', 'state["state"] = "done"',
+      ("tests/api/test_claims.py::test_prefetch_ticket_reports_a_failed_promotion",)),
+    M("prefetch: tickets never expire", "sidecar/store.py",
+      "while len(self.tickets) > 4096:", "while len(self.tickets) > 1 << 30:",
+      ("tests/api/test_claims.py::test_prefetch_tickets_expire_oldest_first",)),
+    M("write-back: dropped pages not counted", "sidecar/tiers/writer.py",
+      "            self.dropped += 1\n", "            pass\n",
+      ("tests/api/test_claims.py::test_write_back_counts_pages_dropped_on_a_full_queue",)),
+    M("pool: unpin leaves the pinned count", "pools/page_pool.py",
+      "        if e.pins == 0:\n            self._pinned -= 1",
+      "        if e.pins == 0:\n            pass",
+      ("tests/pools/test_page_pool.py",)),
 ]
 
 
