@@ -3,6 +3,7 @@ client_disconnected, prefetch tickets (failed, expired), the write-back `dropped
 and the 3FS and shm flags from the command line (rescan, --hf3fs-size, --shm-dir)."""
 import asyncio
 import hashlib
+import http.client
 import os
 import socket
 import threading
@@ -24,7 +25,18 @@ def data(key: str) -> bytes:
     return hashlib.shake_256(key.encode()).digest(PAGE)
 
 
+def _get(srv, path):
+    """(status, body) of a GET on loopback TCP, no token."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.config.port, timeout=10)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out
+
+
 def test_readyz_is_503_until_tiers_are_recovered(make_server, monkeypatch, tmp_path):
+    """Recovery of the tiers held on an event: alive (/healthz) but not ready (/readyz 503)."""
     gate, entered = threading.Event(), threading.Event()
     real = FileTier.recover
 
@@ -44,16 +56,6 @@ def test_readyz_is_503_until_tiers_are_recovered(make_server, monkeypatch, tmp_p
     finally:
         gate.set()
     wait_for(lambda: _get(srv, "/readyz")[0] == 200, timeout=10)
-
-
-def _get(srv, path):
-    import http.client
-    conn = http.client.HTTPConnection("127.0.0.1", srv.config.port, timeout=10)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    out = resp.status, resp.read()
-    conn.close()
-    return out
 
 
 def test_client_disconnected_mid_body_aborts_the_reservation(server, client):
