@@ -153,3 +153,20 @@ def test_growth_reclaims_only_above_the_fair_share(host):
     assert fill(c, "c", 1) == 1
     assert (len(a.segments), len(b.segments), len(c.segments)) == (10, 5, 1)
     host.invariants()
+
+
+def test_segment_size_and_explicit_capacity_bounds():
+    """Edges mutmut found unguarded: a segment of 1 byte up to the whole arena is allowed,
+    0 or more than the arena is not; an explicit share of exactly one page is allowed."""
+    arena = Arena(4 * SEG)
+    try:
+        for bad in (0, -1, 4 * SEG + 1):
+            with pytest.raises(ValueError, match="segment size"):
+                HostPool(arena, bad)
+        assert HostPool(arena, 4 * SEG).n_segments == 1 and HostPool(arena, 1).n_segments == 4 * SEG
+        host = HostPool(arena, SEG)
+        assert host.create("one", 4096, capacity_bytes=4096).capacity_pages == 1
+        with pytest.raises(ValueError, match="holds no page"):
+            host.create("none", 4096, capacity_bytes=4095)
+    finally:
+        arena.close()
