@@ -33,6 +33,7 @@ def test_two_engine_processes_share_pages(server, client):
     assert client.exists("kv", keys) == 24
 
 
+@pytest.mark.slow
 def test_dead_engine_buffer_is_released(server, client):
     client.put_namespace("kv", PAGE)
     proc = subprocess.Popen([sys.executable, "-m", "tests.api.engine_proc", server.socket_url, "kv", "hold",

@@ -106,6 +106,7 @@ def _refusing(port: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_sigterm_completes_a_request_held_across_it(spawn):
     """A request in flight when SIGTERM arrives completes; the lifespan (flush, unmap) runs
     only after it. The listener closing shows the signal was handled."""
@@ -130,6 +131,7 @@ def test_sigterm_completes_a_request_held_across_it(spawn):
     assert out.index("draining") < out.index("stopped")
 
 
+@pytest.mark.slow
 def test_shutdown_timeout_bounds_the_drain(spawn):
     """--shutdown-timeout 1: a request that never finishes holds the exit for about a
     second, not for the read timeout (120 s here)."""
