@@ -23,13 +23,13 @@ def main() -> int:
         name, sep, status = line.strip().rpartition(": ")
         if sep and "__mutmut_" in name:
             counts[name.split(".")[0]][status.strip()] += 1
-    print(f"{'package':<10}{'caught':>8}{'survived':>10}{'no tests':>10}{'other':>8}{'score':>8}")
+    print(f"{'package':<10}{'caught':>8}{'survived':>10}{'no tests':>10}{'other':>8}{'score':>9}")
     for pkg, c in sorted(counts.items()):
         caught = c["killed"] + c["timeout"]
         tested = caught + c["survived"] + c["no tests"]
         other = sum(c.values()) - tested
-        score = 100.0 * caught / tested if tested else 0.0
-        print(f"{pkg:<10}{caught:>8}{c['survived']:>10}{c['no tests']:>10}{other:>8}{score:>7.1f}%")
+        score = f"{100.0 * caught / tested:.1f}%" if tested else "not run"
+        print(f"{pkg:<10}{caught:>8}{c['survived']:>10}{c['no tests']:>10}{other:>8}{score:>9}")
     return 0
 
 
