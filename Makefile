@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan]'
 	touch $@
 
-.PHONY: install serve test test-core test-sglang test-vllm bench-vllm browser bench loadtest replay plan deb-libs bench-mooncake
+.PHONY: install serve test test-core test-fast mutants mutation test-sglang test-vllm bench-vllm browser bench loadtest replay plan deb-libs bench-mooncake
 install: $(VENV)/.installed
 
 # The Debian libraries Mooncake's client and master link (the `mooncake` extra): installed
@@ -48,6 +48,22 @@ browser:
 
 test-core: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
+
+# The project's suite without the tests marked slow (local work; CI runs everything)
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# The curated mutation check (scripts/mutants.py): each listed rule broken in a copy of the
+# tree must fail its tests. CI runs it after `make test`.
+mutants: $(VENV)/.installed
+	$(PY) scripts/mutants.py $(ARGS)
+
+# mutmut over pools/, sidecar/ and api/ (on demand, long: PKG=pools limits it to one
+# package); the results stay in mutants/ (`$(VENV)/bin/mutmut results`, `mutmut show NAME`)
+PKG ?=
+mutation: $(VENV)/.installed
+	$(VENV)/bin/mutmut run $(if $(PKG),"$(PKG).*",) $(ARGS)
+	$(PY) scripts/mutmut_score.py
 
 # SGLang 0.5.23's host pools, HiCacheController and HybridCacheController on a CPU machine,
 # in their own virtualenv (about 2.2 GB, 3 minutes; `make serve` never needs it). SGLang,

@@ -153,3 +153,21 @@ def test_eviction_through_the_api(client, server):
     assert client.exists_each("small", list("abcd")) == [False, True, True, True]
     assert client.stats()["namespaces"]["small"]["evictions"] == 1
     server.invariants()
+
+
+def test_exists_does_not_refresh_pages(client, server):
+    """exists (count, each, batch) is a look-up: it never moves a page in the LRU, so the
+    page asked about most is still the first one evicted (API.md)."""
+    client.put_namespace("small", PAGE, host_capacity_bytes=3 * PAGE)
+    for k in "abc":
+        client.put_page("small", k, pattern(k))
+    for _ in range(3):
+        assert client.exists("small", ["a"]) == 1
+        assert client.exists_each("small", ["a", "b"]) == [True, True]
+        assert client.batch_exists(["a"], "small")["hit"] == 1
+    client.put_page("small", "d", pattern("d"))
+    assert client.exists_each("small", list("abcd")) == [False, True, True, True]
+    assert client.get_page("small", "b") == pattern("b")  # a read does refresh: c goes next
+    client.put_page("small", "e", pattern("e"))
+    assert client.exists_each("small", list("bcde")) == [True, False, True, True]
+    server.invariants()

@@ -6,6 +6,7 @@ import threading
 import time
 
 import orjson
+import pytest
 
 from api.engine.shm import SharedBuffer, page_first_chunks
 from tests.conftest import ROOT
@@ -20,6 +21,7 @@ def engine(server, op, *keys, ns="kv"):
     return orjson.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_pages(server, client):
     client.put_namespace("kv", PAGE)
     keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(24)]
@@ -31,6 +33,7 @@ def test_two_engine_processes_share_pages(server, client):
     assert client.exists("kv", keys) == 24
 
 
+@pytest.mark.slow
 def test_dead_engine_buffer_is_released(server, client):
     client.put_namespace("kv", PAGE)
     proc = subprocess.Popen([sys.executable, "-m", "tests.api.engine_proc", server.socket_url, "kv", "hold",
@@ -81,6 +84,7 @@ def test_many_concurrent_clients_never_mix_pages(server):
         t.start()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a worker is still running after 120 s"
     assert errors == []
     server.invariants()
     stats = server.client().stats()["namespaces"]["kv"]

@@ -243,3 +243,27 @@ def test_422_cuda_ipc_without_a_gpu(server, ready):
             "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
     assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 422,
                  "transport_unavailable")
+
+
+def test_token_guards_every_route_but_healthz(make_server):
+    """README: with a token, only /healthz answers without it. Every route the app has
+    (and an unknown path), every method, on both listeners, with no Authorization header
+    at all and with a wrong one: 401 before any route runs."""
+    import re
+    srv = make_server(token="s3cret")
+    routes = [(m.upper(), re.sub(r"\{[^}]+\}", "x", path))
+              for path, ops in srv.app.openapi()["paths"].items() for m in ops]
+    assert {"/metrics", "/readyz", "/v1/stats", "/healthz"} <= {p for _, p in routes}, routes
+    routes += [("GET", p) for p in ("/openapi.json", "/docs", "/ui", "/v1/no-such-route")]
+    for tcp in (True, False):
+        for method, path in routes:
+            for hdr in ({}, {"Authorization": "Bearer wrong"}):
+                conn = http.client.HTTPConnection("127.0.0.1", srv.config.port, timeout=10) if tcp \
+                    else UnixHTTPConnection(srv.config.socket, 10)
+                conn.request(method, path, body=b"{}", headers=hdr)
+                resp = conn.getresponse()
+                resp.read()
+                conn.close()
+                want = 200 if path == "/healthz" else 401
+                assert resp.status == want, (method, path, hdr, tcp, resp.status)
+    assert raw(srv, "GET", "/metrics")[0] == 200 and raw(srv, "GET", "/readyz")[0] == 200

@@ -217,3 +217,33 @@ def test_batch_errors_move_nothing(client, server):
     with pytest.raises(SidecarError) as exc:
         client.batch_get(e.items(keys, ("mamba",)), kv="m-kv")
     assert exc.value.status == 400
+
+
+@pytest.mark.parametrize("op", ["set", "get"])
+def test_every_batch_item_is_validated_before_any_page_moves(client, server, monkeypatch, op):
+    """A bad item anywhere in a batch (here the last) fails the request before the store is
+    asked to move a single page: a spy on the store's set/get sees no call at all (no race
+    with a background copy of the good items)."""
+    names = create(client)
+    e = Engine(client, names)
+    keys = ["a", "b"]
+    e.fill(keys)
+    if op == "get":
+        assert all(all(v) for v in client.batch_set(e.items(keys)).values())
+    store = server.ctx.store
+    calls = []
+    real = getattr(store, op)
+
+    def spy(name, *args, **kw):
+        calls.append(name)
+        return real(name, *args, **kw)
+    monkeypatch.setattr(store, op, spy)
+    for bad in ({"slots": [0, SLOTS]}, {"keys": ["a", "b/"]}, {"buffer_id": "b-none"}):
+        items = e.items(keys, ("kv", "indexer", "mamba"))
+        items[-1] = {**items[-1], **bad}
+        with pytest.raises(SidecarError) as exc:
+            getattr(client, f"batch_{op}")(items)
+        assert 400 <= exc.value.status < 500
+        assert calls == [], f"{bad}: the store moved pages for {calls} before validating every item"
+    if op == "set":
+        assert client.exists("m-kv", keys) == 0

@@ -3,6 +3,7 @@ loopback): two sidecars with their own host pools, a restart with an empty host 
 master down at start and restarted mid-run."""
 import hashlib
 
+import pytest
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
@@ -47,6 +48,7 @@ def read_all(c, keys) -> tuple[list[bool], SharedBuffer]:
     return c.get("kv", keys, oid, list(range(len(keys)))), out
 
 
+@pytest.mark.slow
 def test_two_sidecars_share_pages_and_a_restart_finds_them(spawn, cluster):
     master, _ = cluster
     a, ca = sidecar(spawn, master)
@@ -90,6 +92,7 @@ def until_durable(c, tag: str) -> list[str]:
     return attempt[-1]
 
 
+@pytest.mark.slow
 def test_master_down_at_start_then_killed_and_restarted_mid_run(spawn):
     master = Master()                                         # not running yet
     a, ca = sidecar(spawn, master)                            # starts and serves regardless

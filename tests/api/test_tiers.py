@@ -25,6 +25,7 @@ def client_for(proc):
     return SidecarClient(proc.socket_url, timeout=30)
 
 
+@pytest.mark.slow
 def test_restart_serves_flushed_pages_and_promotes_them(spawn, tmp_path):
     p = start(spawn, tmp_path)
     c = client_for(p)
@@ -56,6 +57,7 @@ def test_restart_serves_flushed_pages_and_promotes_them(spawn, tmp_path):
     assert c2.exists("other", keys) == 0
 
 
+@pytest.mark.slow
 def test_prefetch_delete_and_namespace_drop(spawn, tmp_path):
     p = start(spawn, tmp_path)
     c = client_for(p)
@@ -85,6 +87,7 @@ def test_prefetch_delete_and_namespace_drop(spawn, tmp_path):
     assert c2.exists("kv", ["b"]) == 0   # a deleted namespace's pages are gone from every tier
 
 
+@pytest.mark.slow
 def test_write_back_writes_evicted_pages_and_none_writes_nothing(spawn, tmp_path):
     p = start(spawn, tmp_path, "--write-policy", "write_back")
     c = client_for(p)
@@ -131,6 +134,7 @@ def test_tier_failure_answers_false_for_durable_sets_and_keeps_serving(spawn, tm
     assert p.terminate()[0] == 0
 
 
+@pytest.mark.slow
 def test_sigkill_during_write_through_loses_nothing_flushed(spawn, tmp_path):
     p = start(spawn, tmp_path, pool="64MiB")
     c = client_for(p)
@@ -181,6 +185,7 @@ def test_sigkill_during_write_through_loses_nothing_flushed(spawn, tmp_path):
             assert page == data(key)
 
 
+@pytest.mark.slow
 def test_two_sidecars_share_one_hf3fs_directory(spawn, tmp_path):
     shared = str(tmp_path / "3fs")
     a = spawn("--host-pool", "32MiB", "--no-file-tier", "--hf3fs-dir", shared).wait_ready()

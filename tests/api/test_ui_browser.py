@@ -65,6 +65,7 @@ def busy_sidecar(make_server, tmp_path):
             t.join(10)
 
 
+@pytest.mark.slow
 def test_status_page_draws_every_chart(busy_sidecar, tmp_path):
     url = busy_sidecar.url + "/ui"
     out = chromium(url, tmp_path / "profile-dom", "--dump-dom")
@@ -104,6 +105,7 @@ def test_api_docs_render_offline(make_server, tmp_path):
     assert "/v1/namespaces/{name}/exists" in dom
 
 
+@pytest.mark.slow
 def test_a_browser_logs_in_with_the_token(make_server, tmp_path):
     """With --token, a browser answers the Basic challenge (user `sidecar`, the token as
     password) and the page's own polling is authorized by the same login."""

@@ -3,10 +3,12 @@ import subprocess
 import sys
 
 import orjson
+import pytest
 
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_bench_quick_json():
     out = subprocess.run([sys.executable, "-W", "ignore", "-m", "loadtest.bench", "--quick", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)

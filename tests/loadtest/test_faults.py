@@ -4,6 +4,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from api.engine.client import SidecarClient, SidecarUnavailable
 from api.engine.shm import SharedBuffer, page_first_chunks
 from sidecar.tiers.file_tier import FileTier
@@ -15,14 +17,23 @@ def data(key: str) -> bytes:
     return hashlib.shake_256(key.encode()).digest(PAGE)
 
 
-def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tmp_path):
-    args = ("--host-pool", "64MiB", "--data-dir", str(tmp_path / "data"))
+QUEUE = 64   # --write-queue-pages: what a SIGKILL may lose of what `set` acknowledged
+
+
+@pytest.mark.slow
+def test_killed_sidecar_fails_fast_and_loses_at_most_the_write_queue(spawn, tmp_path):
+    """SIGKILL mid-run: an acknowledged page is in the host pool and queued for the file
+    tier, so after a restart every acknowledged page is served but those still in the write
+    queue (at most --write-queue-pages). The kill waits for a count of acknowledged pages
+    (many times the queue), not for a time: a loaded machine only takes longer."""
+    args = ("--host-pool", "64MiB", "--data-dir", str(tmp_path / "data"),
+            "--write-queue-pages", str(QUEUE))
     p = spawn(*args).wait_ready()
     c = SidecarClient(p.socket_url, timeout=3)
     c.put_namespace("kv", PAGE)
     buf = SharedBuffer(16 * PAGE)
     bid = buf.register(c, "kv", 16, page_first_chunks(PAGE))
-    acked, stop = [], threading.Event()
+    acked, stop, enough = [], threading.Event(), threading.Event()
 
     def engine():
         i = 0
@@ -35,10 +46,12 @@ def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tm
             except SidecarUnavailable:
                 return
             acked.extend(k for k, ok in zip(keys, stored) if ok)
+            if len(acked) >= 8 * QUEUE:
+                enough.set()
             i += 1
     t = threading.Thread(target=engine)
     t.start()
-    time.sleep(1.5)
+    assert enough.wait(120), f"only {len(acked)} pages acknowledged in 120 s"
     p.kill()                                  # SIGKILL, no flush, writes in flight
     t0 = time.monotonic()
     try:
@@ -48,7 +61,7 @@ def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tm
         assert time.monotonic() - t0 < 3.5   # fails within its timeout, no hang
     stop.set()
     t.join(10)
-    assert len(acked) >= 64
+    assert not t.is_alive()
 
     p2 = spawn(*args).wait_ready()
     c2 = SidecarClient(p2.socket_url, timeout=30)
@@ -63,7 +76,8 @@ def test_killed_sidecar_fails_fast_and_serves_80_percent_after_restart(spawn, tm
             if ok:
                 assert out.view(j * PAGE, PAGE) == data(k), f"{k}: wrong bytes"
                 served += 1
-    assert served >= 0.8 * len(acked), f"{served} of {len(acked)} served from the file tier"
+    lost = len(acked) - served
+    assert lost <= QUEUE, f"{lost} of {len(acked)} acknowledged pages lost (the queue is {QUEUE})"
 
 
 class LyingTier(FileTier):

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_locust_smoke_has_no_failures(spawn, tmp_path):
     p = spawn("--host-pool", "256MiB", "--no-file-tier").wait_ready()
     locust = os.path.join(os.path.dirname(sys.executable), "locust")

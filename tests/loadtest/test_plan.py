@@ -28,6 +28,7 @@ def run_cli(*args):
     return orjson.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_sweep_matches_the_replay_oracle_and_draws_a_chart(tmp_path):
     reqs = [[0, 1, 2, 3], [0, 1, 4], [5, 6], [0, 1, 2, 7], [5, 6, 8], [0, 9]]
     path = write_trace(tmp_path / "t.jsonl", reqs)
@@ -72,6 +73,7 @@ def test_smaller_pages_split_each_block(tmp_path):
         plan.parse_capacities("0", 10)
 
 
+@pytest.mark.slow
 def test_shared_trace_four_engines_at_a_tenth_of_unique_pages():
     """The issue's figures: 0.279 shared against 0.116 per-engine (2.4x)."""
     res = run_cli(trace_path(), "--capacities", "10%", "--engines", "4")
@@ -96,6 +98,7 @@ def test_progress_bar_only_on_a_terminal():
     assert pipe.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_replay_draws_its_progress_bar_on_a_terminal(spawn):
     import os
     import pty

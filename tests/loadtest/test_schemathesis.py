@@ -5,10 +5,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from api.engine.client import SidecarClient
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error(spawn):
     p = spawn("--host-pool", "64MiB", "--no-file-tier").wait_ready()
     st = os.path.join(os.path.dirname(sys.executable), "schemathesis")

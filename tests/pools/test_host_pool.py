@@ -118,3 +118,55 @@ def test_more_namespaces_than_segments_each_still_store(host):
     again = host.create("later", 4096)        # and the next one, from the largest holder
     assert fill(again, "x", 3) == 3
     host.invariants()
+
+
+def test_fair_share_leaves_out_explicit_segments(host):
+    """(segments - explicit ones) / shared pools: found by mutmut (the explicit segments
+    added instead of taken away went unnoticed)."""
+    host.create("x", SEG, capacity_bytes=4 * SEG)            # 4 explicit segments
+    for name in "abc":
+        host.create(name, SEG)
+    assert host.fair_share() == (16 - 4) / 3
+    host.drop("x")
+    assert host.fair_share() == 16 / 3
+
+
+def test_explicit_share_reclaims_from_the_largest_shared_pool(host):
+    """An explicit share takes idle segments from the largest shared pool first (mutmut:
+    the order and the size key were unguarded)."""
+    small, big = host.create("small", SEG), host.create("big", SEG)
+    assert fill(small, "s", 3) == 3 and fill(big, "b", 13) == 13   # 3 + 13 = all 16
+    assert not host.free_segments
+    host.create("x", SEG, capacity_bytes=2 * SEG)
+    assert (len(small.segments), len(big.segments)) == (3, 11)
+    host.invariants()
+
+
+def test_growth_reclaims_only_above_the_fair_share(host):
+    """A pool below its fair share takes a segment from one above it, never from itself
+    or from a pool at or below the share."""
+    a, b = host.create("a", SEG), host.create("b", SEG)
+    assert fill(a, "a", 12) == 12 and fill(b, "b", 4) == 4          # share 8: a is over
+    assert fill(b, "c", 1) == 1
+    assert (len(a.segments), len(b.segments)) == (11, 5)
+    c = host.create("c", SEG)                                       # share 16/3 = 5.3
+    assert fill(c, "c", 1) == 1
+    assert (len(a.segments), len(b.segments), len(c.segments)) == (10, 5, 1)
+    host.invariants()
+
+
+def test_segment_size_and_explicit_capacity_bounds():
+    """Edges mutmut found unguarded: a segment of 1 byte up to the whole arena is allowed,
+    0 or more than the arena is not; an explicit share of exactly one page is allowed."""
+    arena = Arena(4 * SEG)
+    try:
+        for bad in (0, -1, 4 * SEG + 1):
+            with pytest.raises(ValueError, match="segment size"):
+                HostPool(arena, bad)
+        assert HostPool(arena, 4 * SEG).n_segments == 1 and HostPool(arena, 1).n_segments == 4 * SEG
+        host = HostPool(arena, SEG)
+        assert host.create("one", 4096, capacity_bytes=4096).capacity_pages == 1
+        with pytest.raises(ValueError, match="holds no page"):
+            host.create("none", 4096, capacity_bytes=4095)
+    finally:
+        arena.close()

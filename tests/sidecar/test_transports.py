@@ -100,7 +100,9 @@ def test_cuda_ipc_validation_without_a_gpu():
     handle, offset, uuid = cuda_ipc.parse_handle(
         {"handle": "AB" * 64, "offset": 4096, "device_uuid": "GPU-12345678-1234-1234-1234-123456789abc"})
     assert len(handle) == 64 and offset == 4096
-    assert cuda_ipc.register_host_memory(0, 0) in (False, True)  # never raises
+    # never raises: no device answers False without a CUDA call, and with one a null range
+    # is refused by cudaHostRegister
+    assert cuda_ipc.register_host_memory(0, 0) is False
 
 
 def test_split_plan_keeps_every_byte_once():

@@ -109,6 +109,12 @@ def test_generic_path_and_draft_keys(server):
     assert all(g is t for g, t in zip(got, targets))
     assert all(torch.equal(a, b) for a, b in zip(pages, targets))
     assert be.get("1" * 64, pool.get_dummy_flat_data_page()) is None
+    # the draft key landed in a namespace of pool kind "draft", the others in a KV one
+    c = server.client()
+    kinds = {ns["name"]: c.get_namespace(ns["name"])["spec"]["pool"] for ns in c.list_namespaces()}
+    holding = {k: [n for n in kinds if c.exists(n, [k]) == 1] for k in ks}
+    assert [kinds[n] for n in holding[ks[2]]] == ["draft"], (holding, kinds)
+    assert [kinds[n] for n in holding[ks[0]]] == ["kv"] and [kinds[n] for n in holding[ks[1]]] == ["kv"]
 
 
 def test_never_raises_and_recovers_after_a_sidecar_restart(spawn):

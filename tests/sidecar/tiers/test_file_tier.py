@@ -18,6 +18,17 @@ def page(key, size=4096):
     return hashlib.shake_256(key.encode()).digest(size)
 
 
+def fs_type(path) -> str:
+    """The file system type of the mount holding `path` (for skip reasons)."""
+    best, kind = "", "an unknown file system"
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mount, fstype, *_ = line.split()
+            if str(path).startswith(mount) and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind
+
+
 def read(tier, key, size=4096):
     buf = bytearray(size)
     return bytes(buf) if tier.read(ID, key, memoryview(buf)) else None
@@ -49,7 +60,10 @@ def test_unpublished_temporaries_are_never_served_and_are_cleaned(tmp_path):
     assert not os.path.exists(tmp)
 
 
-@pytest.mark.parametrize("damage", ["flip_page", "flip_header", "truncate", "extend", "wrong_key"])
+# flip_header: the length field; flip_header_sum: the header's own checksum, the one damage
+# that only that checksum catches (every other header field is checked on its own)
+@pytest.mark.parametrize("damage", ["flip_page", "flip_header", "flip_header_sum", "truncate",
+                                    "extend", "wrong_key"])
 def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
     t = FileTier("file", str(tmp_path))
     t.write_batch([(ID, "a", memoryview(page("a"))), (ID, "b", memoryview(page("b")))])
@@ -59,6 +73,8 @@ def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
         data[100] ^= 1
     elif damage == "flip_header":
         data[20] ^= 1
+    elif damage == "flip_header_sum":
+        data[pagefile.HEADER.size + 3] ^= 1
     elif damage == "truncate":
         data = data[:-10]
     elif damage == "extend":
@@ -89,6 +105,22 @@ def test_lru_eviction_within_capacity(tmp_path):
     assert small.count(ID) == 2 and small.used == 2 * size
 
 
+def test_recovery_rebuilds_lru_by_mtime(tmp_path):
+    """Recovery orders the LRU by file mtime, not by name or directory order: with mtimes
+    the reverse of the names, a smaller capacity keeps the newest files."""
+    size = pagefile.HEADER_SIZE + 4096
+    t = FileTier("file", str(tmp_path))
+    keys = ["a", "b", "c", "d"]
+    t.write_batch([(ID, k, memoryview(page(k))) for k in keys])
+    for age, k in enumerate(keys):  # a newest, d oldest
+        os.utime(t._path(ID, k), ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    small = FileTier("file", str(tmp_path), capacity=2 * size)
+    assert small.recover() == 4
+    assert [small.contains(ID, k) for k in keys] == [True, True, False, False]
+    small.write_batch([(ID, "e", memoryview(page("e")))])  # b is now the least recent
+    assert [small.contains(ID, k) for k in ["a", "b", "e"]] == [True, False, True]
+
+
 def test_enospc_and_vanished_directory_degrade(tmp_path, monkeypatch):
     t = FileTier("file", str(tmp_path / "tier"))
 
@@ -115,7 +147,7 @@ def test_shared_tier_adopts_pages_written_by_another_node(tmp_path):
     assert not b.contains(other, "k")  # another spec never collides
 
 
-@pytest.mark.parametrize("damage", [None, "flip_page", "flip_header", "truncate"])
+@pytest.mark.parametrize("damage", [None, "flip_page", "flip_header", "flip_header_sum", "truncate"])
 def test_aligned_pages_use_the_direct_layout_and_are_verified(tmp_path, damage):
     import mmap
     src, dst = mmap.mmap(-1, 8192), mmap.mmap(-1, 8192)  # page-aligned, like arena slots
@@ -126,12 +158,15 @@ def test_aligned_pages_use_the_direct_layout_and_are_verified(tmp_path, damage):
     path = t._path(ID, "a")
     size = os.path.getsize(path)
     if size != pagefile.BLOCK + 8192:
-        pytest.skip("this file system refused O_DIRECT: the buffered layout was used")
+        pytest.skip(f"O_DIRECT refused by {fs_type(tmp_path)} at {tmp_path} (the buffered layout "
+                    "was written): the direct layout is not exercised here")
     data = bytearray(open(path, "rb").read())
     if damage == "flip_page":
         data[pagefile.BLOCK + 5] ^= 1
     elif damage == "flip_header":
         data[30] ^= 1
+    elif damage == "flip_header_sum":
+        data[pagefile.HEADER.size + 3] ^= 1
     elif damage == "truncate":
         data = data[:-4096]
     open(path, "wb").write(data)

@@ -1,0 +1,245 @@
+"""The curated mutation check: break one rule at a time in a copy of the tree and make sure
+the tests named for it notice (issue 18).
+
+Each mutant is (name, file, exact original snippet, replacement, tests: pytest arguments,
+node ids or "-k", "expr"). The snippet must
+occur exactly once in the file: when the code changes under it, the check fails until the
+list is updated (so it stays maintained). Every mutant runs only its own tests, with -x, in
+a temporary copy of the tree (never the working tree):
+
+    caught    the tests failed (pytest exit 1)
+    SURVIVED  the tests passed: the rule is unguarded
+    ERROR     the snippet is missing/ambiguous, or pytest could not run the tests
+
+    python scripts/mutants.py            # all; exit 1 unless every mutant is caught
+    python scripts/mutants.py -k auth    # only mutants whose name contains "auth"
+    python scripts/mutants.py --list
+    python scripts/mutants.py --tests-from REV   # survey: the tests of an older revision
+
+A mutant whose tests hang is caught by the timeout (--timeout, per mutant). Keep each
+mutant's tests narrow: the whole list must stay under about 3 minutes in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+M = Mutant
+MUTANTS = [
+    # -- the token: every route but /healthz (README, issue 18) ---------------------------
+    M("auth: a request without Authorization let through", "api/guard.py",
+      'auth = auth or b""\n            if not (',
+      'if auth is not None and not (',
+      ("tests/api/test_errors.py::test_token_guards_every_route_but_healthz",)),
+    M("auth: /metrics open with a token", "api/guard.py",
+      'OPEN_PATHS = ("/healthz",)', 'OPEN_PATHS = ("/healthz", "/metrics")',
+      ("tests/api/test_errors.py::test_token_guards_every_route_but_healthz",)),
+    M("auth: /readyz open with a token", "api/guard.py",
+      'OPEN_PATHS = ("/healthz",)', 'OPEN_PATHS = ("/healthz", "/readyz")',
+      ("tests/api/test_errors.py::test_token_guards_every_route_but_healthz",)),
+    M("auth: /openapi.json open with a token", "api/guard.py",
+      'OPEN_PATHS = ("/healthz",)', 'OPEN_PATHS = ("/healthz", "/openapi.json")',
+      ("tests/api/test_errors.py::test_token_guards_every_route_but_healthz",)),
+    # -- pages on disk: verify on read ---------------------------------------------------
+    M("pagefile: the header's own checksum not checked", "sidecar/tiers/pagefile.py",
+      "if head_sum != xxhash.xxh3_64_intdigest(raw[:HEADER.size]):",
+      "if False:",
+      ("tests/sidecar/tiers/test_file_tier.py", "-k", "header_sum")),
+    M("pagefile: the page checksum not checked (page cache read)", "sidecar/tiers/pagefile.py",
+      "        os.close(fd)\n    return xxhash.xxh3_64_intdigest(dst) == digest",
+      "        os.close(fd)\n    return True",
+      ("tests/sidecar/tiers/test_file_tier.py",)),
+    # -- the host pool: exists never moves a page; pins ------------------------------------
+    M("pool: prefix (exists) touches the LRU", "pools/page_pool.py",
+      "return len(list(takewhile(self.ready.__contains__, keys)))",
+      "n = list(takewhile(self.ready.__contains__, keys))\n"
+      "        [self.lru.touch(self.ready[k]) for k in n]\n        return len(n)",
+      ("tests/api/test_endpoints.py::test_exists_does_not_refresh_pages",)),
+    M("pool: present (exists_each) touches the LRU", "pools/page_pool.py",
+      "return list(map(self.ready.__contains__, keys))",
+      "out = list(map(self.ready.__contains__, keys))\n"
+      "        [self.lru.touch(self.ready[k]) for k, h in zip(keys, out) if h]\n        return out",
+      ("tests/api/test_endpoints.py::test_exists_does_not_refresh_pages",)),
+    M("pool: eviction ignores pins", "pools/page_pool.py",
+      "            if e.pins == 0:\n                self._evict(e)",
+      "            if True:\n                self._evict(e)",
+      ("tests/pools/test_page_pool.py",)),
+    # -- write-through back-pressure --------------------------------------------------------
+    M("writer: no wait on a full write queue (--write-queue-pages)", "sidecar/tiers/writer.py",
+      "        while len(self._outstanding) >= self.max_pages:\n            await self._wait_change()",
+      "        while False:\n            await self._wait_change()",
+      ("tests/sidecar/tiers/test_back_pressure.py",)),
+    M("tiering: no cap of half a pool pinned for writing", "sidecar/tiering.py",
+      "while self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2):",
+      "while False:",
+      ("tests/sidecar/tiers/test_back_pressure.py",)),
+    # -- buffers: owner and pid-reuse guards, registration only on the engine socket -------
+    M("buffers: pid-reuse guard off", "sidecar/buffers.py",
+      "return process_start(self.pid) == self.pid_start",
+      "return process_start(self.pid) is not None",
+      ("tests/sidecar/test_buffers_owner.py",)),
+    M("buffers: any peer may use a buffer", "sidecar/buffers.py",
+      "return self.owner_uid is None or (peer is not None and peer.uid == self.owner_uid)",
+      "return True",
+      ("tests/api/test_trust.py",)),
+    M("buffers: shm registration accepted on TCP", "sidecar/buffers.py",
+      "    if peer is None:\n        raise Forbidden(",
+      "    if False:\n        raise Forbidden(",
+      ("tests/api/test_trust.py::test_tcp_callers_cannot_register_memory",)),
+    # -- file tier recovery rebuilds the LRU by mtime ---------------------------------------
+    M("file tier: recovery ignores mtime order", "sidecar/tiers/file_tier.py",
+      "        found.sort()\n",
+      "        found.sort(key=lambda f: f[2])\n",
+      ("tests/sidecar/tiers/test_file_tier.py::test_recovery_rebuilds_lru_by_mtime",)),
+    # -- SIGTERM drains ---------------------------------------------------------------------
+    M("server: SIGTERM exits without draining", "sidecar/server.py",
+      "            self.force_exit = True  # a second signal: stop waiting for connections\n"
+      "        self.should_exit = True",
+      "            self.force_exit = True  # a second signal: stop waiting for connections\n"
+      "        self.should_exit = self.force_exit = True",
+      ("tests/sidecar/test_process.py::test_sigterm_completes_a_request_held_across_it",)),
+    M("server: --shutdown-timeout ignored", "sidecar/server.py",
+      "timeout_graceful_shutdown=config.shutdown_timeout)",
+      "timeout_graceful_shutdown=None)",
+      ("tests/sidecar/test_process.py::test_shutdown_timeout_bounds_the_drain",)),
+    # -- the hybrid hit rule (issue 12) -------------------------------------------------------
+    M("hybrid: min of each pool's best, not the intersection", "sidecar/hybrid.py",
+      "while any(p != hit for p in legal_at):",
+      "while False:",
+      ("tests/sidecar/test_hybrid_rule.py",)),
+    M("hybrid: one pass over the pools (the last pool decides)", "sidecar/hybrid.py",
+      "while any(p != hit for p in legal_at):",
+      "if any(p != hit for p in legal_at):",
+      ("tests/sidecar/test_hybrid_rule.py::test_batch_exists_matches_brute_force",)),
+    M("hybrid: only the first batch item validated", "sidecar/hybrid.py",
+      "        store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)\n",
+      "        if i == 0:\n"
+      "            store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)\n",
+      ("tests/api/test_hybrid.py::test_every_batch_item_is_validated_before_any_page_moves",)),
+    M("hybrid: KV-first gating off", "sidecar/hybrid.py",
+      "complete = all(all(v) for v in loaded.values())",
+      "complete = True",
+      ("tests/api/test_hybrid.py::test_batch_get_serves_extra_pools_only_after_every_kv_page",)),
+    # -- claims of the README / API.md (tests/api/test_claims.py) ----------------------------
+    M("readyz: ready before the tiers are recovered", "api/routes_health.py",
+      "if ctx is None or not ctx.ready:", "if ctx is None:",
+      ("tests/api/test_claims.py::test_readyz_is_503_until_tiers_are_recovered",)),
+    M("3fs: no periodic rescan", "sidecar/context.py",
+      "        while shared:\n", "        while False:\n",
+      ("tests/api/test_claims.py::test_hf3fs_and_shm_flags_from_the_command_line",)),
+    M("prefetch: a failed promotion reported as done", "sidecar/store.py",
+      'state["state"] = "failed"', 'state["state"] = "done"',
+      ("tests/api/test_claims.py::test_prefetch_ticket_reports_a_failed_promotion",)),
+    M("prefetch: tickets never expire", "sidecar/store.py",
+      "while len(self.tickets) > 4096:", "while len(self.tickets) > 1 << 30:",
+      ("tests/api/test_claims.py::test_prefetch_tickets_expire_oldest_first",)),
+    M("write-back: dropped pages not counted", "sidecar/tiers/writer.py",
+      "            self.dropped += 1\n", "            pass\n",
+      ("tests/api/test_claims.py::test_write_back_counts_pages_dropped_on_a_full_queue",)),
+    M("pool: unpin leaves the pinned count", "pools/page_pool.py",
+      "        if e.pins == 0:\n            self._pinned -= 1",
+      "        if e.pins == 0:\n            pass",
+      ("tests/pools/test_page_pool.py",)),
+]
+
+
+def tree_files(root: str) -> list[str]:
+    """Tracked and untracked-but-not-ignored files (what a fresh clone plus local work has)."""
+    out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root,
+                         capture_output=True, check=True).stdout
+    return [p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(root, p))]
+
+
+def copy_tree(root: str, dest: str) -> None:
+    for rel in tree_files(root):
+        target = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(root, rel), target)
+
+
+def run_tests(tree: str, tests: tuple[str, ...], timeout: float) -> int:
+    env = {**os.environ, "PYTHONPATH": tree, "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+           "-p", "no:randomly", "--no-header", "-o", "addopts=", *tests]
+    try:
+        return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 1  # a mutant that hangs its tests is caught (the timeout is far above a pass)
+
+
+def check(mutant: Mutant, tree: str, timeout: float) -> str:
+    path = os.path.join(tree, mutant.path)
+    with open(path) as f:
+        text = f.read()
+    n = text.count(mutant.original)
+    if n != 1:
+        return f"ERROR (snippet found {n} times)"
+    try:
+        with open(path, "w") as f:
+            f.write(text.replace(mutant.original, mutant.replacement))
+        rc = run_tests(tree, mutant.tests, timeout)
+    finally:
+        with open(path, "w") as f:
+            f.write(text)
+    return {0: "SURVIVED", 1: "caught", 4: "SURVIVED (no test file)",
+            5: "SURVIVED (no test)"}.get(rc, f"ERROR (pytest exit {rc})")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", default="", help="only mutants whose name contains this")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per mutant's tests")
+    ap.add_argument("--whole-files", action="store_true",
+                    help="run each listed test's whole file (a survey, e.g. before new tests)")
+    ap.add_argument("--tests-from", metavar="REV",
+                    help="survey: the tests/ of git revision REV (whole files; a file it lacks: no test)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copy when stopped
+    chosen = [m for m in MUTANTS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  [{m.path}]  -> {' '.join(m.tests)}")
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kv-mutants-") as tree:
+        copy_tree(ROOT, tree)
+        if args.tests_from:
+            shutil.rmtree(os.path.join(tree, "tests"))
+            archive = subprocess.run(["git", "archive", args.tests_from, "tests"], cwd=ROOT,
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+            args.whole_files = True
+        for m in chosen:
+            if args.whole_files:
+                m = replace(m, tests=tuple(sorted({t.split("::")[0] for t in m.tests if ".py" in t})))
+            t0 = time.perf_counter()
+            verdict = check(m, tree, args.timeout)
+            results.append(verdict)
+            print(f"{verdict:<10} {time.perf_counter() - t0:6.1f}s  {m.name}", flush=True)
+    bad = sum(r != "caught" for r in results)
+    print(f"{len(results) - bad}/{len(results)} mutants caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Write-through back-pressure (issue 18): a slow tier slows `set` down instead of filling
+the pool with unevictable pages. Two bounds, each forced with a tier whose writes wait on
+an event (a fault injected on purpose), never with sleeps:
+
+    TierWriter.submit     at most `max_pages` (--write-queue-pages) jobs in flight
+    Tiering.write_through at most half of a namespace's pages pinned for writing
+"""
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from pools import Arena, HostPool
+from sidecar.tiering import Tiering
+from sidecar.tiers.base import Tier
+from sidecar.tiers.writer import TierWriter
+
+ID = "0" * 32
+PAGE = 4096
+
+
+class GatedTier(Tier):
+    """Accepts every write, but only once `gate` is set; counts the pages it was given."""
+
+    def __init__(self):
+        self.name = "gated"
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.written: list[str] = []
+
+    def contains(self, identity, key):
+        return key in self.written
+
+    def write_batch(self, jobs):
+        self.entered.set()
+        self.gate.wait(60)
+        self.written += [key for _, key, _ in jobs]
+        return [True] * len(jobs)
+
+
+async def blocked(aw, wait: float = 0.3) -> bool:
+    """True when `aw` is still waiting after the writer had every chance to accept it
+    (a bound that holds lets nothing through until the gate opens, however long)."""
+    task = asyncio.ensure_future(aw)
+    await asyncio.sleep(wait)
+    return not task.done()
+
+
+def test_submit_waits_while_the_write_queue_is_full():
+    async def main():
+        tier = GatedTier()
+        writer = TierWriter([tier], threads=1, max_pages=4)
+        writer.start()
+        try:
+            futs = [await asyncio.wait_for(writer.submit(ID, f"k{i}", b"x" * PAGE), 5)
+                    for i in range(4)]
+            assert writer.pending == 4
+            fifth = asyncio.ensure_future(writer.submit(ID, "k4", b"x" * PAGE))
+            assert await blocked(asyncio.shield(fifth)), "a 5th page went past --write-queue-pages 4"
+            assert writer.pending == 4
+            tier.gate.set()
+            assert await asyncio.wait_for(asyncio.gather(*futs), 10) == [True] * 4
+            assert await asyncio.wait_for(await asyncio.wait_for(fifth, 10), 10) is True
+        finally:
+            tier.gate.set()
+            writer.stop()
+    asyncio.run(main())
+
+
+def test_write_through_pins_at_most_half_a_namespace():
+    async def main():
+        arena = Arena(1 << 20)
+        host = HostPool(arena, 64 * PAGE)
+        pool = host.create("kv", PAGE, capacity_bytes=8 * PAGE)
+        tier = GatedTier()
+        writer = TierWriter([tier], threads=1, max_pages=1024)  # the queue is not the limit
+        writer.start()
+        tiering = Tiering([tier], "write_through", writer, host, ThreadPoolExecutor(1))
+        try:
+            entries = []
+            for i in range(6):
+                e = pool.reserve(f"k{i}")
+                assert pool.commit(e)
+                entries.append(e)
+            assert pool.capacity_pages == 8
+            first = await asyncio.wait_for(tiering.write_through(ID, pool, entries[:4]), 5)
+            assert len(first) == 4 and tiering.writing["kv"] == 4
+            more = tiering.write_through(ID, pool, entries[4:])
+            assert await blocked(more), "a 5th page pinned for writing in a pool of 8"
+            assert tiering.writing["kv"] == 4 and pool._pinned == 4
+        finally:
+            tier.gate.set()
+            writer.stop()
+            arena.close()
+    asyncio.run(main())
