@@ -106,12 +106,13 @@ def test_prefetch_tickets_expire_oldest_first(server, client):
     assert client.request("GET", f"/v1/prefetch/{tickets[1]}")[0] == 200
 
 
-def test_write_back_counts_pages_dropped_on_a_full_queue(make_server, tmp_path):
-    """write_back stages an evicted page for the tiers without waiting: with the queue full
-    (one page, its write held), the next evictions are dropped and counted."""
+def test_write_back_keeps_pages_a_full_queue_cannot_take(make_server, tmp_path):
+    """write_back with the queue full (one page, its write held): an eviction that cannot
+    queue its page keeps it, the PUT that needs the slot waits (back-pressure), and the
+    `dropped` counter stays 0; once the write ends every acknowledged page is kept."""
     srv = make_server(file_tier=True, data_dir=str(tmp_path / "d"), write_policy="write_back",
                       write_queue_pages=1)
-    c = srv.client()
+    c = srv.client(timeout=60)
     wait_for(c.ready)
     tier = srv.ctx.store.tiering.tiers[0]
     gate, entered = threading.Event(), threading.Event()
@@ -122,20 +123,29 @@ def test_write_back_counts_pages_dropped_on_a_full_queue(make_server, tmp_path):
         gate.wait(30)
         return real(jobs)
     tier.write_batch = held
+    done = []
     try:
         c.put_namespace("small", PAGE, host_capacity_bytes=2 * PAGE)
         for k in "abc":
             c.put_page("small", k, data(k))   # c evicts a: queued, its write held
         assert entered.wait(10)
-        for k in "de":
-            c.put_page("small", k, data(k))   # evicts b, then c: the queue is full
+        writer = threading.Thread(target=lambda: done.append(
+            [srv.client(timeout=60).put_page("small", k, data(k)) for k in "de"]))
+        writer.start()
+        # d needs a slot: b and c are in no tier and the queue is full, so d waits
+        wait_for(lambda: srv.on_loop(lambda: srv.ctx.store.tiering.writer.full))
+        assert srv.on_loop(lambda: sorted(srv.ctx.store.namespace("small").pool.ready)) == ["b", "c"]
+        assert not done
         stats = c.stats()
-        assert stats[DROPPED[0]][DROPPED[1]] == 2, stats["write_queue"]
-        assert stats["namespaces"]["small"]["evictions"] == 3
+        assert stats[DROPPED[0]][DROPPED[1]] == 0, stats["write_queue"]
     finally:
         gate.set()
-    wait_for(lambda: c.stats()["write_queue"]["pending"] == 0)
-    assert c.exists_each("small", list("abcde")) == [True, False, False, True, True]
+    writer.join(60)
+    assert not writer.is_alive() and done == [[True, True]]
+    c.request("POST", "/v1/flush")
+    assert c.exists_each("small", list("abcde")) == [True] * 5
+    assert c.stats()[DROPPED[0]][DROPPED[1]] == 0
+    srv.invariants()
 
 
 @pytest.mark.slow
