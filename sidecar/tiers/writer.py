@@ -56,11 +56,10 @@ class TierWriter:
         self._by_key: dict[tuple[str, str], list[WriteJob]] = {}
         self._lock = threading.Lock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._changed: Optional[asyncio.Event] = None
+        self._waiters: list[asyncio.Future] = []   # woken when a batch finishes
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
         for t in self._threads:
             t.start()
 
@@ -79,7 +78,7 @@ class TierWriter:
     async def submit(self, identity: str, key: str, page, release=None) -> asyncio.Future:
         """Queue one page, waiting while the queue is full; the future tells if it is durable."""
         while self.full:
-            await self._wait_change()
+            await self.changed()
         return self.enqueue(identity, key, page, release)
 
     def try_submit(self, identity: str, key: str, page) -> bool:
@@ -119,11 +118,15 @@ class TierWriter:
     # -- workers ----------------------------------------------------------------------
     async def wait_change(self) -> None:
         """Return after the next batch of writes finishes."""
-        await self._wait_change()
+        await self.changed()
 
-    async def _wait_change(self) -> None:
-        self._changed.clear()
-        await self._changed.wait()
+    def changed(self) -> asyncio.Future:
+        """A future done when the next batch finishes, registered now: a batch that ends
+        before the caller awaits it still wakes it (an Event cleared by a waiter that a
+        task started late could lose that wake-up and hold a flush to its timeout)."""
+        fut = self._loop.create_future()
+        self._waiters.append(fut)
+        return fut
 
     def _take(self) -> Optional[list[WriteJob]]:
         """The next batch (cancelled jobs included, marked), or None at the stop mark."""
@@ -171,7 +174,10 @@ class TierWriter:
             self.cancelled += job.cancelled
             if not job.future.done():
                 job.future.set_result(ok)
-        self._changed.set()
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():   # (a waiter that timed out is cancelled)
+                fut.set_result(None)
 
     async def flush(self, timeout: float) -> int:
         """Wait until every page queued before the call is written; return those still pending."""
@@ -182,7 +188,7 @@ class TierWriter:
             if left <= 0:
                 break
             try:
-                await asyncio.wait_for(self._wait_change(), left)
+                await asyncio.wait_for(self.changed(), left)
             except asyncio.TimeoutError:
                 break
         return sum(1 for s in self._outstanding if s <= target)

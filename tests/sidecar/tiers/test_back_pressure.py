@@ -92,3 +92,39 @@ def test_write_through_pins_at_most_half_a_namespace():
             writer.stop()
             arena.close()
     asyncio.run(main())
+
+
+class _PostedLoop:
+    """The writer's loop, with `posted` set once a worker thread has queued `_finish`."""
+
+    def __init__(self, loop):
+        self.loop, self.posted = loop, threading.Event()
+
+    def call_soon_threadsafe(self, *args):
+        self.loop.call_soon_threadsafe(*args)
+        self.posted.set()
+
+    def __getattr__(self, name):
+        return getattr(self.loop, name)
+
+
+def test_flush_wakes_when_the_last_batch_ends_before_it_waits():
+    """The order that once held a flush to its timeout: the last batch's `_finish` is
+    queued on the loop before the flush's wait starts (the flush checked `_outstanding`
+    just before). Forced: the batch ends while the flush's first step is still queued."""
+    async def main():
+        tier = GatedTier()
+        writer = TierWriter([tier], threads=1, max_pages=4)
+        writer.start()
+        loop = _PostedLoop(writer._loop)
+        writer._loop = loop
+        await writer.submit(ID, "k", memoryview(bytes(PAGE)))
+        assert await asyncio.to_thread(tier.entered.wait, 10)
+        flush = asyncio.ensure_future(writer.flush(5.0))   # its first step is queued
+        tier.gate.set()
+        assert loop.posted.wait(10)                       # `_finish` queued after it
+        t0 = asyncio.get_running_loop().time()
+        assert await flush == 0
+        assert asyncio.get_running_loop().time() - t0 < 4.0, "the flush waited for its timeout"
+        writer.stop()
+    asyncio.run(main())
