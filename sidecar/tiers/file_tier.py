@@ -51,6 +51,8 @@ class FileTier(Tier):
         self.keys: dict[str, dict[str, int]] = {}
         self.lru: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.used = 0
+        self.reserved = 0       # bytes of writes between `_make_room` and publish
+        self._scan_log: Optional[dict] = None   # index changes while `recover` scans
         self.stats = TierStats()
         self.degraded: Optional[str] = None
         self._lock = threading.Lock()
@@ -86,6 +88,8 @@ class FileTier(Tier):
         self.lru[(identity, key)] = size
         self.lru.move_to_end((identity, key))
         self.used += size
+        if self._scan_log is not None:
+            self._scan_log[(identity, key)] = size
 
     def _forget(self, identity: str, key: str) -> bool:
         keys = self.keys.get(identity)
@@ -93,6 +97,8 @@ class FileTier(Tier):
             return False
         self.used -= keys.pop(key)
         del self.lru[(identity, key)]
+        if self._scan_log is not None:
+            self._scan_log[(identity, key)] = None
         return True
 
     def _path(self, identity: str, key: str) -> str:
@@ -117,7 +123,11 @@ class FileTier(Tier):
             try:
                 os.fdatasync(fd)
                 self._make_room(size)
-                os.rename(tmp, self._path(identity, key))
+                try:
+                    os.rename(tmp, self._path(identity, key))
+                except OSError:
+                    self._unreserve(size)
+                    raise
             except OSError as exc:
                 self._failed("publish", exc)
                 pagefile._unlink(tmp)
@@ -131,10 +141,12 @@ class FileTier(Tier):
                 pagefile.fsync_dir(d)
         except OSError as exc:
             self._failed("fsync", exc)
+            self._unreserve(sum(size for *_, size in synced))
             return ok
         with self._lock:
             for i, identity, key, size in synced:
                 ok[i] = True
+                self.reserved -= size
                 self._add(identity, key, size)
                 self.stats.pages_written += 1
                 self.stats.bytes_written += size
@@ -194,12 +206,24 @@ class FileTier(Tier):
             os.chmod(d, self.dir_mode)  # not narrowed by the umask, setgid kept
 
     def _make_room(self, size: int) -> None:
-        if self.capacity is None:
-            return
-        if size > self.capacity:
+        """Reserve `size` bytes under the capacity, evicting least recent pages: the check
+        and the reservation are one step, so concurrent writers never overshoot. The
+        caller publishes (`reserved -= size` with `_add`) or calls `_unreserve`."""
+        if self.capacity is not None and size > self.capacity:
             raise OSError(errno.EFBIG, f"a page of {size} bytes is over the tier's capacity")
-        while self.used + size > self.capacity and self._evict_bytes(1):
-            pass
+        while True:
+            with self._lock:
+                over = self.used + self.reserved + size - (self.capacity or 0)
+                if self.capacity is None or over <= 0:
+                    self.reserved += size
+                    return
+            if not self._evict_bytes(over):
+                raise OSError(errno.ENOSPC, "the tier's capacity is held by writes in flight")
+
+    def _unreserve(self, size: int) -> None:
+        with self._lock:
+            self.reserved -= size
+            assert self.reserved >= 0, self.reserved
 
     # -- reads (copy executor threads) ------------------------------------------------
     def read(self, identity: str, key: str, dst: memoryview) -> bool:
@@ -307,20 +331,32 @@ class FileTier(Tier):
         """Rebuild the index from the directory (LRU order by mtime); remove abandoned
         temporaries (pagefile.abandoned), never another live writer's."""
         found = []
-        os.makedirs(os.path.dirname(self.root), exist_ok=True)
-        self._make_dir(self.root)
-        for ident in _subdirs(self.root, _IDENTITY_LEN):
-            try:
-                found += self._scan_dir(ident, os.path.join(self.root, ident))
-            except FileNotFoundError:  # dropped meanwhile (another node deleted the namespace)
-                continue
+        with self._lock:
+            self._scan_log = {}
+        try:
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            self._make_dir(self.root)
+            for ident in _subdirs(self.root, _IDENTITY_LEN):
+                try:
+                    found += self._scan_dir(ident, os.path.join(self.root, ident))
+                except FileNotFoundError:  # dropped meanwhile (another node deleted the namespace)
+                    continue
+        except BaseException:
+            with self._lock:
+                self._scan_log = None
+            raise
         found.sort()
         with self._lock:
+            changed, self._scan_log = self._scan_log or {}, None
             self.keys.clear()
             self.lru.clear()
             self.used = 0
             for _, ident, key, size in found:
-                self._add(ident, key, size)
+                if (ident, key) not in changed:   # published, evicted or deleted meanwhile
+                    self._add(ident, key, size)
+            for (ident, key), size in changed.items():  # what happened during the scan wins
+                if size is not None:
+                    self._add(ident, key, size)
         self._make_room(0)
         return len(found)
 
