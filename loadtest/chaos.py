@@ -103,6 +103,8 @@ class Soak:
                 self.poll(sp)                  # the tier's evictions so far bound its misses
                 part = pages[i:i + BATCH]
                 loaded = self._get(client, ns, [p.key for p in part], bid)
+                if loaded is None:
+                    continue                   # counted: an error is no verdict on the pages
                 for slot, (page, ok) in enumerate(zip(part, loaded)):
                     if ok:
                         self.ledger.served(ns, page.key, buf.view(slot * pb, pb))
@@ -113,12 +115,14 @@ class Soak:
             client.close()
             buf.close()
 
-    def _get(self, client, ns, keys, bid) -> list[bool]:
+    def _get(self, client, ns, keys, bid) -> list[bool] | None:
         try:
             return client.get(ns, keys, bid, list(range(len(keys))))
         except SidecarError as e:
-            self.world.failed(e, "check get")
-            raise
+            self.world.failed(e, "check get", self.ledger.owner[ns].name)
+        except SidecarUnavailable as e:
+            self.ledger.note("check_unavailable", str(e)[:160], node=self.ledger.owner[ns].name)
+        return None
 
     # -- the flusher --------------------------------------------------------------------
     def flusher(self) -> None:
@@ -140,7 +144,7 @@ class Soak:
         except SidecarUnavailable:
             pass
         except SidecarError as e:
-            self.world.failed(e, "flush")
+            self.world.failed(e, "flush", sp.node.name)
         finally:
             c.close()
 
@@ -175,7 +179,7 @@ class Soak:
                 if rc == 0:
                     self.ledger.stopped_cleanly(sp.node, self.world.now())
                 else:
-                    self.ledger.note("bad_exit", f"{sp.node.name} SIGTERM exit {rc}")
+                    self.ledger.note("bad_exit", f"SIGTERM exit {rc}", node=sp.node.name)
                     sp.node.kills.append(self.world.now())
             stopped = self.world.now()
             sp.start()
@@ -215,7 +219,7 @@ class Soak:
         try:
             c.delete_namespace(ns)
         except SidecarError as e:
-            w.failed(e, "delete namespace")
+            w.failed(e, "delete namespace", w.namespaces[ns]["node"].name)
         end = w.now()
         self.ledger.deleted(ns, None, start, end)
         c.put_namespace(ns, self.args.page_bytes, **w.spec(ns))
@@ -229,9 +233,9 @@ class Soak:
         keys = [f"stall-{n}-{i}" for i in range(4)]
         socks = stall_uploads(sp.port, ns, keys, [self.ledger.bytes_of(ns, k) for k in keys])
         hold = self.rng.uniform(2, 5)
-        self.record("stall", ns, uploads=len(socks), hold_s=round(hold, 1))
+        f = self.record("stall", ns, uploads=len(socks), hold_s=round(hold, 1))
         gevent.sleep(0.3)
-        stored = self._set_one(sp, ns, keys[0])
+        stored = f["set_stored"] = self._set_one(sp, ns, keys[0])
         gevent.sleep(hold)
         for s in socks:
             s.close()
@@ -242,10 +246,11 @@ class Soak:
         except (SidecarUnavailable, SidecarError):
             page = b""
         c.close()
+        f["after"] = "present" if page else "missing" if page is None else "error"
         if page:
             self.ledger.served(ns, keys[0], page)
         elif stored and page is None:
-            self.ledger.note("stalled_set_lost", f"{ns}/{keys[0]}")
+            self.ledger.note("stalled_set_lost", f"{ns}/{keys[0]}", node=sp.node.name)
         self.ledger.unknown(ns, [keys[0]])   # judged here, not again
 
     def _set_one(self, sp: SidecarProcess, ns: str, key: str) -> bool:
@@ -262,7 +267,7 @@ class Soak:
                 stored = c.set(ns, [key], bid, [0])
             except (SidecarUnavailable, SidecarError) as e:
                 if isinstance(e, SidecarError):
-                    w.failed(e, "stalled-key set")
+                    w.failed(e, "stalled-key set", sp.node.name)
                 stored = None
             self.ledger.set_done(ns, [key], stored, start, w.now())
             c.release_buffer(ns, bid)
@@ -307,7 +312,7 @@ class Soak:
             self.poll(sp)
             rc = sp.terminate()
             if rc != 0:
-                self.ledger.note("bad_exit", f"{sp.node.name} final SIGTERM exit {rc}")
+                self.ledger.note("bad_exit", f"final SIGTERM exit {rc}", node=sp.node.name)
             else:
                 self.ledger.stopped_cleanly(sp.node, self.world.now())
             stopped = self.world.now()
@@ -317,7 +322,7 @@ class Soak:
             self.poll(sp)
             rc = sp.terminate()
             if rc != 0:
-                self.ledger.note("bad_exit", f"{sp.node.name} last SIGTERM exit {rc}")
+                self.ledger.note("bad_exit", f"last SIGTERM exit {rc}", node=sp.node.name)
         temps = self.disk.temps()
         if temps:
             self.ledger.note("temps_left", temps[0], len(temps))
@@ -331,7 +336,7 @@ class Soak:
 def summary(soak: Soak, elapsed: float) -> dict:
     led, w = soak.ledger, soak.world
     kinds = {k: sum(f["kind"] == k for f in soak.faults) for k in KINDS}
-    violations = {k: led.counts.get(k, 0) for k in (*VIOLATIONS, "bad_exit")}
+    violations = {k: led.counts.get(k, 0) for k in (*VIOLATIONS, "bad_exit", "check_unavailable")}
     bound = {sp.node.name: parse_size(soak.args.host_pool) // soak.args.page_bytes + 256
              for sp in soak.procs.values()}
     return {"seed": soak.args.seed, "duration_s": round(elapsed, 1), "disk": soak.disk.mode,
@@ -342,7 +347,7 @@ def summary(soak: Soak, elapsed: float) -> dict:
             "pages_checked": led.counts["pages_checked"], "checks": led.counts["checks"],
             "losses": sum(v for k, v in violations.items()
                           if k.startswith("lost") or k == "stalled_set_lost"),
-            "violations": violations,
+            "violations": violations, "violations_by_node": led.by_node,
             "allowed": {"sigkill_not_durable": led.counts["allowed_sigkill"],
                         "disk_full_not_durable": led.counts["allowed_disk_full"],
                         "evicted_by_tier": led.counts["evicted_by_tier"],
@@ -391,6 +396,7 @@ def print_summary(out: dict) -> None:
     print(f"pages {out['pages']}, checked {out['pages_checked']} in {out['checks']} checks, "
           f"losses {out['losses']}")
     print("violations " + ", ".join(f"{k} {v}" for k, v in out["violations"].items()))
+    print(f"violations by node {out['violations_by_node']}")
     print(f"allowed by design {out['allowed']}")
     print(f"tier {out['tier']}")
     for e in out["errors_4xx"]:

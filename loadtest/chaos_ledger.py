@@ -88,12 +88,15 @@ class Ledger:
         self.counts.update(allowed_sigkill=0, allowed_disk_full=0, evicted_by_tier=0,
                            pages_checked=0, checks=0)
         self.examples: dict[str, list[str]] = {}
+        self.by_node: dict[str, dict[str, int]] = {}   # violation -> node name -> count
 
     def bytes_of(self, ns: str, key: str) -> bytes:
         return payload(self.seed, ns, key, self.page_bytes)
 
-    def note(self, what: str, detail: str, n: int = 1) -> None:
+    def note(self, what: str, detail: str, n: int = 1, node: str = "-") -> None:
         self.counts[what] = self.counts.get(what, 0) + n
+        per = self.by_node.setdefault(what, {})
+        per[node] = per.get(node, 0) + n
         ex = self.examples.setdefault(what, [])
         if len(ex) < 5:
             ex.append(detail)
@@ -189,7 +192,8 @@ class Ledger:
     def served(self, ns: str, key: str, got) -> bool:
         """A page answered present: check its bytes (a mismatch is a violation)."""
         if bytes(got) != self.bytes_of(ns, key):
-            self.note("wrong_bytes", f"{ns}/{key}")
+            node = self.owner.get(ns)
+            self.note("wrong_bytes", f"{ns}/{key}", node=node.name if node else "-")
             return False
         return True
 
@@ -199,7 +203,7 @@ class Ledger:
         where = f"{page.ns}/{page.key}"
         if page.deleted_at is not None:
             if present:
-                self.note("deleted_came_back", where)
+                self.note("deleted_came_back", where, node=node.name)
                 page.ambiguous = True      # count it once
             return
         if present:
@@ -212,9 +216,9 @@ class Ledger:
             self.counts["allowed_disk_full"] += 1
         elif page.durable:
             self.note({"flag": "lost_durable_flag", "flush": "lost_durable_flush",
-                       "sigterm": "lost_after_sigterm"}[page.durable], f"{where} ({node.policy})")
+                       "sigterm": "lost_after_sigterm"}[page.durable], where, node=node.name)
         elif any(t > page.acked_at for t in node.kills):
             self.counts["allowed_sigkill"] += 1
         else:
-            self.note("lost_running", f"{where} ({node.policy})")
+            self.note("lost_running", where, node=node.name)
         page.acked, page.durable, page.tainted = False, None, False   # gone: counted once

@@ -42,11 +42,11 @@ class World:
     def spec(self, ns: str) -> dict:
         return {"model": "chaos", "page_tokens": 16}
 
-    def failed(self, exc: SidecarError, what: str) -> None:
+    def failed(self, exc: SidecarError, what: str, node: str = "-") -> None:
         if exc.status == 503 and exc.code == "not_ready":
             self.counts["not_ready_503"] += 1      # starting or draining: the contract's answer
         elif exc.status >= 500:
-            self.ledger.note("http_5xx", f"{what}: {exc.status} {exc.code} {exc.message[:120]}")
+            self.ledger.note("http_5xx", f"{what}: {exc.status} {exc.code} {exc.message[:120]}", node=node)
         elif exc.status == 404:
             self.counts["gone_404"] += 1           # after a namespace delete or a restart
         elif exc.status == 507:
@@ -92,7 +92,7 @@ class ChaosEngine(User):
         except SidecarError as e:
             if e.status == 404:
                 self.bid = None            # the namespace or buffer is gone: register again
-            w.failed(e, name)
+            w.failed(e, name, self.info["node"].name)
             exc = e if e.status >= 500 and e.code != "not_ready" else None
         self.environment.events.request.fire(
             request_type="chaos", name=name, response_time=(time.perf_counter() - start) * 1e3,
