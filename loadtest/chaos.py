@@ -169,18 +169,17 @@ class Soak:
         try:
             self.poll(sp)
             if how == "sigkill":
-                sp.node.kills.append(self.world.now())
+                sp.node.stops.append((self.world.now(), "sigkill"))
                 sp.kill()
                 f = self.record("sigkill", sp.node.name)
             else:
                 t = self.world.now()
                 rc = sp.terminate()
                 f = self.record("sigterm", sp.node.name, rc=rc, stop_s=round(self.world.now() - t, 2))
-                if rc == 0:
-                    self.ledger.stopped_cleanly(sp.node, self.world.now())
-                else:
+                # a set sent before the exit and answered true was owed a write
+                sp.node.stops.append((self.world.now(), "sigterm" if rc == 0 else "sigkill"))
+                if rc != 0:
                     self.ledger.note("bad_exit", f"SIGTERM exit {rc}", node=sp.node.name)
-                    sp.node.kills.append(self.world.now())
             stopped = self.world.now()
             sp.start()
             f["down_s"] = round(self.world.now() - stopped, 2)
@@ -311,10 +310,9 @@ class Soak:
             self.busy.add(sp.node.name)
             self.poll(sp)
             rc = sp.terminate()
+            sp.node.stops.append((self.world.now(), "sigterm" if rc == 0 else "sigkill"))
             if rc != 0:
                 self.ledger.note("bad_exit", f"final SIGTERM exit {rc}", node=sp.node.name)
-            else:
-                self.ledger.stopped_cleanly(sp.node, self.world.now())
             stopped = self.world.now()
             sp.start()
             self.check(sp, stopped)
@@ -355,7 +353,7 @@ def summary(soak: Soak, elapsed: float) -> dict:
             "tier": {sp.node.name: {"evictions": sp.node.tier_evictions, "write_failed": sp.node.failed,
                                     "write_dropped": sp.node.dropped, "incarnations": sp.incarnations}
                      for sp in soak.procs.values()},
-            "examples": led.examples, "errors_4xx": w.errors[:10], "workdir": soak.workdir}
+            "fault_log": soak.faults, "examples": led.examples, "errors_4xx": w.errors[:10], "workdir": soak.workdir}
 
 
 def run(args) -> int:

@@ -12,8 +12,9 @@ Each page moves through these states (times are the soak's monotonic clock):
         `--a set in flight while a delete ran: ambiguous (only its bytes are checked)
 
 A check gets every settled page and sorts each miss into exactly one bucket: lost (durable,
-or acknowledged on a sidecar that has not restarted since), allowed by design (acknowledged,
-not durable, and the sidecar was SIGKILLed since), allowed by a full disk (tainted, bounded
+or acknowledged on a sidecar whose first stop after the set was sent was a clean SIGTERM, or
+that has not stopped since), allowed by design (acknowledged,
+not durable, and the sidecar's first stop after the set was sent was a SIGKILL), allowed by a full disk (tainted, bounded
 by the writes the sidecar counted failed), or evicted by the tier (bounded by the tier's own
 eviction counter).
 """
@@ -35,10 +36,11 @@ class Page:
     key: str
     acked: bool = False
     acked_at: float = 0.0
+    acked_start: float = 0.0           # when the set that acknowledged it was sent
     last_start: float = 0.0
     last_end: float = 0.0
     inflight: int = 0
-    durable: Optional[str] = None      # how: "flag" | "flush" | "sigterm"
+    durable: Optional[str] = None      # how: "flag" | "flush" (a clean stop: see `judge`)
     tainted: bool = False
     deleted_at: Optional[float] = None
     ambiguous: bool = False
@@ -49,7 +51,7 @@ class Node:
     """One sidecar process (restarted in place): its policy and its history of faults."""
     name: str
     policy: str
-    kills: list = field(default_factory=list)
+    stops: list = field(default_factory=list)   # (time, "sigkill" | "sigterm") of each stop
     tier_evictions: int = 0            # summed over incarnations (last poll of each)
     evictions_seen: int = 0            # this incarnation's last poll
     evictions_used: int = 0
@@ -132,7 +134,7 @@ class Ledger:
             if stored is None and not p.acked:
                 p.ambiguous = True         # a set without an answer may have stored it
             if ok:
-                p.acked, p.acked_at = True, t
+                p.acked, p.acked_at, p.acked_start = True, t, start
                 if durable and p.durable is None:
                     p.durable = "flag"
 
@@ -164,13 +166,6 @@ class Ledger:
             if p.acked and not p.durable and not p.tainted and not p.inflight and p.last_end < start:
                 p.durable, n = "flush", n + 1
         return n
-
-    def stopped_cleanly(self, node: Node, start: float) -> None:
-        """SIGTERM answered by exit 0: every acknowledged page was to be written (a tainted
-        one may still be among the writes the sidecar counted failed: see `judge`)."""
-        for p in self._node_pages(node):
-            if p.acked and not p.durable and p.last_end < start:
-                p.durable = "sigterm"
 
     def disk_filled(self) -> None:
         """The disk is full from now on: pages not yet durable may fail their write."""
@@ -215,10 +210,12 @@ class Ledger:
             node.failed_used += 1          # its write may be one the sidecar counted failed
             self.counts["allowed_disk_full"] += 1
         elif page.durable:
-            self.note({"flag": "lost_durable_flag", "flush": "lost_durable_flush",
-                       "sigterm": "lost_after_sigterm"}[page.durable], where, node=node.name)
-        elif any(t > page.acked_at for t in node.kills):
+            self.note({"flag": "lost_durable_flag", "flush": "lost_durable_flush"}[page.durable],
+                      where, node=node.name)
+        elif (stop := next((how for t, how in node.stops if t > page.acked_start), None)) == "sigkill":
             self.counts["allowed_sigkill"] += 1
+        elif stop == "sigterm":
+            self.note("lost_after_sigterm", where, node=node.name)
         else:
             self.note("lost_running", where, node=node.name)
         page.acked, page.durable, page.tainted = False, None, False   # gone: counted once
