@@ -134,6 +134,8 @@ class Ledger:
             if stored is None and not p.acked:
                 p.ambiguous = True         # a set without an answer may have stored it
             if ok:
+                if not p.acked:                # a fresh store: its own fate from here
+                    p.tainted, p.durable = False, None
                 p.acked, p.acked_at, p.acked_start = True, t, start
                 if durable and p.durable is None:
                     p.durable = "flag"
@@ -203,19 +205,22 @@ class Ledger:
             return
         if present:
             return
-        if node.tier_evictions > node.evictions_used:
+        stop = next((how for t, how in node.stops if t > page.acked_start), None)
+        if not page.durable and stop == "sigkill":
+            self.counts["allowed_sigkill"] += 1      # first, so it spends no budget below
+        elif node.tier_evictions > node.evictions_used:
             node.evictions_used += 1
             self.counts["evicted_by_tier"] += 1
-        elif page.tainted and node.failed > node.failed_used:
+        elif page.tainted and not page.durable and node.failed > node.failed_used:
             node.failed_used += 1          # its write may be one the sidecar counted failed
             self.counts["allowed_disk_full"] += 1
         elif page.durable:
             self.note({"flag": "lost_durable_flag", "flush": "lost_durable_flush"}[page.durable],
                       where, node=node.name)
-        elif (stop := next((how for t, how in node.stops if t > page.acked_start), None)) == "sigkill":
-            self.counts["allowed_sigkill"] += 1
         elif stop == "sigterm":
             self.note("lost_after_sigterm", where, node=node.name)
         else:
-            self.note("lost_running", where, node=node.name)
+            self.note("lost_running", f"{where} set {page.acked_start:.2f}-{page.acked_at:.2f}s, "
+                      f"tainted {page.tainted}, last stop {node.stops[-1] if node.stops else None}",
+                      node=node.name)
         page.acked, page.durable, page.tainted = False, None, False   # gone: counted once
