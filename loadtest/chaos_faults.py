@@ -135,7 +135,7 @@ class Disk:
         """Temporary page files left anywhere under the tiers."""
         out = []
         for d, _, files in os.walk(self.root):
-            out += [os.path.join(d, f) for f in files if ".tmp." in f]
+            out += [os.path.join(d, f) for f in files if ".tmp" in f]  # either naming
         return out
 
     def close(self) -> None:
