@@ -210,6 +210,8 @@ class Soak:
         self.ledger.taint_since(start)
         self.fill_epoch += 1
         self.filling = False
+        for sp in self.procs.values():         # what a failed write lost is missing now
+            self.check(sp, self.world.now())
 
     def ns_delete(self, ns: str) -> None:
         w, c = self.world, self.client(ns)

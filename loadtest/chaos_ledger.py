@@ -204,6 +204,8 @@ class Ledger:
                 page.ambiguous = True      # count it once
             return
         if present:
+            if node.policy == "write_back":
+                page.tainted = False           # in the host pool after the fill: written later
             return
         stop = next((how for t, how in node.stops if t > page.acked_start), None)
         if not page.durable and stop == "sigkill":
