@@ -101,13 +101,15 @@ class Soak:
             bid = buf.register(client, ns, BATCH, page_first_chunks(pb))
             for i in range(0, len(pages), BATCH):
                 self.poll(sp)                  # the tier's evictions so far bound its misses
-                part = pages[i:i + BATCH]
+                part, sent = pages[i:i + BATCH], self.world.now()
                 loaded = self._get(client, ns, [p.key for p in part], bid)
                 if loaded is None:
                     continue                   # counted: an error is no verdict on the pages
                 for slot, (page, ok) in enumerate(zip(part, loaded)):
                     if ok:
                         self.ledger.served(ns, page.key, buf.view(slot * pb, pb))
+                    if page.inflight or page.last_start >= sent or (page.deleted_at or 0) >= sent:
+                        continue               # a user set or deleted it during the get
                     self.ledger.judge(sp.node, page, bool(ok))
             client.release_buffer(ns, bid)
         finally:
