@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan]'
 	touch $@
 
-.PHONY: install serve test test-core test-fast mutants mutation test-sglang test-vllm bench-vllm browser bench loadtest replay plan deb-libs bench-mooncake
+.PHONY: install serve test test-core test-fast mutants mutation test-sglang test-vllm bench-vllm browser bench loadtest replay plan deb-libs bench-mooncake soak
 install: $(VENV)/.installed
 
 # The Debian libraries Mooncake's client and master link (the `mooncake` extra): installed
@@ -129,6 +129,14 @@ bench-mooncake: $(VENV)/.installed
 ENGINE_URL ?= unix://$(shell $(PY) -c 'from sidecar.config import Config; print(Config().socket)')
 loadtest: $(VENV)/.installed
 	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host $(ENGINE_URL) --only-summary
+
+# Chaos soak (docs/chaos.md): two sidecars of its own under Locust traffic while a seeded driver
+# SIGKILLs/SIGTERMs and restarts them, fills their disk, deletes namespaces and stalls uploads;
+# exits 1 on any wrong byte, lost page, resurrected delete or 5xx. Root gets a real tmpfs.
+SOAK_SEED ?= 1
+SOAK_DURATION ?= 600
+soak: $(VENV)/.installed
+	$(PY) -m loadtest.chaos --seed $(SOAK_SEED) --duration $(SOAK_DURATION) $(ARGS)
 
 # replay the shared conversation trace against a sidecar started with --no-file-tier
 replay: $(VENV)/.installed

@@ -1,0 +1,113 @@
+"""The chaos soak, short and seeded: every fault kind injected, then the verdict.
+
+`python -m loadtest.chaos` runs as its own process (it monkey-patches with gevent), with two
+sidecars of its own. Each violation it reports must be 0; the ones listed in KNOWN are bugs
+of issue 11 that other branches are fixing: while one of those (and nothing else) is seen,
+the test is an expected failure naming it, so the merge of the fix turns it green.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loadtest.chaos_ledger import Ledger, Node
+from tests.conftest import ROOT
+
+KINDS = ("sigkill", "sigterm", "disk_fill", "ns_delete", "stall")
+# (violation, node) -> the issue 11 bug it shows; node "wt" is write_through, "wb" write_back
+KNOWN = {
+    ("lost_after_sigterm", "wb"): "write_back: SIGTERM does not write the host pool's pages (item 1)",
+    ("lost_running", "wb"): "write_back: an eviction with the write queue full drops the page (item 1)",
+    ("deleted_came_back", "wt"): "queued writes publish after a delete (item 2)",
+    ("deleted_came_back", "wb"): "queued writes publish after a delete (item 2)",
+    ("temps_left", "-"): "temporary page files left behind (item 3)",
+}
+
+
+def run_soak(tmp_path, seed: int, duration: int) -> tuple[int, dict, str]:
+    cmd = [sys.executable, "-m", "loadtest.chaos", "--seed", str(seed), "--duration", str(duration),
+           "--gap", "3", "--workdir", str(tmp_path / "soak")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("CHAOS-SUMMARY ")]
+    assert lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.returncode, json.loads(lines[-1][len("CHAOS-SUMMARY "):]), out.stdout[-4000:]
+
+
+@pytest.mark.slow
+def test_chaos_soak_short_seeded(tmp_path):
+    rc, s, log = run_soak(tmp_path, seed=11, duration=40)
+    for kind in KINDS:
+        assert s["faults"][kind] >= 1, f"{kind} never injected\n{log}"
+    assert s["requests"] > 500 and s["pages_checked"] > 1000, log
+    assert s["checks"] >= 5, log       # each restart and namespace delete is checked, and the end
+    seen = {(what, node): n for what, per in s["violations_by_node"].items() for node, n in per.items() if n}
+    unknown = {k: n for k, n in seen.items() if k not in KNOWN}
+    assert not unknown, f"violations: {unknown}\n{log}"
+    known = sorted(f"{KNOWN[k]}: {n}" for k, n in seen.items())
+    if known:
+        pytest.xfail("; ".join(known))
+    assert rc == 0, log
+
+
+# -- the ledger's verdicts, without processes (each rule forced) ---------------------------
+
+def ledger_with(policy: str = "write_back") -> tuple[Ledger, Node]:
+    led, node = Ledger(seed=3, page_bytes=64), Node("n", policy)
+    led.owner["ns"] = node
+    return led, node
+
+
+def acked(led: Ledger, key: str, start: float, durable: bool = False) -> None:
+    led.set_started("ns", [key], start)
+    led.set_done("ns", [key], [True], start, start + 0.1, durable)
+
+
+def test_ledger_sorts_each_miss_into_one_bucket():
+    led, node = ledger_with()
+    acked(led, "before-kill", 1.0)
+    node.stops.append((2.0, "sigkill"))
+    acked(led, "before-term", 3.0)
+    node.stops.append((4.0, "sigterm"))
+    acked(led, "running", 5.0)
+    for p in led.settled(node, 6.0):
+        led.judge(node, p, present=False)
+    assert led.counts["allowed_sigkill"] == 1
+    assert led.counts["lost_after_sigterm"] == 1 and led.counts["lost_running"] == 1
+    assert led.settled(node, 7.0) == []        # a miss is counted once
+
+
+def test_ledger_durable_and_deleted_pages():
+    led, node = ledger_with("write_through")
+    acked(led, "flag", 1.0, durable=True)
+    acked(led, "flushed", 1.0)
+    assert led.flushed(node, 2.0) == 1
+    acked(led, "gone", 1.0)
+    led.deleted("ns", ["gone"], 2.5, 2.6)
+    node.stops.append((3.0, "sigkill"))        # durable pages must survive it
+    present = {"flag": False, "flushed": False, "gone": True}
+    for p in led.settled(node, 4.0):
+        led.judge(node, p, present[p.key])
+    assert led.counts["lost_durable_flag"] == 1 and led.counts["lost_durable_flush"] == 1
+    assert led.counts["deleted_came_back"] == 1
+
+
+def test_ledger_budgets_and_races():
+    led, node = ledger_with()
+    acked(led, "a", 1.0)
+    acked(led, "b", 1.0)
+    led.disk_filled()                          # both may meet a failed write from now on
+    node.poll({"tiers": {"file": {"evictions": 1}}, "write_queue": {"failed": 1}})
+    acked(led, "c", 1.2)                       # after the fill: no excuse
+    led.set_started("ns", ["raced"], 1.0)      # in flight while the delete runs
+    led.deleted("ns", ["raced"], 1.5, 1.6)
+    led.set_done("ns", ["raced"], [True], 1.0, 1.7)
+    for p in led.settled(node, 2.0):
+        led.judge(node, p, False)
+    assert led.counts["evicted_by_tier"] == 1 and led.counts["allowed_disk_full"] == 1
+    assert led.counts["lost_running"] == 1 and led.examples["lost_running"][0].startswith("ns/c ")
+    assert all(p.key != "raced" for p in led.settled(node, 2.0))
+    assert led.served("ns", "x", led.bytes_of("ns", "x")) and not led.served("ns", "x", b"\0" * 64)
+    assert led.counts["wrong_bytes"] == 1
