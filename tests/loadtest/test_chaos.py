@@ -1,9 +1,9 @@
 """The chaos soak, short and seeded: every fault kind injected, then the verdict.
 
 `python -m loadtest.chaos` runs as its own process (it monkey-patches with gevent), with two
-sidecars of its own. Each violation it reports must be 0; the ones listed in KNOWN are bugs
-of issue 11 that other branches are fixing: while one of those (and nothing else) is seen,
-the test is an expected failure naming it, so the merge of the fix turns it green.
+sidecars of its own. Every violation it reports must be 0 (issue 11's write-back loss at
+SIGTERM and on a full queue, deletes that came back and temporaries left behind were seen
+here before their fixes; they now fail this test like any other violation).
 """
 import json
 import os
@@ -16,16 +16,6 @@ from loadtest.chaos_ledger import Ledger, Node
 from tests.conftest import ROOT
 
 KINDS = ("sigkill", "sigterm", "disk_fill", "ns_delete", "stall")
-# (violation, node) -> the issue 11 bug it shows; node "wt" is write_through, "wb" write_back
-KNOWN = {
-    ("lost_after_sigterm", "wb"): "write_back: SIGTERM does not write the host pool's pages (item 1)",
-    ("lost_running", "wb"): "write_back: an eviction with the write queue full drops the page (item 1)",
-    ("deleted_came_back", "wt"): "queued writes publish after a delete (item 2)",
-    ("deleted_came_back", "wb"): "queued writes publish after a delete (item 2)",
-    ("temps_left", "-"): "temporary page files left behind (item 3)",
-}
-
-
 def run_soak(tmp_path, seed: int, duration: int) -> tuple[int, dict, str]:
     cmd = [sys.executable, "-m", "loadtest.chaos", "--seed", str(seed), "--duration", str(duration),
            "--gap", "3", "--workdir", str(tmp_path / "soak")]
@@ -44,11 +34,7 @@ def test_chaos_soak_short_seeded(tmp_path):
     assert s["requests"] > 500 and s["pages_checked"] > 1000, log
     assert s["checks"] >= 5, log       # each restart and namespace delete is checked, and the end
     seen = {(what, node): n for what, per in s["violations_by_node"].items() for node, n in per.items() if n}
-    unknown = {k: n for k, n in seen.items() if k not in KNOWN}
-    assert not unknown, f"violations: {unknown}\n{log}"
-    known = sorted(f"{KNOWN[k]}: {n}" for k, n in seen.items())
-    if known:
-        pytest.xfail("; ".join(known))
+    assert not seen, f"violations: {seen}\n{log}"
     assert rc == 0, log
 
 
