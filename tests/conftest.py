@@ -200,6 +200,25 @@ def spawn():
         p.kill()
 
 
+class Gate:
+    """Holds every call of `obj.name` until `open()`; `entered` is set once one waits.
+    `patch` sets the wrapper (pass `monkeypatch.setattr` to patch a class and undo it)."""
+
+    def __init__(self, obj, name: str, patch=setattr):
+        self.real = getattr(obj, name)
+        self.entered, self.released = threading.Event(), threading.Event()
+        # a plain function: patched on a class it binds `self` like the method it replaces
+        patch(obj, name, lambda *args, **kwargs: self._held(*args, **kwargs))
+
+    def _held(self, *args, **kwargs):
+        self.entered.set()
+        assert self.released.wait(30), "the test never opened the gate"
+        return self.real(*args, **kwargs)
+
+    def open(self):
+        self.released.set()
+
+
 def wait_for(cond, timeout: float = 30.0) -> None:
     """Poll `cond` (state another process or thread owns) until true or `timeout`."""
     deadline = time.time() + timeout

@@ -13,7 +13,7 @@ import pytest
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import page_first_chunks
 from sidecar.tiers.file_tier import FileTier
-from tests.conftest import wait_for
+from tests.conftest import Gate, wait_for
 
 PAGE = 4096
 # the write-back counter of pages evicted while the write queue was full (/v1/stats);
@@ -37,24 +37,17 @@ def _get(srv, path):
 
 def test_readyz_is_503_until_tiers_are_recovered(make_server, monkeypatch, tmp_path):
     """Recovery of the tiers held on an event: alive (/healthz) but not ready (/readyz 503)."""
-    gate, entered = threading.Event(), threading.Event()
-    real = FileTier.recover
-
-    def slow_recover(self):
-        entered.set()
-        gate.wait(30)
-        return real(self)
-    monkeypatch.setattr(FileTier, "recover", slow_recover)
+    gate = Gate(FileTier, "recover", monkeypatch.setattr)
     srv = make_server(file_tier=True, data_dir=str(tmp_path / "d"))
     try:
-        assert entered.wait(10)
+        assert gate.entered.wait(10)
         c = srv.tcp_client()
         assert not c.ready()
         status, body = _get(srv, "/readyz")
         assert status == 503 and b"not_ready" in body
         assert _get(srv, "/healthz")[0] == 200   # alive, not ready
     finally:
-        gate.set()
+        gate.open()
     wait_for(lambda: _get(srv, "/readyz")[0] == 200, timeout=10)
 
 
@@ -114,21 +107,13 @@ def test_write_back_keeps_pages_a_full_queue_cannot_take(make_server, tmp_path):
                       write_queue_pages=1)
     c = srv.client(timeout=60)
     wait_for(c.ready)
-    tier = srv.ctx.store.tiering.tiers[0]
-    gate, entered = threading.Event(), threading.Event()
-    real = tier.write_batch
-
-    def held(jobs):
-        entered.set()
-        gate.wait(30)
-        return real(jobs)
-    tier.write_batch = held
+    gate = Gate(srv.ctx.store.tiering.tiers[0], "write_batch")
     done = []
     try:
         c.put_namespace("small", PAGE, host_capacity_bytes=2 * PAGE)
         for k in "abc":
             c.put_page("small", k, data(k))   # c evicts a: queued, its write held
-        assert entered.wait(10)
+        assert gate.entered.wait(10)
         writer = threading.Thread(target=lambda: done.append(
             [srv.client(timeout=60).put_page("small", k, data(k)) for k in "de"]))
         writer.start()
@@ -139,7 +124,7 @@ def test_write_back_keeps_pages_a_full_queue_cannot_take(make_server, tmp_path):
         stats = c.stats()
         assert stats[DROPPED[0]][DROPPED[1]] == 0, stats["write_queue"]
     finally:
-        gate.set()
+        gate.open()
     writer.join(60)
     assert not writer.is_alive() and done == [[True, True]]
     c.request("POST", "/v1/flush")

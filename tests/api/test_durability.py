@@ -13,30 +13,13 @@ import pytest
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
 from sidecar.tiers import pagefile
-from tests.conftest import wait_for
+from tests.conftest import Gate, wait_for
 
 PAGE = 16384
 
 
 def data(key: str) -> bytes:
     return hashlib.shake_256(key.encode()).digest(PAGE)
-
-
-class Gate:
-    """Holds every `write_batch` of a tier until `open()`; `entered` is set once one waits."""
-
-    def __init__(self, tier):
-        self.tier, self.real = tier, tier.write_batch
-        self.entered, self.released = threading.Event(), threading.Event()
-        tier.write_batch = self
-
-    def __call__(self, jobs):
-        self.entered.set()
-        assert self.released.wait(30), "the test never opened the gate"
-        return self.real(jobs)
-
-    def open(self):
-        self.released.set()
 
 
 def tiered(make_server, tmp_path, **kw):
@@ -62,7 +45,7 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
     srv = tiered(make_server, tmp_path, write_policy="write_back", write_queue_pages=4)
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE, host_capacity_bytes=8 * PAGE)
-    gate = Gate(file_tier(srv))
+    gate = Gate(file_tier(srv), "write_batch")
     writer = srv.ctx.store.tiering.writer
     ident = srv.ctx.store.namespaces["kv"].identity
     buf = SharedBuffer(8 * PAGE)
@@ -134,7 +117,7 @@ def test_a_shutdown_timeout_too_short_logs_how_many_pages_were_not_written(make_
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE)
     put(c, "kv", [f"k{i}" for i in range(8)])   # dirty: in the host pool only
-    gate = Gate(file_tier(srv))
+    gate = Gate(file_tier(srv), "write_batch")
     lines = Lines("pages not written")
     logging.getLogger("kv_sidecar").addHandler(lines)
     try:
@@ -154,7 +137,7 @@ def test_a_delete_during_a_held_write_sticks_across_flush_and_restart(make_serve
     srv = tiered(make_server, tmp_path)
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE)
-    gate = Gate(file_tier(srv))
+    gate = Gate(file_tier(srv), "write_batch")
     put(c, "kv", ["a", "b", "c", "keep"])        # "a" is in flight, the rest queued behind it
     assert gate.entered.wait(10)
     answers = []
@@ -182,7 +165,7 @@ def test_a_deleted_namespace_leaves_nothing_for_one_created_again(make_server, t
     ident = c.put_namespace("kv", PAGE)["identity"]
     put(c, "kv", ["x"])
     c.request("POST", "/v1/flush")
-    gate = Gate(file_tier(srv))
+    gate = Gate(file_tier(srv), "write_batch")
     keys = [f"k{i}" for i in range(32)]
     put(c, "kv", keys)                             # one batch in flight, the rest queued
     assert gate.entered.wait(10)
@@ -227,7 +210,7 @@ def test_a_namespace_created_again_while_its_pages_go_keeps_its_new_pages(make_s
     srv = tiered(make_server, tmp_path)
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE)
-    gate = Gate(file_tier(srv))
+    gate = Gate(file_tier(srv), "write_batch")
     put(c, "kv", ["old"])
     assert gate.entered.wait(10)                   # the old page's write is held
     threads, answers = [], []
