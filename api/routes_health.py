@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from api.deps import context
 from api.errors import error_response
-from api.wire import json
+from api.wire import json, number
 from sidecar.errors import BadRequest
 from sidecar.context import Context
 from sidecar.metrics import exposition
@@ -44,11 +44,7 @@ async def stats(ctx: Context = Depends(context)) -> Response:
 
 @router.post("/v1/flush")
 async def flush(request: Request, ctx: Context = Depends(context)) -> Response:
-    raw = request.query_params.get("timeout", "60")
-    try:
-        timeout = float(raw)
-    except ValueError:
-        raise BadRequest(f"'timeout' must be a number of seconds, got {raw[:20]!r}") from None
+    timeout = number(request, "timeout", "60", "a number of seconds")
     if not 0 <= timeout <= 3600:
         raise BadRequest("'timeout' must be between 0 and 3600 seconds")
     pending = await ctx.flush(timeout)

@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, Response
 
 from api.deps import context
-from api.wire import json
+from api.wire import json, number
 from sidecar.context import Context
-from sidecar.errors import BadRequest, NotFound
+from sidecar.errors import NotFound
 from sidecar.samples import INTERVAL
 
 router = APIRouter(include_in_schema=False)
@@ -42,11 +42,7 @@ async def status_page() -> Response:
 
 @router.get("/v1/samples")
 async def samples(request: Request, ctx: Context = Depends(context)) -> Response:
-    raw = request.query_params.get("since", "0")
-    try:
-        since = float(raw)
-    except ValueError:
-        raise BadRequest(f"'since' must be unix seconds, got {raw[:20]!r}") from None
+    since = number(request, "since", "0", "unix seconds")
     return json({"interval_s": INTERVAL, "samples": ctx.sampler.since(since)})
 
 

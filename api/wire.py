@@ -75,3 +75,12 @@ def flag(request: Request, name: str) -> bool:
     if value.lower() in ("0", "false", "no", ""):
         return False
     raise BadRequest(f"query parameter '{name}' must be 1 or 0")
+
+
+def number(request: Request, name: str, default: str, what: str) -> float:
+    """A float query parameter; 400 naming `what` it must be."""
+    raw = request.query_params.get(name, default)
+    try:
+        return float(raw)
+    except ValueError:
+        raise BadRequest(f"'{name}' must be {what}, got {raw[:20]!r}") from None
