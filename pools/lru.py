@@ -51,6 +51,16 @@ class LruList:
             self.remove(node)
             self.push_mru(node)
 
+    def touch_all(self, nodes) -> None:
+        """`touch` each linked node in order (the pages of one read): the last is most recent."""
+        head = self._head
+        for node in nodes:
+            last = head.prev
+            if last is not node:
+                node.prev.next, node.next.prev = node.next, node.prev
+                node.prev, node.next = last, head
+                last.next = head.prev = node
+
     def from_lru(self):
         """Nodes from least to most recent."""
         node = self._head.next

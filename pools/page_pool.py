@@ -177,6 +177,13 @@ class PagePool:
             self.lru.touch(e)
         return e
 
+    def peek(self, keys: list[str]) -> list[Optional[Entry]]:
+        """The READY entries of `keys` (None where absent), marked most recent and NOT pinned:
+        for a reader that is done with them before the pool is called again."""
+        found = list(map(self.ready.get, keys))
+        self.lru.touch_all([e for e in found if e is not None])
+        return found
+
     def unpin(self, e: Entry) -> None:
         if e.pins <= 0:
             raise PoolInvariantError(f"unpin of {e.key!r} with pin count {e.pins}")

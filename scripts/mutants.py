@@ -79,6 +79,10 @@ MUTANTS = [
       "out = list(map(self.ready.__contains__, keys))\n"
       "        [self.lru.touch(self.ready[k]) for k, h in zip(keys, out) if h]\n        return out",
       ("tests/api/test_endpoints.py::test_exists_does_not_refresh_pages",)),
+    M("pool: a get that copies on the loop does not refresh its pages", "pools/page_pool.py",
+      "        self.lru.touch_all([e for e in found if e is not None])\n",
+      "",
+      ("tests/api/test_endpoints.py::test_small_shm_get_refreshes_its_pages_and_pins_nothing",)),
     M("pool: eviction ignores pins", "pools/page_pool.py",
       "            if e.pins == 0 and self._evict(e):",
       "            if self._evict(e):",

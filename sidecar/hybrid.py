@@ -25,6 +25,8 @@ from itertools import compress
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import orjson
+
 from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.peer import Peer
 from sidecar.spec import check_name
@@ -61,10 +63,27 @@ def legal_endpoints(mask: bytes, top: int, window: int) -> bytearray:
 
 
 def parse_extra(raw: Any) -> list[ExtraPool]:
+    """The extra pools of a batch/exists. An engine sends the same few lists again and
+    again: each distinct one (by its JSON bytes) is checked once, then looked up."""
     if raw is None:
         return []
     if not isinstance(raw, list) or len(raw) > 64:
         raise BadRequest("'extra' must be a list of at most 64 {namespace, policy, window}")
+    seen = orjson.dumps(raw)
+    pools = _PARSED.get(seen)
+    if pools is None:
+        pools = _parse_extra(raw)
+        if len(_PARSED) >= PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[seen] = pools
+    return list(pools)
+
+
+PARSED_MAX = 256
+_PARSED: dict[bytes, tuple[ExtraPool, ...]] = {}
+
+
+def _parse_extra(raw: list) -> tuple[ExtraPool, ...]:
     out = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("namespace"), str):
@@ -78,7 +97,7 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise BadRequest(f"extra[{i}].window must be an integer >= 1")
         out.append(ExtraPool(check_name(item["namespace"]), policy, window))
-    return out
+    return tuple(out)
 
 
 class Presence:

@@ -11,7 +11,6 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
@@ -224,7 +223,7 @@ class Store:
         ns = self.namespaces.get(name)
         if ns is None:
             return 0
-        n = ns.pool.prefix(islice(keys, hi))
+        n = ns.pool.prefix(keys[:hi])
         if n < hi and self.tiering.enabled:
             n += self.tiering.local_prefix(ns.identity, keys[n:hi], ns.pool.ready)
         return n
@@ -340,6 +339,10 @@ class Store:
         return loaded
 
     async def _get_chunk(self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]) -> list[bool]:
+        if self._inline(buf, len(keys)):
+            found = ns.pool.peek(keys)
+            if not self.tiering.enabled or None not in found:  # nothing to promote
+                return self._get_inline(buf, found, slots)
         # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
         missing = [k for k, e in zip(keys, pinned) if e is None]
@@ -358,6 +361,15 @@ class Store:
                     ns.pool.unpin(e)
         return [ok and e is not None for e in pinned]
 
+    def _get_inline(self, buf: Buffer, found: list[Optional[Entry]], slots: list[int]) -> list[bool]:
+        """A small get copied on the loop straight after its look-up: no other request runs
+        in between, so no page can be evicted under the copy and none needs a pin."""
+        ok = self._copy_inline(buf, [(self._base + e.offset, s) for e, s in zip(found, slots)
+                                     if e is not None], into_engine=True)
+        if ok and None not in found:
+            return [True] * len(found)
+        return [ok and e is not None for e in found]
+
     async def _copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
         """Move (host address, slot) pages in the executor, large moves on several threads
         that plan as they copy (`copy_jobs`): the loop only lists the pages. A cancelled
@@ -367,8 +379,7 @@ class Store:
             return True
         if buf.released:  # released while the request waited (promotion, back-pressure)
             return False
-        if getattr(buf.mapping, "inline", False) and \
-                len(pages) * sum(c.size for c in buf.chunks) <= INLINE_MAX:
+        if self._inline(buf, len(pages)):
             return self._copy_inline(buf, pages, into_engine)
         buf.acquire()
         try:
@@ -387,6 +398,12 @@ class Store:
             return True
         finally:
             buf.release_ref()
+
+    @staticmethod
+    def _inline(buf: Buffer, pages: int) -> bool:
+        """Whether a move of `pages` pages with `buf` runs on the loop (`_copy_inline`)."""
+        return getattr(buf.mapping, "inline", False) and \
+            pages * sum(c.size for c in buf.chunks) <= INLINE_MAX
 
     def _copy_inline(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
         """A small shm move on the loop: a memmove or pread/pwrite of at most INLINE_MAX

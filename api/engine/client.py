@@ -17,6 +17,7 @@ import array
 import http.client
 import socket
 import threading
+from functools import lru_cache
 from typing import Any, Optional, Sequence
 from urllib.parse import quote, urlsplit
 
@@ -102,7 +103,7 @@ class _Connection:
         return int(lines[0].split(" ", 2)[1]), length, close
 
     def _fill(self) -> None:
-        chunk = self.sock.recv(1 << 18)
+        chunk = self.sock.recv(1 << 16)   # under malloc's mmap threshold: no mmap/munmap a call
         if not chunk:
             raise http.client.RemoteDisconnected("the sidecar closed the connection")
         self.buf += chunk
@@ -242,7 +243,9 @@ class SidecarClient:
         length = f"Content-Length: {memoryview(data).nbytes}\r\n" if data is not None else ""
         return f"{method} {path} HTTP/1.1\r\n{self._headers}{length}\r\n".encode("latin-1")
 
-    def _ns(self, name: str, tail: str = "") -> str:
+    @staticmethod
+    @lru_cache(maxsize=1024)
+    def _ns(name: str, tail: str = "") -> str:
         return f"/v1/namespaces/{quote(name, safe='')}{tail}"
 
     # -- process ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
 YIELD_RUNS = 2048      # runs a copy thread plans and copies before it yields the GIL
 SPLIT_MIN = 8 << 20    # moves of fewer bytes stay on one copy thread
 INLINE_MAX = 1 << 20   # moves of at most this many bytes run on the event loop (shm only)
+_INT = {int}
 
 
 class CopyFailed(Exception):
@@ -102,6 +103,8 @@ def check_slots(slots: Any, count: int, buffer_slots: int) -> list[int]:
     """One slot per key, each in range of the buffer."""
     if not isinstance(slots, list) or len(slots) != count:
         raise BadRequest(f"'slots' must be a list with one entry per key ({count})")
+    if slots and set(map(type, slots)) == _INT and 0 <= min(slots) and max(slots) < buffer_slots:
+        return slots   # the usual case, checked in C; the loop below names what is wrong
     for s in slots:
         if not isinstance(s, int) or isinstance(s, bool):
             raise BadRequest("'slots' must hold integers")
@@ -123,23 +126,47 @@ def build_plan(chunks: Sequence[Chunk], bases: Sequence[int], pages: Sequence[tu
                into_engine: bool) -> list[tuple[int, int, int]]:
     """The coalesced plan moving each (host address, slot) page of `pages` between the host
     pool and the engine buffer, in one pass: one (dst, src, n) per run that does not
-    continue the one before."""
+    continue the one before. Runs are followed as (engine, host, n) and turned into
+    (dst, src, n) as each one closes."""
     runs, page_off = [], 0
     for c in chunks:
         runs.append((bases[c.region] + c.offset, c.stride, page_off, c.size))
         page_off += c.size
+    if len(runs) == 1:
+        return _plan_one_run(runs[0], pages, into_engine)
     out: list[tuple[int, int, int]] = []   # tuples of ints: untracked at the next GC pass
-    ld, ls, ln = 0, 0, -1                    # no run ends where a real one starts
+    le, lh, ln = 0, 0, -1                    # no run ends where a real one starts
     for host, slot in pages:
         for engine, stride, off, n in runs:
-            dst, src = (engine + slot * stride, host + off) if into_engine \
-                else (host + off, engine + slot * stride)
-            if ld + ln == dst and ls + ln == src:
+            e, h = engine + slot * stride, host + off
+            if le + ln == e and lh + ln == h:
                 ln += n
-                out[-1] = (ld, ls, ln)
             else:
-                ld, ls, ln = dst, src, n
-                out.append((dst, src, n))
+                if ln > 0:
+                    out.append((le, lh, ln) if into_engine else (lh, le, ln))
+                le, lh, ln = e, h, n
+    if ln > 0:
+        out.append((le, lh, ln) if into_engine else (lh, le, ln))
+    return out
+
+
+def _plan_one_run(run: tuple[int, int, int, int], pages: Sequence[tuple[int, int]],
+                  into_engine: bool) -> list[tuple[int, int, int]]:
+    """`build_plan` for a page that is one run in the engine's buffer (the usual layout):
+    the same plan, without the inner loop."""
+    engine, stride, _, n = run
+    out: list[tuple[int, int, int]] = []
+    le, lh, ln = 0, 0, -1
+    for host, slot in pages:
+        e = engine + slot * stride
+        if le + ln == e and lh + ln == host:
+            ln += n
+        else:
+            if ln > 0:
+                out.append((le, lh, ln) if into_engine else (lh, le, ln))
+            le, lh, ln = e, host, n
+    if ln > 0:
+        out.append((le, lh, ln) if into_engine else (lh, le, ln))
     return out
 
 

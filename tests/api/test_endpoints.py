@@ -155,6 +155,28 @@ def test_eviction_through_the_api(client, server):
     server.invariants()
 
 
+def test_small_shm_get_refreshes_its_pages_and_pins_nothing(client, server):
+    """A get small enough to copy on the event loop (issue 13) reads the pool without pins:
+    it still marks its pages most recent in order, answers misses false, and leaves no pin."""
+    client.put_namespace("small", PAGE, host_capacity_bytes=3 * PAGE)
+    for k in "abc":
+        client.put_page("small", k, pattern(k))
+    out = SharedBuffer(4 * PAGE)
+    try:
+        bid = out.register(client, "small", 4, page_first_chunks(PAGE))
+        assert client.get("small", ["b", "x", "a", "b"], bid, [0, 1, 2, 3]) == [True, False, True, True]
+        assert [bytes(out.view(i * PAGE, PAGE)) for i in (0, 2, 3)] == [pattern("b"), pattern("a"), pattern("b")]
+        pool = server.ctx.store.namespace("small").pool
+        assert server.on_loop(lambda: pool.busy) == 0
+        client.put_page("small", "d", pattern("d"))   # c is least recent now, then a, then b
+        assert client.exists_each("small", list("abcd")) == [True, True, False, True]
+        client.put_page("small", "e", pattern("e"))
+        assert client.exists_each("small", list("abde")) == [False, True, True, True]
+    finally:
+        out.close()
+    server.invariants()
+
+
 def test_exists_does_not_refresh_pages(client, server):
     """exists (count, each, batch) is a look-up: it never moves a page in the LRU, so the
     page asked about most is still the first one evicted (API.md)."""

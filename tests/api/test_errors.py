@@ -82,11 +82,14 @@ def test_400_malformed_exists_and_delete(server, ready, body, code):
     ({"slots": "x"}, "bad_request"),
     ({"slots": [0, 1]}, "bad_request"),          # one slot per key
     ({"slots": [True]}, "bad_request"),
+    ({"slots": [0.0]}, "bad_request"),
+    ({"slots": [-1]}, "geometry_mismatch"),
+    ({"slots": [1 << 20]}, "geometry_mismatch"),   # past the buffer's slots
     ({"buffer_id": 5}, "buffer_not_found"),
 ])
 def test_400_malformed_set_get(server, ready, extra, code):
     body = orjson.dumps({"keys": ["a"], "buffer_id": ready, "slots": [0], **extra})
-    status = 404 if code == "buffer_not_found" else 400
+    status = {"buffer_not_found": 404, "geometry_mismatch": 422}.get(code, 400)
     for op in ("set", "get"):
         assert_error(raw(server, "POST", f"/v1/namespaces/kv/{op}", body), status, code)
 

@@ -41,6 +41,7 @@ def bodies(bid):
         # errors: every status and code of these routes comes from the same handlers
         ("/v1/namespaces/kv/exists", {"keys": ["bad key"]}), ("/v1/namespaces/nope/exists", {"keys": keys}),
         ("/v1/namespaces/kv/set", {**move, "durable": 1}), ("/v1/namespaces/kv/get", {**move, "slots": [0, 9, 1]}),
+        ("/v1/namespaces/kv/get", {**move, "slots": [0, True, 1]}), ("/v1/namespaces/kv/get", {**move, "slots": [0, -1, 1]}),
         ("/v1/namespaces/kv/set", {**move, "buffer_id": "nope"}), ("/v1/batch/exists", {"keys": keys}),
         ("/v1/batch/exists", {"keys": keys, "kv": "kv", "restorable": "yes"}),
         ("/v1/namespaces/kv/exists", [1]), ("/v1/namespaces/kv/exists", b"{"),
@@ -69,3 +70,13 @@ def test_fast_path_sits_inside_the_guard(make_server):
     text = client.metrics()  # the Guard's metrics name the route template, as FastAPI's do
     assert 'route="/v1/namespaces/{name}/exists",status="200"' in text
     assert 'route="/v1/namespaces/{name}/exists",status="401"' not in text  # refused before routing
+
+
+def test_answers_carry_no_server_banner(server):
+    """The sidecar names no server software in its answers (uvicorn's `server` header off)."""
+    conn = UnixHTTPConnection(server.config.socket, 10)
+    conn.request("POST", "/v1/namespaces/nope/exists", body=b'{"keys": []}')
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 404 and resp.getheader("server") is None and resp.getheader("date")
+    conn.close()

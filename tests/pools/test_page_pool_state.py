@@ -88,6 +88,17 @@ class PoolModel(RuleBasedStateMachine):
             self.pins.setdefault(id(e), [e, 0])[1] += 1
             self._touch(key)
 
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def peek(self, keys):
+        """A small get's look-up: present keys come back and move to the recent end in
+        order (repeats too), nothing is pinned."""
+        found = self.pool.peek(keys)
+        assert [e is not None for e in found] == [k in self.ready for k in keys]
+        for k, e in zip(keys, found):
+            if e is not None:
+                assert e is self.cur[k]
+                self._touch(k)
+
     @precondition(lambda self: any(n for _, n in self.pins.values()))
     @rule(data=st.data())
     def unpin(self, data):

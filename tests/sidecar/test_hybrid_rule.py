@@ -8,6 +8,8 @@ from hypothesis import Phase, example, find, given, settings
 from hypothesis import strategies as st
 
 from pools import Arena, HostPool
+from sidecar import hybrid
+from sidecar.errors import BadRequest
 from sidecar.hybrid import ExtraPool, batch_exists, legal_endpoints
 from sidecar.spec import parse_spec
 from sidecar.buffers import Sources
@@ -189,3 +191,23 @@ def test_long_prefixes_match_brute_force(store, density):
                 store.delete_namespace(name)
         kv, hit, own, common = reference(kv_present, pools)
         assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (kv, hit, own, common)
+
+
+def test_parse_extra_checks_each_distinct_list_once_and_stays_bounded(monkeypatch):
+    """The parsed lists are kept by their JSON bytes: the same list parses to equal pools,
+    a bad list raises every time (never kept), and the memo never grows past its bound."""
+    monkeypatch.setattr(hybrid, "_PARSED", {})
+    raw = [{"namespace": "mamba", "policy": "trailing_pages", "window": 1}, {"namespace": "idx"}]
+    first = hybrid.parse_extra(raw)
+    first.append("mutated by a caller")
+    assert hybrid.parse_extra(raw) == [hybrid.ExtraPool("mamba", "trailing_pages", 1),
+                                       hybrid.ExtraPool("idx", "all_pages", 1)]
+    assert len(hybrid._PARSED) == 1
+    bad = [{"namespace": "mamba", "window": True}]
+    for _ in range(2):
+        with pytest.raises(BadRequest):
+            hybrid.parse_extra(bad)
+    assert hybrid.parse_extra([{"namespace": "mamba", "window": 1}]) == [hybrid.ExtraPool("mamba")]
+    for i in range(hybrid.PARSED_MAX + 5):
+        hybrid.parse_extra([{"namespace": f"n{i}"}])
+    assert 0 < len(hybrid._PARSED) <= hybrid.PARSED_MAX

@@ -54,3 +54,35 @@ def test_a_move_of_few_large_pages_is_cut_by_bytes(monkeypatch):
     jobs = copy_jobs(engine, (Chunk(0, 4096, 4096),), [(ctypes.addressof(host), 0)], False, parts=2)
     assert len(jobs) == 2 and sum(job() for job in jobs) == 4096
     assert host.raw == engine.buf.raw
+
+
+def _reference_plan(chunks, bases, pages, into_engine):
+    """One (dst, src, n) per chunk of each page, then coalesced: what build_plan must equal."""
+    runs = []
+    for host, slot in pages:
+        off = 0
+        for c in chunks:
+            engine = bases[c.region] + c.offset + slot * c.stride
+            runs.append((engine, host + off, c.size) if into_engine else (host + off, engine, c.size))
+            off += c.size
+    return base.coalesce(runs)
+
+
+def test_build_plan_equals_the_plain_plan_coalesced():
+    """The one-run fast path and the general loop give the per-chunk plan, coalesced, for
+    contiguous, reversed, repeated and random pages, in both directions."""
+    import random
+    rng = random.Random(13)
+    layouts = [(Chunk(0, 4096, 4096),), (Chunk(0, 4096, 2048), Chunk(2048, 4096, 2048)),
+               (Chunk(0, 4096, 1024), Chunk(1 << 20, 4096, 3072)),
+               (Chunk(0, 4096, 1024, 0), Chunk(0, 4096, 3072, 1))]
+    page_lists = [[(1 << 30 | i * 4096, i) for i in range(64)],
+                  [(1 << 30 | (63 - i) * 4096, i) for i in range(64)],
+                  [(1 << 30, 3), (1 << 30, 3)], [],
+                  [(1 << 30 | rng.randrange(100) * 4096, rng.randrange(64)) for _ in range(300)]]
+    for chunks in layouts:
+        for pages in page_lists:
+            for into_engine in (True, False):
+                want = _reference_plan(chunks, [1 << 40, 1 << 41], pages, into_engine)
+                assert build_plan(chunks, [1 << 40, 1 << 41], pages, into_engine) == want
+    assert len(build_plan(layouts[0], [1 << 40], page_lists[0], True)) == 1   # one memmove
