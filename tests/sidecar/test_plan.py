@@ -65,7 +65,13 @@ def _reference_plan(chunks, bases, pages, into_engine):
             engine = bases[c.region] + c.offset + slot * c.stride
             runs.append((engine, host + off, c.size) if into_engine else (host + off, engine, c.size))
             off += c.size
-    return base.coalesce(runs)
+    out: list[list[int]] = []
+    for dst, src, n in runs:   # merge a run into the one before when both sides touch it
+        if out and out[-1][0] + out[-1][2] == dst and out[-1][1] + out[-1][2] == src:
+            out[-1][2] += n
+        else:
+            out.append([dst, src, n])
+    return [tuple(x) for x in out]
 
 
 def test_build_plan_equals_the_plain_plan_coalesced():

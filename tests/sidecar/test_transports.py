@@ -7,7 +7,7 @@ from sidecar.errors import BadRequest, GeometryMismatch, InvalidKey, PayloadTooL
 from sidecar.keys import check_keys
 from sidecar.spec import parse_spec
 from sidecar.transports import cuda_ipc
-from sidecar.transports.base import Chunk, CopyFailed, coalesce, page_runs, parse_chunks
+from sidecar.transports.base import Chunk, CopyFailed, build_plan, parse_chunks
 from sidecar.transports.shm import ShmMapping, open_beneath
 
 
@@ -24,13 +24,12 @@ def test_chunks_validated_against_page_and_buffer():
         parse_chunks([], 8, 64, 8)
 
 
-def test_page_runs_and_coalesce():
+def test_plan_addresses_each_chunk_and_merges_only_runs_touching_on_both_sides():
     chunks = (Chunk(0, 16, 8), Chunk(8, 16, 8))  # two halves of a 16-byte slot: contiguous
-    runs = list(page_runs(chunks, [1000], 2))
-    assert runs == [(1032, 0, 8), (1040, 8, 8)]
-    plan = [(5000 + off, addr, n) for addr, off, n in runs]
-    assert coalesce(plan) == [(5000, 1032, 16)]
-    assert coalesce([(0, 100, 4), (8, 104, 4)]) == [(0, 100, 4), (8, 104, 4)]
+    assert build_plan(chunks, [1000], [(5000, 2)], into_engine=False) == [(5000, 1032, 16)]
+    assert build_plan(chunks, [1000], [(5000, 2)], into_engine=True) == [(1032, 5000, 16)]
+    apart = (Chunk(0, 16, 4), Chunk(8, 16, 4))   # the engine's halves do not touch
+    assert build_plan(apart, [100], [(0, 0)], into_engine=True) == [(100, 0, 4), (108, 4, 4)]
 
 
 def test_keys_checked_in_one_pass_and_individually():
