@@ -205,33 +205,37 @@ def bench_batch_exists(sidecar: Proc, n: int, rounds: int) -> dict:
             "cpu_ratio": med(div(a[1], b[1]) for a, b in zip(one, multi))}
 
 
-def torch_copy_gbps(nbytes: int, reps: int) -> float:
-    """The limit: a torch copy of the same bytes between prefaulted buffers, with torch's
-    default threads (every core)."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
+class Limits:
+    """The limits for a move of `nbytes`, timed between the sidecar's moves (interleaved,
+    so a slow minute on this shared machine hits both alike), between prefaulted buffers:
+    a torch copy with torch's default threads (every core), and a stricter second one,
+    a one-thread libc memmove."""
 
+    def __init__(self, nbytes: int):
+        self.src = torch.ones(nbytes, dtype=torch.uint8)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self.raw_src, self.raw_dst = bytearray(b"\1" * nbytes), bytearray(nbytes)
+        self.csrc = (ctypes.c_char * nbytes).from_buffer(self.raw_src)
+        self.cdst = (ctypes.c_char * nbytes).from_buffer(self.raw_dst)
+        self.nbytes, self.copy_t, self.memmove_t = nbytes, [], []
+        self.round(keep=False)
 
-def memmove_gbps(nbytes: int, reps: int) -> float:
-    """A second, stricter limit: one-thread libc memmove of the same bytes."""
-    src, dst = bytearray(b"\1" * nbytes), bytearray(nbytes)
-    csrc = (ctypes.c_char * nbytes).from_buffer(src)
-    cdst = (ctypes.c_char * nbytes).from_buffer(dst)
-    ctypes.memmove(cdst, csrc, nbytes)
-    times = []
-    for _ in range(reps):
+    def round(self, keep: bool = True) -> None:
         t = time.perf_counter()
-        ctypes.memmove(cdst, csrc, nbytes)
-        times.append(time.perf_counter() - t)
-    del csrc, cdst
-    return nbytes / statistics.median(times) / 1e9
+        self.dst.copy_(self.src)
+        t1 = time.perf_counter()
+        ctypes.memmove(self.cdst, self.csrc, self.nbytes)
+        t2 = time.perf_counter()
+        if keep:
+            self.copy_t.append(t1 - t)
+            self.memmove_t.append(t2 - t1)
+
+    def gbps(self) -> tuple[float, float]:
+        """(torch copy, memmove) GB/s, each the median of the rounds."""
+        return tuple(self.nbytes / statistics.median(t) / 1e9 for t in (self.copy_t, self.memmove_t))
+
+    def close(self) -> None:
+        del self.csrc, self.cdst
 
 
 def bench_shm(url: str, pages: int, page: int, reps: int) -> dict:
@@ -241,6 +245,8 @@ def bench_shm(url: str, pages: int, page: int, reps: int) -> dict:
     buf.bytes.fill_(7)  # prefault the engine side
     bid = buf.register(c, "bench-shm", pages, page_first_chunks(page))
     slots = list(range(pages))
+    nbytes = pages * page
+    limits = Limits(nbytes)
     set_t, get_t = [], []
     for r in range(reps + 1):
         keys = [f"r{r}-p{i}" for i in range(pages)]
@@ -252,9 +258,9 @@ def bench_shm(url: str, pages: int, page: int, reps: int) -> dict:
         if r:  # the first round faults in nothing new but warms everything
             set_t.append(t1 - t)
             get_t.append(t2 - t1)
-    nbytes = pages * page
-    limit = torch_copy_gbps(nbytes, max(reps, 5))
-    memmove = memmove_gbps(nbytes, max(reps, 5))
+            limits.round()
+    limit, memmove = limits.gbps()
+    limits.close()
     set_gbps = nbytes / statistics.median(set_t) / 1e9
     get_gbps = nbytes / statistics.median(get_t) / 1e9
     c.delete_namespace("bench-shm")

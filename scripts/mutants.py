@@ -70,10 +70,14 @@ MUTANTS = [
       ("tests/sidecar/tiers/test_file_tier.py",)),
     # -- the host pool: exists never moves a page; pins ------------------------------------
     M("pool: prefix (exists) touches the LRU", "pools/page_pool.py",
-      "return len(list(takewhile(self.ready.__contains__, keys)))",
-      "n = list(takewhile(self.ready.__contains__, keys))\n"
-      "        [self.lru.touch(self.ready[k]) for k in n]\n        return len(n)",
+      "        ready = self.ready\n        if keys and keys[-1] in ready:",
+      "        ready = self.ready\n        [self.lru.touch(ready[k]) for k in keys if k in ready]\n"
+      "        if keys and keys[-1] in ready:",
       ("tests/api/test_endpoints.py::test_exists_does_not_refresh_pages",)),
+    M("pool: prefix's one look-up runs past a miss", "pools/page_pool.py",
+      "                return keys.index(miss.args[0])",
+      "                return len(keys) - 1",
+      ("tests/pools/test_page_pool.py::test_prefix_on_both_paths",)),
     M("pool: present (exists_each) touches the LRU", "pools/page_pool.py",
       "return list(map(self.ready.__contains__, keys))",
       "out = list(map(self.ready.__contains__, keys))\n"
@@ -134,6 +138,14 @@ MUTANTS = [
       "while any(p != hit for p in legal_at):",
       "if any(p != hit for p in legal_at):",
       ("tests/sidecar/test_hybrid_rule.py::test_batch_exists_matches_brute_force",)),
+    M("hybrid: the whole-prefix shortcut reads an all-pages pool's last page only", "sidecar/hybrid.py",
+      "if pool.policy == ALL_PAGES and store.local_run(pool.namespace, keys, top) < top:",
+      "if pool.policy == ALL_PAGES and 0 in store.local_mask(pool.namespace, keys[top - 1:top]):",
+      ("tests/sidecar/test_hybrid_rule.py", "-k", "shortcut")),
+    M("hybrid: the whole-prefix shortcut skips the windows", "sidecar/hybrid.py",
+      "if pool.policy != ALL_PAGES and 0 in store.local_mask(",
+      "if False and 0 in store.local_mask(",
+      ("tests/sidecar/test_hybrid_rule.py", "-k", "shortcut")),
     M("hybrid: only the first batch item validated", "sidecar/hybrid.py",
       "        _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)\n",
       "        _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer) \\\n"

@@ -180,9 +180,24 @@ async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
     if store.tiering.remote and extra:  # one remote look-up per pool, all at once
         masks = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
         seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, masks)]
+    elif not restorable and restores_top(store, extra, keys, top):
+        return {"hit": top, "kv": top, "pools": dict.fromkeys([pool.namespace for pool in extra], top)}
     else:
         seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
     return hit_rule(extra, seen, top, restorable)
+
+
+def restores_top(store: Store, extra: list[ExtraPool], keys: list[str], top: int) -> bool:
+    """Whether every pool restores the whole KV prefix (then it is the hit, and each
+    pool's own best): the usual answer, one local look-up per pool, the windows first."""
+    for pool in extra:
+        if pool.policy != ALL_PAGES and 0 in store.local_mask(pool.namespace,
+                                                              keys[max(0, top - pool.window):top]):
+            return False
+    for pool in extra:
+        if pool.policy == ALL_PAGES and store.local_run(pool.namespace, keys, top) < top:
+            return False
+    return True
 
 
 def hit_rule(extra: list[ExtraPool], seen: list[Presence], top: int,

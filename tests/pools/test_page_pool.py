@@ -30,6 +30,24 @@ def test_reserved_is_invisible_until_commit():
     pool.invariants()
 
 
+@pytest.mark.parametrize("keys, n", [
+    ([], 0),
+    (["a"], 1), (["x"], 0),
+    (["a", "b", "c"], 3),                 # the last key present: one look-up of them all
+    (["a", "x", "c"], 1),                 # ... a miss inside it ends the run at its place
+    (["a", "b", "x", "a", "x", "c"], 2),  # a missing key seen twice: its first place
+    (["a", "b", "c", "x"], 3),            # the last key missing: the walk
+    (["r", "a"], 0),                      # reserved is not present, on either path
+])
+def test_prefix_on_both_paths(keys, n):
+    pool = make()
+    for k in "abc":
+        put(pool, k)
+    pool.reserve("r")
+    assert pool.prefix(keys) == n
+    pool.invariants()
+
+
 def test_abort_frees_the_slot_and_hides_the_key():
     pool = make(pages=1)
     e = pool.reserve("a")

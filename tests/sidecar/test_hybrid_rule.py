@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pools import Arena, HostPool
 from sidecar import hybrid
 from sidecar.errors import BadRequest
-from sidecar.hybrid import ExtraPool, batch_exists, legal_endpoints
+from sidecar.hybrid import ExtraPool, Presence, batch_exists, legal_endpoints
 from sidecar.spec import parse_spec
 from sidecar.buffers import Sources
 from sidecar.store import Store
@@ -82,6 +82,16 @@ def store():
     arena.close()
 
 
+def answers(store, keys, extra):
+    """The answer with `restorable`, after checking that the answer without it (which
+    may take the whole-prefix shortcut, `restores_top`) says the same."""
+    got = asyncio.run(batch_exists(store, keys, "kv", extra, restorable=True))
+    short = asyncio.run(batch_exists(store, keys, "kv", extra))
+    assert short == {k: got[k] for k in ("hit", "kv", "pools")}
+    assert list(short["pools"]) == list(got["pools"])
+    return got
+
+
 def run(store, case):
     """The sidecar's answer for `case`; pool number `missing` is never created."""
     n, kv_present, pools, missing = case
@@ -91,7 +101,7 @@ def run(store, case):
             if j != missing:
                 fill(store, f"p{j}", present)
         extra = [ExtraPool(f"p{j}", policy, window) for j, (_, policy, window) in enumerate(pools)]
-        return asyncio.run(batch_exists(store, KEYS[:n], "kv", extra, restorable=True))
+        return answers(store, KEYS[:n], extra)
     finally:
         for name in list(store.namespaces):
             store.delete_namespace(name)
@@ -185,7 +195,7 @@ def test_long_prefixes_match_brute_force(store, density):
             for name, present in [("kv", kv_present)] + [(f"p{j}", p) for j, (p, _, _) in enumerate(pools)]:
                 fill(store, name, present, keys)
             extra = [ExtraPool(f"p{j}", policy, w) for j, (_, policy, w) in enumerate(pools)]
-            got = asyncio.run(batch_exists(store, keys, "kv", extra, restorable=True))
+            got = answers(store, keys, extra)
         finally:
             for name in list(store.namespaces):
                 store.delete_namespace(name)
@@ -211,3 +221,37 @@ def test_parse_extra_checks_each_distinct_list_once_and_stays_bounded(monkeypatc
     for i in range(hybrid.PARSED_MAX + 5):
         hybrid.parse_extra([{"namespace": f"n{i}"}])
     assert 0 < len(hybrid._PARSED) <= hybrid.PARSED_MAX
+
+
+@pytest.mark.parametrize("holes, whole", [
+    ({}, True),                                       # every pool holds every page
+    ({"idx": [0]}, False),                            # all_pages: the first page missing
+    ({"idx": [299]}, False),                          # all_pages: the last page missing
+    ({"swa": [291]}, True),                           # just outside the last window of 8
+    ({"swa": [292]}, False),                          # its first page
+    ({"mamba": [299]}, False),                        # window 1: the last page
+    ({"mamba": [298], "swa": [100], "idx": []}, True),
+])
+def test_the_whole_prefix_shortcut_answers_as_the_rule(store, monkeypatch, holes, whole):
+    """Without `restorable`, a prefix every pool restores whole is answered without the
+    per-pool walk (no Presence is made); anything short of it takes the rule. Both say what
+    the brute force says."""
+    keys = [f"{i:064x}" for i in range(300)]
+    spec = {"mamba": ("trailing_pages", 1), "swa": ("trailing_pages", 8), "idx": ("all_pages", 1)}
+    made = []
+    monkeypatch.setattr(hybrid, "Presence", lambda *a: made.append(a) or Presence(*a))
+    try:
+        fill(store, "kv", [True] * 300, keys)
+        pools = []
+        for name, (policy, window) in spec.items():
+            present = [i not in holes.get(name, []) for i in range(300)]
+            fill(store, name, present, keys)
+            pools.append((present, policy, window))
+        extra = [ExtraPool(name, policy, window) for name, (policy, window) in spec.items()]
+        got = asyncio.run(batch_exists(store, keys, "kv", extra))
+    finally:
+        for name in list(store.namespaces):
+            store.delete_namespace(name)
+    kv, hit, own, _ = reference([True] * 300, pools)
+    assert (got["kv"], got["hit"], list(got["pools"].values())) == (kv, hit, own)
+    assert (hit == 300) == whole and (not made) == whole
