@@ -52,7 +52,10 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
     for trial in range(30):
         kv = [rng.choice([1, 1, 2]) for _ in KEYS]
         kv[rng.randrange(len(KEYS))] = 0 if trial % 3 else kv[0]
-        pools = [([rng.choice([0, 1, 1, 2]) for _ in KEYS], rng.choice(["all_pages", "trailing_pages"]),
+        # every other trial, no page is absent: each pool restores the whole prefix, some
+        # of it from the tier (what the shortcut without `restorable` answers)
+        held = [0, 1, 1, 2] if trial % 2 else [1, 2]
+        pools = [([rng.choice(held) for _ in KEYS], rng.choice(["all_pages", "trailing_pages"]),
                   rng.choice([1, 3, 8])) for _ in range(rng.randint(1, 3))]
         try:
             fill(store, tier, "kv", kv)
@@ -61,6 +64,7 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
             extra = [ExtraPool(f"p{j}", policy, w) for j, (_, policy, w) in enumerate(pools)]
             prefix = asyncio.run(store.prefix("kv", KEYS))
             got = asyncio.run(batch_exists(store, KEYS, "kv", extra, restorable=True))
+            short = asyncio.run(batch_exists(store, KEYS, "kv", extra))
         finally:
             for name in list(store.namespaces):
                 tier.drop(store.delete_namespace(name).identity)
@@ -69,3 +73,4 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
         assert prefix == ref_kv
         assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \
             (ref_kv, hit, own, common), trial
+        assert short == {"hit": hit, "kv": ref_kv, "pools": got["pools"]}, trial
