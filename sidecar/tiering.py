@@ -57,7 +57,7 @@ class Tiering:
     @property
     def remote(self) -> bool:
         """Whether a tier must be asked over the network (in the executor): Mooncake."""
-        return bool(self.tiers) and any(t.remote_lookup for t in self.tiers)
+        return any(t.remote_lookup for t in self.tiers)
 
     def local_present(self, identity: str, keys: list[str]) -> list[bool]:
         """Whether each key is in some local tier (they answer on the event loop)."""
