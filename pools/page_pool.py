@@ -13,6 +13,9 @@ are evicted, and only those `on_evict` lets go (write-back keeps a page it canno
 for writing yet; eviction then takes the next one). A deleted entry that is still pinned or being written becomes "doomed": gone
 from the index at once, its slot freed when the last pin or the writer lets go.
 
+The joints that follow this pool (`pools/joint.py`) are told of every key published
+(commit) and every key that leaves (eviction, delete).
+
 The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
 event loop only; copies run elsewhere between reserve/pin and commit/unpin).
 """
@@ -48,6 +51,21 @@ class Entry:
     next: Optional["Entry"] = field(default=None, repr=False)
 
 
+def run_length(index: dict, keys: list[str]) -> int:
+    """Length of the leading run of `keys` in `index`; stops at the first miss.
+
+    When the last key is there the run is usually whole (a full hit, or a KV prefix
+    probed in an extra pool): one `itemgetter` looks them all up in C, about 0.6x the
+    walk, and a miss names its key, whose first position ends the run."""
+    if keys and keys[-1] in index:
+        try:
+            itemgetter(*keys)(index)
+        except KeyError as miss:
+            return keys.index(miss.args[0])
+        return len(keys)
+    return len(list(takewhile(index.__contains__, keys)))
+
+
 Grow = Callable[["PagePool"], bool]
 OnEvict = Callable[["PagePool", Entry], bool]   # False: keep this page (not written yet)
 
@@ -71,6 +89,7 @@ class PagePool:
         self.closed = False
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
+        self.joints: list = []           # pools.joint.Joint: told when a key comes or goes
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
         self._slots = 0
@@ -117,19 +136,8 @@ class PagePool:
         return key in self.ready
 
     def prefix(self, keys: list[str]) -> int:
-        """Length of the leading run of READY keys (no LRU touch); stops at the first miss.
-
-        When the last key is READY the run is usually whole (a full hit, or a KV prefix
-        probed in an extra pool): one `itemgetter` looks them all up in C, about 0.6x
-        the walk, and a miss names its key, whose first position ends the run."""
-        ready = self.ready
-        if keys and keys[-1] in ready:
-            try:
-                itemgetter(*keys)(ready)
-            except KeyError as miss:
-                return keys.index(miss.args[0])
-            return len(keys)
-        return len(list(takewhile(ready.__contains__, keys)))
+        """Length of the leading run of READY keys (no LRU touch); stops at the first miss."""
+        return run_length(self.ready, keys)
 
     def present(self, keys: Iterable[str]) -> list[bool]:
         return list(map(self.ready.__contains__, keys))
@@ -162,6 +170,8 @@ class PagePool:
             return False
         e.state = READY
         self.ready[e.key] = e
+        for joint in self.joints:
+            joint.added(e.key)
         self.lru.push_mru(e)
         self._after_release()
         return True
@@ -216,6 +226,8 @@ class PagePool:
         was_ready = e.state == READY
         if was_ready:
             del self.ready[key]
+            for joint in self.joints:
+                joint.removed(key)
             self.lru.remove(e)
         if e.state == RESERVED or e.pins > 0:
             e.doomed = True
@@ -282,6 +294,8 @@ class PagePool:
         self.lru.remove(e)
         del self.entries[e.key]
         del self.ready[e.key]
+        for joint in self.joints:
+            joint.removed(e.key)
         self.free.append(e.offset)
         self.evictions += 1
         return True

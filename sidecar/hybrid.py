@@ -174,26 +174,36 @@ async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
     The keys are validated once, by the KV look-up; every pool reads that prefix only."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    top, more = store.local_prefix(kv, keys)  # validates the keys past the prefix
+    remote = store.tiering.remote
+    whole = [] if restorable or remote else [p.namespace for p in extra if p.policy == ALL_PAGES]
+    joint = store.joint(kv, whole) if whole else None
+    if joint is None:
+        (top, more), held = store.local_prefix(kv, keys), 0  # validates the keys past the prefix
+    else:  # one walk for the KV pool and every all-pages pool
+        top, more, held = store.joint_prefix(kv, keys, joint)
     if more:
         top = await store.remote_prefix(kv, keys, top)
-    if store.tiering.remote and extra:  # one remote look-up per pool, all at once
+    if remote and extra:  # one remote look-up per pool, all at once
         masks = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
         seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, masks)]
-    elif not restorable and restores_top(store, extra, keys, top):
+    elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": dict.fromkeys([pool.namespace for pool in extra], top)}
     else:
         seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
     return hit_rule(extra, seen, top, restorable)
 
 
-def restores_top(store: Store, extra: list[ExtraPool], keys: list[str], top: int) -> bool:
+def restores_top(store: Store, extra: list[ExtraPool], keys: list[str], top: int,
+                 held: int = 0) -> bool:
     """Whether every pool restores the whole KV prefix (then it is the hit, and each
-    pool's own best): the usual answer, one local look-up per pool, the windows first."""
+    pool's own best): the usual answer, one local look-up per pool, the windows first.
+    `held`: a run every all-pages pool is known to hold (their joint's)."""
     for pool in extra:
         if pool.policy != ALL_PAGES and 0 in store.local_mask(pool.namespace,
                                                               keys[max(0, top - pool.window):top]):
             return False
+    if held >= top:
+        return True
     for pool in extra:
         if pool.policy == ALL_PAGES and store.local_run(pool.namespace, keys, top) < top:
             return False

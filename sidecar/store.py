@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
+from pools.joint import Joint
 from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
                             NoRoom, TicketNotFound, TooMany)
+from sidecar.joints import Joints
 from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
@@ -74,6 +76,7 @@ class Store:
         self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
         sources.leases.on_end = self.release_lent
         self.namespaces: dict[str, Namespace] = {}
+        self.joints = Joints()
         self._base = host_pool.arena.address
 
     # -- namespaces -------------------------------------------------------------------
@@ -109,6 +112,7 @@ class Store:
         """Drop a namespace from the host pool; the caller drops its tier pages (`drop_tiers`)."""
         ns = self.namespace(name)
         del self.namespaces[name]
+        self.joints.drop(name)
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(name)
@@ -171,6 +175,27 @@ class Store:
             n = ns.pool.prefix(check_batch(keys))
         except TypeError:
             n = 0
+        return self._local_past(ns, keys, n)
+
+    def joint(self, kv: str, others: list[str]) -> Optional[Joint]:
+        """The joint of namespace `kv`'s pool and the pools of `others` (`sidecar.joints`)."""
+        return self.joints.get(kv, others, self.namespaces)
+
+    def joint_prefix(self, name: str, keys: list[str], joint: Joint) -> tuple[int, bool, int]:
+        """`local_prefix(name, keys)`, and `held`: the leading run every pool of `joint`
+        (one of them `name`'s) holds in the host pool. The joint's index is walked instead
+        of the pool's, which is walked too only when its own run goes past `held`."""
+        ns = self.namespace(name)
+        try:
+            held = n = joint.prefix(check_batch(keys))
+            if n < len(keys) and keys[n] in ns.pool.ready:
+                n = ns.pool.prefix(keys)
+        except TypeError:  # an unhashable key: the full check below names it
+            held = n = 0
+        return (*self._local_past(ns, keys, n), held)
+
+    def _local_past(self, ns: Namespace, keys: list[str], n: int) -> tuple[int, bool]:
+        """`local_prefix` for a host-pool run of n keys: the local tiers go on from there."""
         if n == len(keys):
             return n, False
         check_keys(keys[n:])

@@ -255,3 +255,39 @@ def test_the_whole_prefix_shortcut_answers_as_the_rule(store, monkeypatch, holes
     kv, hit, own, _ = reference([True] * 300, pools)
     assert (got["kv"], got["hit"], list(got["pools"].values())) == (kv, hit, own)
     assert (hit == 300) == whole and (not made) == whole
+
+
+def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
+    """The first ask makes the joint of the KV pool and the all-pages pools; pages then
+    come and go in every pool, one at a time (the KV pool holding pages the joint lacks
+    included), and each answer without `restorable` (through the joint) equals the rule's
+    and the brute force's."""
+    rng = random.Random("joint")
+    keys = [f"{i:064x}" for i in range(40)]
+    spec = {"idx": ("all_pages", 1), "idx2": ("all_pages", 1), "mamba": ("trailing_pages", 1),
+            "swa": ("trailing_pages", 4)}
+    present = {name: [True] * 40 for name in ["kv", *spec]}
+    extra = [ExtraPool(name, policy, window) for name, (policy, window) in spec.items()]
+    try:
+        for name, p in present.items():
+            fill(store, name, p, keys)
+        assert answers(store, keys, extra)["hit"] == 40
+        joint = store.joints.by_names[("kv", "idx", "idx2")]
+        assert joint.built and len(joint.full) == 40
+        for _ in range(150):
+            name, i = rng.choice(list(present)), rng.randrange(40)
+            pool = store.namespace(name).pool
+            if present[name][i]:
+                pool.delete(keys[i])
+            else:
+                pool.commit(pool.reserve(keys[i]))
+            present[name][i] = not present[name][i]
+            got = answers(store, keys, extra)
+            joint.invariants()
+            kv, hit, own, common = reference(present["kv"], [(present[n], *spec[n]) for n in spec])
+            assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \
+                (kv, hit, own, common)
+    finally:
+        for name in list(store.namespaces):
+            store.delete_namespace(name)
+    assert store.joints.by_names == {}
