@@ -8,7 +8,7 @@ keep a page for every KV page (DeepSeek's indexer), looked up in one probe a key
 
 The pools keep it current (`PagePool.joints`): a page published in one pool joins `full`
 when every other pool of the joint holds it; a page that leaves any pool leaves `full`.
-Pages already there when a joint is made join it through `build`, a few at a time. So
+Pages already there when a joint is made join it through `build`, a chunk at a time. So
 `full` is always a subset of the pools' common keys (an answer from it is never wrong,
 only short while building), and equal to it once `built`.
 """

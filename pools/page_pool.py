@@ -24,9 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import takewhile
 from operator import itemgetter
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from pools.lru import LruList
+
+if TYPE_CHECKING:
+    from pools.joint import Joint
 
 RESERVED = 0
 READY = 1
@@ -89,7 +92,7 @@ class PagePool:
         self.closed = False
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
-        self.joints: list = []           # pools.joint.Joint: told when a key comes or goes
+        self.joints: list[Joint] = []    # told when a key comes or goes
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
         self._slots = 0

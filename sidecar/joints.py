@@ -1,14 +1,21 @@
-"""The joints batch/exists asks: one per KV namespace and set of all-pages pools.
+"""The joints batch/exists walks: one per set of pools asked together (a KV namespace and
+its all-pages pools).
 
-An engine asks the same pools together again and again, so the first batch/exists that
-names them makes their joint (`pools.joint`), and later ones walk its one index instead
-of one per pool. A joint over pages already stored is built on the event loop, BUILD_CHUNK
-keys a step with a yield between steps, so a large pool never stalls it; until then it
-answers short and the caller walks the pools as before. A joint goes with any of its
-namespaces. What joints cost stays bounded whatever callers ask: at most MAX_JOINTS of at
-most MAX_POOLS pools each (a page write tells each of its pool's joints), and one build at
-a time; past either, a batch/exists walks the pools as before (no joint is evicted, so
-asking other sets does not make the sidecar build again and again).
+An engine asks the same pools together again and again. Once a batch/exists naming a
+set has passed its checks, the set gets a joint (`pools.joint`), and later batches walk
+its one index instead of one per pool. A joint over pages already stored is built on the
+event loop, BUILD_CHUNK keys a step with a yield between steps (a few ms a step; the first
+step also copies the smallest pool's key list, some 20-40 ms a million keys, and a step
+in which the joint's dict grows takes tens of ms with millions of keys). Until it is
+built it holds fewer keys than the pools share, never one they do not, so answers stay
+right, only slower. A joint goes with any of its namespaces, and a build cancelled (the
+loop closing) drops its joint.
+
+What joints cost stays bounded whatever callers ask: one joint per set of names whatever
+the order or which is KV, at most MAX_JOINTS in all, at most PER_POOL over any one pool
+(a page write looks its key up in the other pools of each), at most MAX_POOLS pools each,
+and one build at a time. Past a bound a batch walks the pools as before; no joint is
+evicted, so asking other sets does not make the sidecar build again and again.
 """
 from __future__ import annotations
 
@@ -18,51 +25,74 @@ from typing import Any, Mapping, Optional
 from pools.joint import Joint
 
 MAX_JOINTS = 16
+PER_POOL = 4
 MAX_POOLS = 8
 BUILD_CHUNK = 4096
+_ASKED_MAX = 256
 
 
 class Joints:
-    """Joints by their namespace names: (kv, sorted other names)."""
+    """Joints by the sorted names of their namespaces."""
 
     def __init__(self) -> None:
         self.by_names: dict[tuple[str, ...], Joint] = {}
+        self._asked: dict[tuple[str, ...], tuple[str, ...]] = {}  # as asked -> sorted names
         self._building: set[asyncio.Task] = set()
 
-    def get(self, kv: str, others: list[str], namespaces: Mapping[str, Any]) -> Optional[Joint]:
-        """The joint of `kv` and `others` (made on first use) among `namespaces` (by name,
-        each with its `.pool`); None for no other pool, one that does not exist, or past
-        the bounds."""
-        joint = self.by_names.get((kv, *others))  # asked in their order: found at once
-        if joint is not None:
-            return joint
-        names = (kv, *sorted(set(others) - {kv}))
-        joint = self.by_names.get(names)
-        if joint is not None:
-            return joint
-        if (not 2 <= len(names) <= MAX_POOLS or len(self.by_names) >= MAX_JOINTS
-                or self._building or not all(n in namespaces for n in names)):
-            return None
-        joint = self.by_names[names] = Joint([namespaces[n].pool for n in names])
-        self._build(joint)
-        return joint
+    def get(self, kv: str, others: list[str]) -> Optional[Joint]:
+        """The joint of namespace `kv` and `others`, None when there is none (yet)."""
+        return self.by_names.get(self._names(kv, others))
 
-    def _build(self, joint: Joint) -> None:
+    def make(self, kv: str, others: list[str], namespaces: Mapping[str, Any]) -> None:
+        """Make the joint of `kv` and `others` among `namespaces` (by name, each with its
+        `.pool`) unless it exists, a namespace does not, or a bound is reached."""
+        names = self._names(kv, others)
+        if (names in self.by_names or not 2 <= len(names) <= MAX_POOLS or self._building
+                or len(self.by_names) >= MAX_JOINTS or not all(n in namespaces for n in names)):
+            return
+        pools = [namespaces[n].pool for n in names]
+        if any(len(p.joints) >= PER_POOL for p in pools):
+            return
+        joint = self.by_names[names] = Joint(pools)
+        self._build(names, joint)
+
+    def _names(self, kv: str, others: list[str]) -> tuple[str, ...]:
+        asked = (kv, *others)
+        names = self._asked.get(asked)
+        if names is None:
+            if len(self._asked) >= _ASKED_MAX:
+                self._asked.clear()
+            names = self._asked[asked] = tuple(sorted(set(asked)))
+        return names
+
+    def _build(self, names: tuple[str, ...], joint: Joint) -> None:
         """Run the first step now (the whole build for pools of up to BUILD_CHUNK keys),
         the rest as a task that yields to the event loop between steps."""
         steps = joint.build(BUILD_CHUNK)
         if next(steps, None) is None:
             return
-        self._building.add(asyncio.get_running_loop().create_task(self._finish(steps)))
+        task = asyncio.get_running_loop().create_task(self._finish(steps))
+        self._building.add(task)
+        task.add_done_callback(lambda t: self._built(names, t))
 
     async def _finish(self, steps) -> None:
         try:
             for _ in steps:
                 await asyncio.sleep(0)
-        finally:
+        finally:   # the next build may start in this loop turn
             self._building.discard(asyncio.current_task())
+
+    def _built(self, names: tuple[str, ...], task: asyncio.Task) -> None:
+        self._building.discard(task)   # a task cancelled before it ran
+        if task.cancelled():   # never left half built: it would only add a walk
+            self._drop(names)
 
     def drop(self, name: str) -> None:
         """Drop every joint over namespace `name` (being deleted)."""
         for names in [n for n in self.by_names if name in n]:
-            self.by_names.pop(names).detach()
+            self._drop(names)
+
+    def _drop(self, names: tuple[str, ...]) -> None:
+        joint = self.by_names.pop(names, None)
+        if joint is not None:
+            joint.detach()

@@ -7,6 +7,7 @@ import pytest
 from pools import Arena, HostPool
 from sidecar import joints as joints_mod
 from sidecar.buffers import Sources
+from sidecar.errors import SidecarError
 from sidecar.hybrid import ExtraPool, batch_exists
 from sidecar.spec import parse_spec
 from sidecar.store import Store
@@ -35,8 +36,8 @@ def test_a_large_joint_builds_a_chunk_a_step_and_answers_right_meanwhile(store, 
     fill(store, "idx", KEYS[:20] + KEYS[21:])   # page 20 missing: hit 20
 
     async def scenario():
-        answers = [await batch_exists(store, KEYS, "kv", [IDX])]
-        joint = store.joints.by_names[("kv", "idx")]
+        answers = [await batch_exists(store, KEYS, "kv", [IDX])]   # checked, then made
+        joint = store.joints.by_names[("idx", "kv")]
         assert not joint.built and len(joint.full) == 4 and store.joints._building
         steps = 0
         while not joint.built:
@@ -52,17 +53,47 @@ def test_a_large_joint_builds_a_chunk_a_step_and_answers_right_meanwhile(store, 
 
 
 def test_joints_stay_bounded(store, monkeypatch):
-    monkeypatch.setattr(joints_mod, "MAX_JOINTS", 2)
-    for name in ["kv", "a", "b", "c"]:
+    monkeypatch.setattr(joints_mod, "MAX_JOINTS", 3)
+    monkeypatch.setattr(joints_mod, "PER_POOL", 2)
+    for name in ["kv", "a", "b", "c", "d"]:
         fill(store, name, KEYS[:3])
-    assert store.joint("kv", []) is None and store.joint("kv", ["kv"]) is None  # no other pool
-    assert store.joint("kv", ["missing"]) is None
-    assert store.joint("kv", [f"n{i}" for i in range(joints_mod.MAX_POOLS)]) is None
-    first = store.joint("kv", ["b", "a"])
-    assert first is store.joint("kv", ["a", "b", "a"]) and first.built  # one per set of names
-    assert store.joint("kv", ["c"]) is not None
-    assert store.joint("a", ["c"]) is None             # full: none evicted, none made
-    assert len(store.joints.by_names) == 2 and store.namespace("a").pool.joints == [first]
+    for others in ([], ["kv"], ["missing"], [f"n{i}" for i in range(joints_mod.MAX_POOLS)]):
+        assert store.joint("kv", others, make=True) is None   # no other pool, or no such one
+    first = store.joint("kv", ["b", "a"], make=True)
+    assert first.built and first is store.joint("a", ["b", "kv", "a"])  # one per set of names
+    assert store.joint("kv", ["c"], make=True) is not None
+    assert store.joint("kv", ["d"], make=True) is None     # kv is in PER_POOL joints already
+    assert store.joint("c", ["d"], make=True) is not None
+    assert store.joint("b", ["d"], make=True) is None      # MAX_JOINTS: none evicted, none made
+    assert len(store.joints.by_names) == 3 and store.namespace("a").pool.joints == [first]
+
+
+def test_a_request_that_fails_its_checks_makes_no_joint(store):
+    for name in ["kv", "idx"]:
+        fill(store, name)
+    for bad in (["bad key!"], "not a list", [["unhashable"]]):
+        with pytest.raises(SidecarError):
+            asyncio.run(batch_exists(store, bad, "kv", [IDX]))
+    assert store.joints.by_names == {}
+    asyncio.run(batch_exists(store, KEYS, "kv", [IDX]))
+    assert list(store.joints.by_names) == [("idx", "kv")]
+
+
+def test_a_cancelled_build_drops_its_joint(store, monkeypatch):
+    monkeypatch.setattr(joints_mod, "BUILD_CHUNK", 4)
+    for name in ["kv", "idx"]:
+        fill(store, name)
+
+    async def scenario():
+        joint = store.joint("kv", ["idx"], make=True)
+        assert not joint.built and store.joints._building
+        for task in list(store.joints._building):
+            task.cancel()
+        await asyncio.sleep(0)
+        return joint
+    joint = asyncio.run(scenario())
+    assert store.joints.by_names == {} and joint.pools == () and not store.joints._building
+    assert store.namespace("kv").pool.joints == []   # and the next build may start
 
 
 def test_no_new_joint_while_one_builds(store, monkeypatch):
@@ -71,12 +102,12 @@ def test_no_new_joint_while_one_builds(store, monkeypatch):
         fill(store, name)
 
     async def scenario():
-        building = store.joint("kv", ["a"])
-        assert not building.built and store.joint("kv", ["b"]) is None
+        building = store.joint("kv", ["a"], make=True)
+        assert not building.built and store.joint("kv", ["b"], make=True) is None
         while not building.built:
             await asyncio.sleep(0)
-        nxt = store.joint("kv", ["b"])
-        assert nxt is not None and store.joint("a", ["b"]) is None  # the next one builds
+        nxt = store.joint("kv", ["b"], make=True)
+        assert nxt is not None and store.joint("a", ["b"], make=True) is None  # one at a time
         while not nxt.built:
             await asyncio.sleep(0)
         nxt.invariants()
@@ -87,11 +118,12 @@ def test_deleting_a_namespace_drops_its_joints(store):
     for name in ["kv", "idx", "other"]:
         fill(store, name)
     asyncio.run(batch_exists(store, KEYS, "kv", [IDX]))
-    kept = store.joint("other", ["kv"])
+    kept = store.joint("other", ["kv"], make=True)
     store.delete_namespace("idx")
-    assert list(store.joints.by_names) == [("other", "kv")]
+    assert list(store.joints.by_names) == [("kv", "other")]
     assert store.namespace("kv").pool.joints == [kept]
     fill(store, "idx", KEYS[:5])    # the same name, other pages: a new joint, the new pool's
-    got = asyncio.run(batch_exists(store, KEYS, "kv", [IDX]))
-    assert got == {"hit": 5, "kv": 30, "pools": {"idx": 5}}
-    assert store.joints.by_names[("kv", "idx")].pools[1] is store.namespace("idx").pool
+    for _ in range(2):   # the first makes the joint, the second walks it
+        got = asyncio.run(batch_exists(store, KEYS, "kv", [IDX]))
+        assert got == {"hit": 5, "kv": 30, "pools": {"idx": 5}}
+    assert store.joints.by_names[("idx", "kv")].pools[0] is store.namespace("idx").pool

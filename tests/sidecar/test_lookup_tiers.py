@@ -65,6 +65,7 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
             prefix = asyncio.run(store.prefix("kv", KEYS))
             got = asyncio.run(batch_exists(store, KEYS, "kv", extra, restorable=True))
             short = asyncio.run(batch_exists(store, KEYS, "kv", extra))
+            walked = asyncio.run(batch_exists(store, KEYS, "kv", extra))  # through the joint made
         finally:
             for name in list(store.namespaces):
                 tier.drop(store.delete_namespace(name).identity)
@@ -73,4 +74,4 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
         assert prefix == ref_kv
         assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \
             (ref_kv, hit, own, common), trial
-        assert short == {"hit": hit, "kv": ref_kv, "pools": got["pools"]}, trial
+        assert short == walked == {"hit": hit, "kv": ref_kv, "pools": got["pools"]}, trial
