@@ -68,6 +68,10 @@ MUTANTS = [
       "        os.close(fd)\n    return xxhash.xxh3_64_intdigest(dst) == digest",
       "        os.close(fd)\n    return True",
       ("tests/sidecar/tiers/test_file_tier.py",)),
+    M("file tier: a rescan counts pages a batch renamed but has not indexed", "sidecar/tiers/file_tier.py",
+      "if (ident, key) not in changed and (ident, key) not in self._publishing:",
+      "if (ident, key) not in changed:",
+      ("tests/sidecar/tiers/test_file_tier.py", "-k", "rescan")),
     # -- the host pool: exists never moves a page; pins ------------------------------------
     M("pool: prefix (exists) touches the LRU", "pools/page_pool.py",
       "        return run_length(self.ready, keys)",

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import asdict
 from typing import Optional
 
@@ -52,6 +52,7 @@ class FileTier(Tier):
         self.lru: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.used = 0
         self.reserved = 0       # bytes of writes between `_make_room` and publish
+        self._publishing: Counter[tuple[str, str]] = Counter()  # renamed, not yet indexed
         self._scan_log: Optional[dict] = None   # index changes while `recover` scans
         self.stats = TierStats()
         self.degraded: Optional[str] = None
@@ -76,7 +77,8 @@ class FileTier(Tier):
         except OSError:
             return False
         with self._lock:
-            self._add(identity, key, size)
+            if (identity, key) not in self._publishing:  # else its writer indexes it
+                self._add(identity, key, size)
         return True
 
     def _add(self, identity: str, key: str, size: int) -> None:
@@ -124,9 +126,11 @@ class FileTier(Tier):
                 os.fdatasync(fd)
                 self._make_room(size)
                 try:
+                    with self._lock:  # a rescan from now on leaves it to this writer
+                        self._publishing[(identity, key)] += 1
                     os.rename(tmp, self._path(identity, key))
                 except OSError:
-                    self._unreserve(size)
+                    self._unreserve(size, [(identity, key)])
                     raise
             except OSError as exc:
                 self._failed("publish", exc)
@@ -141,12 +145,13 @@ class FileTier(Tier):
                 pagefile.fsync_dir(d)
         except OSError as exc:
             self._failed("fsync", exc)
-            self._unreserve(sum(size for *_, size in synced))
+            self._unreserve(sum(size for *_, size in synced), [(d, k) for _, d, k, _ in synced])
             return ok
         with self._lock:
             for i, identity, key, size in synced:
                 ok[i] = True
                 self.reserved -= size
+                self._published([(identity, key)])
                 self._add(identity, key, size)
                 self.stats.pages_written += 1
                 self.stats.bytes_written += size
@@ -220,10 +225,21 @@ class FileTier(Tier):
             if not self._evict_bytes(over):
                 raise OSError(errno.ENOSPC, "the tier's capacity is held by writes in flight")
 
-    def _unreserve(self, size: int) -> None:
+    def _unreserve(self, size: int, publishing: Optional[list[tuple[str, str]]] = None) -> None:
         with self._lock:
             self.reserved -= size
             assert self.reserved >= 0, self.reserved
+            self._published(publishing or ())
+
+    def _published(self, pages) -> None:
+        """Writes of `pages` ended (indexed or failed); under the lock."""
+        for page in pages:
+            left = self._publishing[page] - 1
+            assert left >= 0, f"{page} ended more writes than it began"
+            if left:
+                self._publishing[page] = left
+            else:
+                del self._publishing[page]
 
     # -- reads (copy executor threads) ------------------------------------------------
     def read(self, identity: str, key: str, dst: memoryview) -> bool:
@@ -352,7 +368,9 @@ class FileTier(Tier):
             self.lru.clear()
             self.used = 0
             for _, ident, key, size in found:
-                if (ident, key) not in changed:   # published, evicted or deleted meanwhile
+                # changed meanwhile, or renamed by a writer that has not indexed it yet (its
+                # bytes are still in `reserved`: counting them twice would evict them)
+                if (ident, key) not in changed and (ident, key) not in self._publishing:
                     self._add(ident, key, size)
             for (ident, key), size in changed.items():  # what happened during the scan wins
                 if size is not None:

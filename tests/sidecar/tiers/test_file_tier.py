@@ -105,6 +105,29 @@ def test_lru_eviction_within_capacity(tmp_path):
     assert small.count(ID) == 2 and small.used == 2 * size
 
 
+def test_a_rescan_between_a_batch_rename_and_its_index_keeps_the_pages(tmp_path, monkeypatch):
+    """A rescan (hf3fs rescans every few seconds) that runs after a batch renamed its pages
+    and before the batch indexed them: the renamed files are the writer's to index, not
+    the rescan's. Counted twice (on disk and still reserved) they looked over capacity,
+    so the rescan evicted them, and the batch then indexed pages whose files were gone."""
+    size = pagefile.HEADER_SIZE + 4096
+    t = FileTier("hf3fs", str(tmp_path), capacity=4 * size)
+    fsync_dir = pagefile.fsync_dir
+    rescans = []
+
+    def rescan_first(d):   # the batch has renamed every page; it indexes them after this
+        rescans.append(t.recover())
+        fsync_dir(d)
+    monkeypatch.setattr(pagefile, "fsync_dir", rescan_first)
+    keys = ["a", "b", "c"]
+    assert t.write_batch([(ID, k, memoryview(page(k))) for k in keys]) == [True] * 3
+    assert rescans == [3]   # it saw the three renamed files
+    assert [read(t, k) for k in keys] == [page(k) for k in keys]
+    assert t.used == 3 * size and t.reserved == 0 and not t._publishing
+    assert sorted(os.listdir(os.path.dirname(t._path(ID, "a")))) == sorted(
+        os.path.basename(t._path(ID, k)) for k in keys)
+
+
 def test_recovery_rebuilds_lru_by_mtime(tmp_path):
     """Recovery orders the LRU by file mtime, not by name or directory order: with mtimes
     the reverse of the names, a smaller capacity keeps the newest files."""
