@@ -171,7 +171,9 @@ def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
 async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
                        restorable: bool = False) -> dict[str, Any]:
     """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all).
-    The keys are validated once, by the KV look-up; every pool reads that prefix only."""
+    The keys are validated once, by the KV look-up; every pool reads that prefix only.
+    Without `restorable` or a remote tier, the KV pool and the all-pages pools are walked
+    once together, through their joint (`sidecar.joints`), made after the first such ask."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
     remote = store.tiering.remote
