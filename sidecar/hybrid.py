@@ -182,7 +182,7 @@ async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
     if joint is None:
         (top, more), held = store.local_prefix(kv, keys), 0  # validates the keys past the prefix
         if whole:  # the request passed its checks: the next one walks their joint
-            store.joint(kv, whole, make=True)
+            store.make_joint(kv, whole)
     else:  # one walk for the KV pool and every all-pages pool
         top, more, held = store.joint_prefix(kv, keys, joint)
     if more:

@@ -177,12 +177,14 @@ class Store:
             n = 0
         return self._local_past(ns, keys, n)
 
-    def joint(self, kv: str, others: list[str], make: bool = False) -> Optional[Joint]:
-        """The joint of namespace `kv`'s pool and the pools of `others` (`sidecar.joints`);
-        with `make`, made when there is none and the bounds allow (ready now, or built
-        over the next few loop turns)."""
-        if make:
-            self.joints.make(kv, others, self.namespaces)
+    def joint(self, kv: str, others: list[str]) -> Optional[Joint]:
+        """The joint of namespace `kv`'s pool and the pools of `others` (`sidecar.joints`)."""
+        return self.joints.get(kv, others)
+
+    def make_joint(self, kv: str, others: list[str]) -> Optional[Joint]:
+        """Make that joint when there is none and the bounds allow (ready now, or built
+        over the next few loop turns); the joint, or None."""
+        self.joints.make(kv, others, self.namespaces)
         return self.joints.get(kv, others)
 
     def joint_prefix(self, name: str, keys: list[str], joint: Joint) -> tuple[int, bool, int]:

@@ -145,7 +145,7 @@ class FileTier(Tier):
                 pagefile.fsync_dir(d)
         except OSError as exc:
             self._failed("fsync", exc)
-            self._unreserve(sum(size for *_, size in synced), [(d, k) for _, d, k, _ in synced])
+            self._unreserve(sum(size for *_, size in synced), [(ident, key) for _, ident, key, _ in synced])
             return ok
         with self._lock:
             for i, identity, key, size in synced:
