@@ -40,13 +40,18 @@ def parse_bool(value: Any) -> bool:
 
 
 def _default_data_dir() -> str:
+    """`$XDG_CACHE_HOME/kv-sidecar`, else `~/.cache/kv-sidecar`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kv-sidecar")
 
 
 def _default_socket() -> str:
-    """The engine socket: /run/kv-sidecar for root (and containers), else the user's
-    runtime directory, else beside the data directory."""
+    """The engine socket: in `$RUNTIME_DIRECTORY` when set (systemd's RuntimeDirectory=,
+    and what the test suite points at a temp dir), else /run/kv-sidecar for root (and
+    containers), else the user's runtime directory, else beside the data directory."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime:
+        return os.path.join(runtime, "sidecar.sock")
     if os.geteuid() == 0:
         return "/run/kv-sidecar/sidecar.sock"
     runtime = os.environ.get("XDG_RUNTIME_DIR")
