@@ -7,10 +7,30 @@ from starlette.requests import Request
 
 from sidecar.context import Context
 from sidecar.errors import NotReady
+from sidecar.peer import PEER_KEY
+from sidecar.tenancy import OPERATOR, Caller
 
 
 async def context(request: Request) -> Context:
     return ready(request.app.state)
+
+
+def who(ctx: Context, scope: dict) -> Caller:
+    """Who asks (sidecar/tenancy.py): the engine socket's peer, else the operator (TCP
+    behind a token) or an anonymous TCP caller."""
+    return ctx.store.caller(scope.get(PEER_KEY))
+
+
+def ref(ctx: Context, scope: dict, name: str) -> str:
+    """The namespace `name` means to the caller of this request (404 when none)."""
+    return ctx.store.resolve(name, ctx.store.caller(scope.get(PEER_KEY)))
+
+
+def observer(ctx: Context, scope: dict) -> Caller:
+    """Whose counters /v1/stats and /metrics show: a socket peer's own namespaces; on
+    TCP every namespace (names and counts, never a page)."""
+    peer = scope.get(PEER_KEY)
+    return OPERATOR if peer is None else ctx.store.caller(peer)
 
 
 def ready(state) -> Context:

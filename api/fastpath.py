@@ -22,7 +22,7 @@ import orjson
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 
-from api.deps import ready
+from api.deps import ready, ref, who
 from api.errors import on_disconnect, on_domain_error, on_unexpected
 from api.wire import parse_object, receive_body
 from sidecar import hybrid
@@ -38,6 +38,7 @@ HOT = "kv_sidecar.hot"  # scope key: the matched (route, namespace), until the G
 
 async def exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
     keys = body.get("keys")
+    name = ref(ctx, scope, name)
     n, more = ctx.store.local_prefix(name, keys)
     if more:
         n = await ctx.store.remote_prefix(name, keys, n)
@@ -48,13 +49,13 @@ async def set_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) 
     durable = body.get("durable", False)
     if not isinstance(durable, bool):
         raise BadRequest("'durable' must be true or false")
-    stored = await ctx.store.set(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
+    stored = await ctx.store.set(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"), body.get("slots"),
                                  durable, scope_peer(scope))
     return orjson.dumps({"stored": stored})
 
 
 async def get_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
-    loaded = await ctx.store.get(name, body.get("keys"), body.get("buffer_id"), body.get("slots"),
+    loaded = await ctx.store.get(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"), body.get("slots"),
                                  scope_peer(scope))
     return orjson.dumps({"loaded": loaded})
 
@@ -65,7 +66,7 @@ async def batch_exists(ctx: Context, scope: dict, name: Optional[str], body: dic
     if not isinstance(restorable, bool):
         raise BadRequest("'restorable' must be a boolean")
     return orjson.dumps(await hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"),
-                                                  extra, restorable))
+                                                  extra, restorable, who(ctx, scope)))
 
 
 class Route:

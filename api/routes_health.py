@@ -1,18 +1,20 @@
 """Health, readiness, metrics and stats."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.deps import context
+from api.deps import context, observer
 from api.errors import error_response
 from api.wire import json, number
 from sidecar.errors import BadRequest
 from sidecar.context import Context
-from sidecar.metrics import exposition
+from sidecar import report
+from sidecar.metrics import render, snapshot
 
 router = APIRouter()
 
@@ -31,15 +33,17 @@ async def readyz(request: Request) -> Response:
 
 
 @router.get("/metrics")
-async def metrics(ctx: Context = Depends(context)) -> Response:
-    return Response(exposition(ctx.store, ctx.requests),
+async def metrics(request: Request, ctx: Context = Depends(context)) -> Response:
+    snap = snapshot(ctx.store, ctx.requests, observer(ctx, request.scope))   # on the loop
+    text = await asyncio.get_running_loop().run_in_executor(None, render, snap)
+    return Response(text,
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/stats")
-async def stats(ctx: Context = Depends(context)) -> Response:
-    return json({"uptime_s": round(time.time() - ctx.started, 3),
-                 "cuda_host_registered": ctx.cuda_registered, **ctx.store.stats()})
+async def stats(request: Request, ctx: Context = Depends(context)) -> Response:
+    return json({"uptime_s": round(time.time() - ctx.started, 3), "cuda_host_registered":
+                 ctx.cuda_registered, **report.stats(ctx.store, observer(ctx, request.scope))})
 
 
 @router.post("/v1/flush")

@@ -1,69 +1,72 @@
 """Namespaces and their engine buffers."""
 from __future__ import annotations
 
-from typing import Optional
-
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.deps import context
+from api.deps import context, ref, who
 from api.openapi import body
 from api.wire import json, read_json
 from sidecar.context import Context
-from sidecar.peer import Peer, scope_peer
+from sidecar.peer import scope_peer
 from sidecar.spec import parse_spec
+from sidecar.store import Namespace
 
 router = APIRouter(prefix="/v1/namespaces")
 
 
-def _describe(ctx: Context, name: str, peer: Optional[Peer]) -> dict:
-    """A namespace; the buffers `peer` registered on the engine socket. A buffer registered
-    on TCP (cuda_ipc) is never listed: its id is the capability."""
-    ns = ctx.store.namespace(name)
-    return {"name": name, "spec": ns.spec.to_json(), "identity": ns.identity,
+def _describe(ctx: Context, ns: Namespace, request: Request) -> dict:
+    """A namespace, by the name its caller knows it by, with its owner (a uid; None: made
+    on TCP) and the buffers the caller registered on the engine socket. A buffer
+    registered on TCP (cuda_ipc) is never listed: its id is the capability."""
+    peer = scope_peer(request.scope)
+    return {"name": ctx.store.dir.label(ns, who(ctx, request.scope)), "owner": ns.owner,
+            "spec": ns.spec.to_json(), "identity": ns.identity,
             "buffers": [b.describe() for b in ns.buffers.values()
                         if b.owner_uid is not None and b.usable_by(peer)]}
 
 
 @router.get("")
 async def list_namespaces(request: Request, ctx: Context = Depends(context)) -> Response:
-    peer = scope_peer(request.scope)
-    return json({"namespaces": [_describe(ctx, n, peer) for n in ctx.store.namespaces]})
+    return json({"namespaces": [_describe(ctx, ns, request)
+                                for ns in ctx.store.dir.visible(who(ctx, request.scope))]})
 
 
 @router.put("/{name}", openapi_extra=body("namespace"))
 async def put_namespace(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     spec = parse_spec(await read_json(request, ctx.config.max_json_body))
-    created = ctx.store.put_namespace(name, spec)
-    return json(_describe(ctx, name, scope_peer(request.scope)), 201 if created else 200)
+    ns, created = ctx.store.put_namespace(name, spec, who(ctx, request.scope))
+    return json(_describe(ctx, ns, request), 201 if created else 200)
 
 
 @router.get("/{name}")
 async def get_namespace(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
-    return json(_describe(ctx, name, scope_peer(request.scope)))
+    return json(_describe(ctx, ctx.store.namespace(ref(ctx, request.scope, name)), request))
 
 
 @router.delete("/{name}")
-async def delete_namespace(name: str, ctx: Context = Depends(context)) -> Response:
-    failed = await ctx.store.drop_tiers(ctx.store.delete_namespace(name))
+async def delete_namespace(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    ns = ctx.store.delete_namespace(ref(ctx, request.scope, name), who(ctx, request.scope))
+    failed = await ctx.store.drop_tiers(ns)
     return json({"deleted": name, "failed": failed})
 
 
 @router.post("/{name}/buffers", openapi_extra=body("buffer"))
 async def register_buffer(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    buf = ctx.store.register_buffer(name, body, scope_peer(request.scope))
+    buf = ctx.store.register_buffer(ref(ctx, request.scope, name), body, scope_peer(request.scope))
     return json({"buffer_id": buf.id}, 201)
 
 
 @router.get("/{name}/buffers")
 async def list_buffers(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
-    return json({"buffers": _describe(ctx, name, scope_peer(request.scope))["buffers"]})
+    ns = ctx.store.namespace(ref(ctx, request.scope, name))
+    return json({"buffers": _describe(ctx, ns, request)["buffers"]})
 
 
 @router.delete("/{name}/buffers/{buffer_id}")
 async def release_buffer(name: str, buffer_id: str, request: Request,
                          ctx: Context = Depends(context)) -> Response:
-    ctx.store.release_buffer(name, buffer_id, scope_peer(request.scope))
+    ctx.store.release_buffer(ref(ctx, request.scope, name), buffer_id, scope_peer(request.scope))
     return json({"released": buffer_id})

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api import fastpath
-from api.deps import context
+from api.deps import context, ref
 from api.openapi import PAGE_BODY, body
 from api.wire import flag, json, raw_json, read_json
 from sidecar.context import Context
@@ -20,7 +20,8 @@ OCTETS = "application/octet-stream"
 async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
-        return json({"present": await ctx.store.present(name, body.get("keys"))})
+        return json({"present": await ctx.store.present(ref(ctx, request.scope, name),
+                                                        body.get("keys"))})
     return raw_json(await fastpath.exists(ctx, request.scope, name, body))
 
 
@@ -39,19 +40,19 @@ async def get_pages(name: str, request: Request, ctx: Context = Depends(context)
 @router.post("/delete", openapi_extra=body("keys"))
 async def delete_pages(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    deleted, failed = await ctx.store.delete(name, body.get("keys"))
+    deleted, failed = await ctx.store.delete(ref(ctx, request.scope, name), body.get("keys"))
     return json({"deleted": deleted, "failed": failed})
 
 
 @router.put("/pages/{key}", openapi_extra=PAGE_BODY)
 async def put_page(name: str, key: str, request: Request, ctx: Context = Depends(context)) -> Response:
-    created = await ctx.store.put_page(name, key, request.stream())
+    created = await ctx.store.put_page(ref(ctx, request.scope, name), key, request.stream())
     return json({"stored": True, "created": created}, 201 if created else 200)
 
 
 @router.get("/pages/{key}")
-async def get_page(name: str, key: str, ctx: Context = Depends(context)) -> Response:
-    page = await ctx.store.read_page(name, key)
+async def get_page(name: str, key: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    page = await ctx.store.read_page(ref(ctx, request.scope, name), key)
     if page is None:
         raise KeyNotFound(f"page {key!r} is not in namespace {name!r}")
     return Response(memoryview(page), media_type=OCTETS)
@@ -60,4 +61,4 @@ async def get_page(name: str, key: str, ctx: Context = Depends(context)) -> Resp
 @router.post("/prefetch", openapi_extra=body("keys"))
 async def prefetch(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json(await ctx.store.prefetch(name, body.get("keys")))
+    return json(await ctx.store.prefetch(ref(ctx, request.scope, name), body.get("keys")))

@@ -184,9 +184,9 @@ def bench_batch_exists(sidecar: Proc, n: int, rounds: int) -> dict:
     pools = [("bench-b-kv", "kv"), ("bench-b-mamba", "mamba"), ("bench-b-swa", "swa"),
              ("bench-b-idx", "indexer")]
     for name, kind in pools:
-        c.put_namespace(name, 256, pool=kind)
+        c.put_namespace(name, 512, pool=kind)
         for k in keys[:600]:
-            c.put_page(name, k, b"\0" * 256)
+            c.put_page(name, k, b"\0" * 512)
     extra = [{"namespace": "bench-b-mamba", "policy": "trailing_pages", "window": 1},
              {"namespace": "bench-b-swa", "policy": "trailing_pages", "window": 8},
              {"namespace": "bench-b-idx", "policy": "all_pages"}]

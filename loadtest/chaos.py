@@ -41,7 +41,7 @@ from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable  #
 from api.engine.shm import SharedBuffer, page_first_chunks  # noqa: E402
 from loadtest.chaos_faults import Disk, SidecarProcess, stall_uploads  # noqa: E402
 from loadtest.chaos_ledger import VIOLATIONS, Ledger, Node  # noqa: E402
-from loadtest.chaos_traffic import ChaosEngine, World  # noqa: E402
+from loadtest.chaos_traffic import ChaosEngine, SecondTenant, World  # noqa: E402
 from sidecar.config import parse_size  # noqa: E402
 
 KINDS = ("sigkill", "sigterm", "disk_fill", "ns_delete", "stall")
@@ -61,8 +61,12 @@ class Soak:
         self.procs = {}
         for name, policy in (("wt", "write_through"), ("wb", "write_back")):
             node = Node(name, policy)
+            # write_through with a short write queue: sets wait for room while the other
+            # tenant's sets evict (issue 26, item 1: acknowledged pages lost there before)
+            more = ["--write-queue-pages", "8"] if policy == "write_through" else []
             self.procs[name] = SidecarProcess(node, os.path.join(self.disk.root, name),
-                                              os.path.join(self.workdir, f"{name}.log"), extra)
+                                              os.path.join(self.workdir, f"{name}.log"), extra + more)
+        self.tenant = None
         self.faults: list[dict] = []
         self.filling, self.fill_epoch, self.busy = False, 0, set()
         self.world: World | None = None
@@ -78,9 +82,12 @@ class Soak:
         self.world = World(self.ledger, self.args.page_bytes, namespaces)
         for ns in namespaces:
             self.client(ns).put_namespace(ns, self.args.page_bytes, **self.world.spec(ns))
+        self.tenant = SecondTenant(self, self.procs["wt"])
 
     def client(self, ns: str) -> SidecarClient:
-        return SidecarClient(self.world.namespaces[ns]["tcp"], timeout=60)
+        """A client on the engine socket: namespaces are made and dropped by their owner
+        (the engines' uid), as engines do (docs/security.md, "Tenants")."""
+        return SidecarClient(self.world.namespaces[ns]["url"], timeout=60)
 
     # -- checks -------------------------------------------------------------------------
     def check(self, sp: SidecarProcess, before: float) -> None:
@@ -216,6 +223,7 @@ class Soak:
             self.check(sp, self.world.now())
 
     def ns_delete(self, ns: str) -> None:
+        """DELETE a namespace of the soak's own engines under traffic, create it again."""
         w, c = self.world, self.client(ns)
         w.gen[ns] = w.gen.get(ns, 0) + 1
         start = w.now()
@@ -234,7 +242,7 @@ class Soak:
         w, pb, n = self.world, self.args.page_bytes, len(self.faults)
         ns = f"{sp.node.name}-{self.rng.choice('ab')}"
         keys = [f"stall-{n}-{i}" for i in range(4)]
-        socks = stall_uploads(sp.port, ns, keys, [self.ledger.bytes_of(ns, k) for k in keys])
+        socks = stall_uploads(sp.sock, ns, keys, [self.ledger.bytes_of(ns, k) for k in keys])
         hold = self.rng.uniform(2, 5)
         f = self.record("stall", ns, uploads=len(socks), hold_s=round(hold, 1))
         gevent.sleep(0.3)
@@ -289,7 +297,7 @@ class Soak:
         elif kind == "disk_fill":
             self.disk_fill()
         elif kind == "ns_delete":
-            self.ns_delete(self.rng.choice(sorted(self.world.namespaces)))
+            self.ns_delete(self.rng.choice(self.world.engine_namespaces()))
         else:
             self.stall(sp)
 
@@ -307,6 +315,7 @@ class Soak:
     # -- the end ------------------------------------------------------------------------
     def finish(self) -> None:
         """Check every node running, stop each cleanly, start and check it again, stop."""
+        self.tenant.stop()
         for sp in self.procs.values():
             self._flush(sp)
             self.check(sp, self.world.now())
@@ -330,6 +339,8 @@ class Soak:
             self.ledger.note("temps_left", temps[0], len(temps))
 
     def close(self) -> None:
+        if self.tenant is not None:
+            self.tenant.stop()
         for sp in self.procs.values():
             sp.close()
         self.disk.close()
@@ -357,6 +368,8 @@ def summary(soak: Soak, elapsed: float) -> dict:
             "tier": {sp.node.name: {"evictions": sp.node.tier_evictions, "write_failed": sp.node.failed,
                                     "write_dropped": sp.node.dropped, "incarnations": sp.incarnations}
                      for sp in soak.procs.values()},
+            "tenants": {"engines": "this process (uid %d)" % os.geteuid(),
+                        "second": soak.tenant.describe() if soak.tenant else None},
             "fault_log": soak.faults, "examples": led.examples, "errors_4xx": w.errors[:10], "workdir": soak.workdir}
 
 

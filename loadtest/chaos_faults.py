@@ -30,6 +30,7 @@ class SidecarProcess:
         self.node, self.data_dir, self.extra = node, data_dir, extra
         self.port = free_port()
         self.sock = os.path.join(tempfile.mkdtemp(prefix="kvc-"), "s.sock")
+        os.chmod(os.path.dirname(self.sock), 0o755)    # the second tenant (another uid) connects
         self.log = open(log_path, "ab")
         self.proc: Proc | None = None
         self.incarnations = 0
@@ -145,11 +146,14 @@ class Disk:
             self.mounted = False
 
 
-def stall_uploads(port: int, ns: str, keys: list[str], pages: list[bytes]) -> list[socket.socket]:
-    """Open one TCP connection per key and send a PUT's head and half its body, then stall."""
+def stall_uploads(path: str, ns: str, keys: list[str], pages: list[bytes]) -> list[socket.socket]:
+    """Open one connection per key on the engine socket at `path` (as the namespace's
+    owner) and send a PUT's head and half its body, then stall."""
     socks = []
     for key, page in zip(keys, pages):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(path)
         head = (f"PUT /v1/namespaces/{ns}/pages/{key} HTTP/1.1\r\nHost: chaos\r\n"
                 f"Content-Type: application/octet-stream\r\nContent-Length: {len(page)}\r\n\r\n")
         s.sendall(head.encode() + page[:len(page) // 2])

@@ -9,6 +9,10 @@ registers again (namespace, buffer) once it answers.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -40,7 +44,13 @@ class World:
         return time.monotonic() - self.t0
 
     def spec(self, ns: str) -> dict:
+        if self.namespaces[ns].get("tenant"):      # the second tenant's, shared with our group
+            return {"model": "chaos", "page_tokens": 16, "share_gid": os.getegid()}
         return {"model": "chaos", "page_tokens": 16}
+
+    def engine_namespaces(self) -> list[str]:
+        """The namespaces of this process's engines (Locust users): not the second tenant's."""
+        return sorted(ns for ns, info in self.namespaces.items() if not info.get("tenant"))
 
     def failed(self, exc: SidecarError, what: str, node: str = "-") -> None:
         if exc.status == 503 and exc.code == "not_ready":
@@ -65,7 +75,7 @@ class ChaosEngine(User):
     _next = 0
 
     def on_start(self) -> None:
-        names = sorted(self.world.namespaces)
+        names = self.world.engine_namespaces()
         ns = names[ChaosEngine._next % len(names)]
         ChaosEngine._next += 1
         self.ns, self.info = ns, self.world.namespaces[ns]
@@ -179,3 +189,51 @@ class ChaosEngine(User):
             else:
                 w.ledger.unknown(self.ns, mine)
         self._conversation()
+
+
+class SecondTenant:
+    """Another uid's engine on a sidecar (loadtest/chaos_tenant.py, a process of its own:
+    uid nobody as root, in this process's group, which its namespace is shared with so the
+    checks reach it). Its sets go to the ledger like the users' (read from its stdout)."""
+
+    def __init__(self, soak, sp):
+        w = soak.world
+        self.ns, self.sets, self.acked, self.info = f"{sp.node.name}-t2", 0, 0, {}
+        w.namespaces[self.ns] = {"url": sp.url, "tcp": sp.tcp, "node": sp.node, "proc": sp,
+                                 "tenant": True}
+        w.ledger.owner[self.ns] = sp.node
+        self.uid = 65534 if os.geteuid() == 0 else os.geteuid()
+        cmd = [sys.executable, "-m", "loadtest.chaos_tenant", "--url", sp.url, "--ns", self.ns,
+               "--seed", str(w.ledger.seed), "--page-bytes", str(w.page_bytes), "--t0", repr(w.t0),
+               "--uid", str(self.uid), "--share-gid", str(os.getegid())]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.world = w
+        self.reader = gevent.spawn(self._read)
+
+    def _read(self) -> None:
+        led = self.world.ledger
+        for line in self.proc.stdout:
+            ev = json.loads(line)
+            if ev["ev"] == "start":
+                led.set_started(self.ns, ev["keys"], ev["t"])
+            elif ev["ev"] == "done":
+                led.set_done(self.ns, ev["keys"], ev["stored"], ev["start"], ev["t"])
+                self.sets += 1
+                self.acked += sum(bool(x) for x in ev["stored"] or ())
+            else:
+                self.info = ev
+
+    def stop(self) -> None:
+        """Close its stdin (it stops after the set in flight) and read what it said last."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.reader.join(30)
+
+    def describe(self) -> dict:
+        return {"namespace": self.ns, "uid": self.info.get("uid", self.uid),
+                "groups": self.info.get("groups"), "sets": self.sets, "acked_pages": self.acked}

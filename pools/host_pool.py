@@ -2,21 +2,37 @@
 
     arena: | seg 0: ns A | seg 1: ns B | seg 2: free | seg 3: ns A | ... |
 
+Every pool has an `owner` (a tenant: the sidecar passes a uid; None is the operator).
 A namespace created with an explicit capacity gets all its segments at once and never
-more (its LRU is exact at that many pages). The others share the remaining segments
-and grow on demand: from the free list, else, while below their fair share (the
-shared segments divided by the number of shared namespaces), by reclaiming the coldest
-idle segment of the namespace furthest above its share; past that they evict their own
-least recent page. A namespace holding no segment may always take one from the largest
-holder, so the N+1th namespace stores even when N namespaces hold every segment.
+more (its LRU is exact at that many pages). The others share the remaining segments and
+grow on demand, fairly by owner first, then by pool within an owner:
+
+    owner share = shared segments / owners of shared pools
+    pool share  = its owner's share / that owner's shared pools
+
+A pool grows from the free list, else, while its owner and itself are below their
+shares, by reclaiming the coldest idle segment of a pool whose owner holds more than its
+share (the owner furthest above first), else of a pool of its own owner above its pool
+share; past that it evicts its own least recent page. A pool holding no segment may
+always take one, so the N+1th namespace stores even when N hold every segment. One
+tenant with many namespaces gets one owner's share, not one share a namespace.
+
+Tenants' explicit capacities hold at most half the segments in all, each tenant at most
+its part of that half (split among the tenants holding a pool at the time), so the shared
+segments never drop below half; they take free segments, their owner's own shared ones,
+and those of owners above their share only: never another tenant's share (PoolFull
+otherwise). The operator (owner None) is not capped.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Hashable, Optional
 
 from pools.arena import Arena
 from pools.page_pool import PagePool, PoolInvariantError
+
+
+RESERVED_SHARE = 0.5   # of the segments, at most, reserved by tenants (explicit capacities)
 
 
 class PoolFull(Exception):
@@ -38,8 +54,9 @@ class HostPool:
         self.explicit_segments = 0
 
     # -- namespaces -------------------------------------------------------------------
-    def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None) -> PagePool:
-        """A page pool for `name`: a fixed share of `capacity_bytes`, or a fair share."""
+    def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None,
+               owner: Hashable = None) -> PagePool:
+        """A page pool for `name` of `owner`: a fixed share of `capacity_bytes`, or a fair share."""
         if name in self.pools:
             raise ValueError(f"pool {name!r} exists")
         if page_bytes <= 0 or page_bytes > self.segment_size:
@@ -47,30 +64,76 @@ class HostPool:
                              f"{self.segment_size}; start with a larger --segment-size")
         if capacity_bytes is None:
             pool = PagePool(name, page_bytes, self.segment_size, grow=self._grow)
+            pool.owner = owner
         else:
-            pool = self._create_explicit(name, page_bytes, capacity_bytes)
+            pool = self._create_explicit(name, page_bytes, capacity_bytes, owner)
         pool.on_idle = self._release
         self.pools[name] = pool
         return pool
 
-    def _create_explicit(self, name: str, page_bytes: int, capacity_bytes: int) -> PagePool:
+    def _create_explicit(self, name: str, page_bytes: int, capacity_bytes: int,
+                         owner: Hashable) -> PagePool:
         pages = capacity_bytes // page_bytes
         if pages < 1:
             raise ValueError(f"capacity {capacity_bytes} holds no page of {page_bytes} bytes")
         pool = PagePool(name, page_bytes, self.segment_size, max_pages=pages)
+        pool.owner = owner
         need = math.ceil(pages / pool.slots_per_segment)
-        idle = sum(p.idle_segments() for p in self.shared_pools())
+        if owner is not None:
+            self._check_reserved_share(owner, need)
+        victims = self._victims_for(owner, need)
+        idle = sum(min(p.idle_segments(), room) for p, room in victims)
         if len(self.free_segments) + idle < need:  # fail before evicting anything
             raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes, "
                            f"{len(self.free_segments)} free and {idle} reclaimable")
-        while len(self.free_segments) < need:
-            if not self._reclaim_any():  # write-back kept pages it could not queue yet
-                raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes; shared "
-                               f"namespaces hold pages not yet written back: retry")
+        for victim, room in victims:
+            while len(self.free_segments) < need and room > 0:
+                seg = victim.reclaim_segment()
+                if seg is None:
+                    break
+                self.free_segments.append(seg)
+                room -= 1
+        if len(self.free_segments) < need:   # write-back kept pages it could not queue yet
+            raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes; shared "
+                           f"namespaces hold pages not yet written back: retry")
         for _ in range(need):
             pool.add_segment(self.free_segments.pop())
         self.explicit_segments += need
         return pool
+
+    def _check_reserved_share(self, owner: Hashable, need: int) -> None:
+        """Tenants reserve at most RESERVED_SHARE of the segments in all, and each at most
+        its part of that (split among the tenants that hold a pool now): the shared
+        segments, which every tenant's pools grow into, never drop below the rest."""
+        explicit = [p for p in self.pools.values() if p.owner is not None and p.max_pages is not None]
+        tenants = {p.owner for p in self.pools.values() if p.owner is not None} | {owner}
+        total = RESERVED_SHARE * self.n_segments
+        cap = total / len(tenants)
+        mine = sum(len(p.segments) for p in explicit if p.owner == owner)
+        if mine + need > cap or sum(len(p.segments) for p in explicit) + need > total:
+            raise PoolFull(f"{need} more reserved segments would put this tenant over its share "
+                           f"({cap:.1f} of {self.n_segments}: half the host pool split among "
+                           f"{len(tenants)} tenants) or the tenants over half the host pool")
+
+    def _victims_for(self, owner: Hashable, need: int) -> list[tuple[PagePool, int]]:
+        """(shared pool, segments it may give) an explicit share of `owner` may reclaim,
+        largest first: for the operator any; for a tenant its own, and the segments of
+        other owners above their share as it will be once `need` more are explicit."""
+        shared = sorted(self.shared_pools(), key=lambda p: len(p.segments), reverse=True)
+        if owner is None:
+            return [(p, len(p.segments)) for p in shared]
+        owners = {p.owner for p in shared}
+        share = (self.n_segments - self.explicit_segments - need) / max(len(owners), 1)
+        above = {o: self._held(o) - share for o in owners if o != owner}
+        out = []
+        for p in shared:
+            if p.owner == owner:
+                out.append((p, len(p.segments)))
+            elif above.get(p.owner, 0) >= 1:
+                room = min(len(p.segments), int(above[p.owner]))
+                above[p.owner] -= room
+                out.append((p, room))
+        return out
 
     def drop(self, name: str) -> None:
         """Remove a pool; its segments return once no copy holds one of its slots."""
@@ -85,43 +148,57 @@ class HostPool:
             self.draining.remove(pool)
             self.free_segments.extend(pool.segments)
             pool.segments.clear()
-            pool.free.clear()
+            pool.clear_free()
 
     # -- growth -----------------------------------------------------------------------
     def shared_pools(self) -> list[PagePool]:
         return [p for p in self.pools.values() if p.max_pages is None]
 
     def fair_share(self) -> float:
-        """Segments each shared pool may hold before it must evict its own pages."""
+        """Segments each shared pool may hold when every pool has one owner."""
         shared = len(self.shared_pools())
         return (self.n_segments - self.explicit_segments) / max(shared, 1)
 
+    def owner_share(self) -> float:
+        """Shared segments each owner of shared pools may hold before it evicts its own."""
+        owners = {p.owner for p in self.shared_pools()}
+        return (self.n_segments - self.explicit_segments) / max(len(owners), 1)
+
+    def pool_share(self, pool: PagePool) -> float:
+        """`pool`'s part of its owner's share."""
+        mine = sum(1 for p in self.shared_pools() if p.owner == pool.owner)
+        return self.owner_share() / max(mine, 1)
+
+    def _held(self, owner: Hashable) -> int:
+        return sum(len(p.segments) for p in self.shared_pools() if p.owner == owner)
+
     def _grow(self, pool: PagePool) -> bool:
-        """A segment for `pool`: a free one, else one reclaimed while `pool` is below its
-        fair share. A pool without any segment may always reclaim one, from the largest
-        holder: with more namespaces than segments the share rounds below one."""
+        """A segment for `pool`: a free one, else one reclaimed (`_reclaim_for`)."""
         if not self.free_segments:
-            share = self.fair_share() if pool.segments else 0.0
-            if len(pool.segments) + 1 <= max(share, 1.0):
-                self._reclaim_above_share(exclude=pool, share=share)
+            self._reclaim_for(pool)
         if not self.free_segments:
             return False
         pool.add_segment(self.free_segments.pop())
         return True
 
-    def _reclaim_above_share(self, exclude: PagePool, share: float) -> bool:
-        over = [p for p in self.shared_pools() if p is not exclude and len(p.segments) > share]
-        over.sort(key=lambda p: len(p.segments), reverse=True)
-        for victim in over:
-            seg = victim.reclaim_segment()
-            if seg is not None:
-                self.free_segments.append(seg)
-                return True
-        return False
-
-    def _reclaim_any(self) -> bool:
-        """For an explicit share: shared pools give back idle segments, largest first."""
-        for victim in sorted(self.shared_pools(), key=lambda p: len(p.segments), reverse=True):
+    def _reclaim_for(self, pool: PagePool) -> bool:
+        """One segment for `pool`, coldest idle one first: while its owner is below the
+        owner share, from pools of owners above it (the owner furthest above first, its
+        largest pool first); while `pool` is below its pool share, from its owner's pools
+        above theirs (largest first). A pool without any segment may always take one, from
+        the largest holder: with more namespaces than segments the share rounds below one."""
+        shared = [p for p in self.shared_pools() if p is not pool and p.segments]
+        held = {o: self._held(o) for o in {p.owner for p in shared} | {pool.owner}}
+        first = not pool.segments
+        owner_share, pool_share = (0.0, 0.0) if first else (self.owner_share(), self.pool_share(pool))
+        victims = []
+        if first or held[pool.owner] + 1 <= max(owner_share, 1.0):
+            others = [p for p in shared if p.owner != pool.owner and held[p.owner] > owner_share]
+            victims += sorted(others, key=lambda p: (held[p.owner], len(p.segments)), reverse=True)
+        if first or len(pool.segments) + 1 <= max(pool_share, 1.0):
+            mine = [p for p in shared if p.owner == pool.owner and len(p.segments) > pool_share]
+            victims += sorted(mine, key=lambda p: len(p.segments), reverse=True)
+        for victim in victims:
             seg = victim.reclaim_segment()
             if seg is not None:
                 self.free_segments.append(seg)

@@ -7,6 +7,12 @@ A slot is a byte offset into the arena. Its page lives at [offset, offset + page
     | slot 0 | slot 1 | slot 2 | ... | slot m | tail |   m = segment_size // page_bytes - 1
     +--------+--------+--------+-----+--------+------+   tail < page_bytes, unused
 
+Free slots cost nothing until used: a segment's slots are handed out in address order
+from its `fresh` run (next, end), and only a slot given back (abort, eviction, delete)
+joins the `free` list. So the pool's memory grows with the pages it holds, never with
+the slots its segments could hold (a pool of 512-byte pages in 64 MiB segments would
+otherwise list 131,072 ints a segment up front).
+
 An entry is RESERVED (being written, invisible to readers) or READY (published). Writers
 go `reserve -> commit | abort`; readers `pin -> unpin`. Only READY entries with no pins
 are evicted, and only those `on_evict` lets go (write-back keeps a page it cannot queue
@@ -24,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import takewhile
 from operator import itemgetter
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Optional
 
 from pools.lru import LruList
 
@@ -81,13 +87,15 @@ class PagePool:
         if page_bytes <= 0 or page_bytes > segment_size:
             raise ValueError(f"page_bytes {page_bytes} must be in 1..segment size {segment_size}")
         self.name = name
+        self.owner: Hashable = None      # the host pool shares segments fairly by owner
         self.page_bytes = page_bytes
         self.segment_size = segment_size
         self.max_pages = max_pages
         self.segments: list[int] = []
         self.entries: dict[str, Entry] = {}   # every key: RESERVED and READY
         self.ready: dict[str, Entry] = {}     # READY keys only: the lookup fast path
-        self.free: list[int] = []
+        self.free: list[int] = []        # slots given back, reused first
+        self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
         self.lru = LruList()
         self.closed = False
         self.on_evict: Optional[OnEvict] = None
@@ -126,10 +134,18 @@ class PagePool:
             room = min(room, self.max_pages - self._slots)
         assert room > 0, "segment added to a pool that needs none"
         self.segments.append(index)
-        # pop() takes from the end: push in reverse so slots fill in address order
-        self.free.extend(base + i * self.page_bytes for i in reversed(range(room)))
+        self.fresh.append([base, base + room * self.page_bytes])
         self._slots += room
         return room
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.free) + sum((end - nxt) // self.page_bytes for nxt, end in self.fresh)
+
+    def clear_free(self) -> None:
+        """Forget every free slot (the host pool took the segments back)."""
+        self.free.clear()
+        self.fresh.clear()
 
     def wants_segment(self) -> bool:
         return self.max_pages is None or self._slots < self.max_pages
@@ -268,8 +284,10 @@ class PagePool:
     def _give_back(self, seg: int) -> int:
         lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
         kept = [o for o in self.free if not lo <= o < hi]
-        self._slots -= len(self.free) - len(kept)
+        unused = [r for r in self.fresh if lo <= r[0] < hi]
+        self._slots -= len(self.free) - len(kept) + sum((e - n) // self.page_bytes for n, e in unused)
         self.free = kept
+        self.fresh = [r for r in self.fresh if not lo <= r[0] < hi]
         self.segments.remove(seg)
         return seg
 
@@ -282,14 +300,25 @@ class PagePool:
 
     # -- internals --------------------------------------------------------------------
     def _take_slot(self) -> Optional[int]:
+        slot = self._pop_free()
+        if slot is None and self.wants_segment() and self._grow is not None and self._grow(self):
+            slot = self._pop_free()
+        if slot is None and self.evict_one() is not None:
+            slot = self._pop_free()
+        return slot
+
+    def _pop_free(self) -> Optional[int]:
+        """A slot given back, else the next never-used one (newest segment first)."""
         if self.free:
             return self.free.pop()
-        if self.wants_segment() and self._grow is not None and self._grow(self):
-            return self.free.pop()
-        offset = self.evict_one()
-        if offset is None:
+        if not self.fresh:
             return None
-        return self.free.pop()
+        run = self.fresh[-1]
+        slot = run[0]
+        run[0] += self.page_bytes
+        if run[0] >= run[1]:
+            self.fresh.pop()
+        return slot
 
     def _evict(self, e: Entry) -> bool:
         if self.on_evict is not None and not self.on_evict(self, e):
@@ -331,6 +360,9 @@ class PagePool:
         ready = self.lru.check()
         reserved = pinned = 0
         offsets = list(self.free)
+        for nxt, end in self.fresh:
+            assert nxt < end and (end - nxt) % self.page_bytes == 0, f"fresh run {nxt}..{end} is bad"
+            offsets.extend(range(nxt, end, self.page_bytes))
         for key, e in self.entries.items():
             assert e.key == key and not e.doomed, f"index entry {key!r} is stale"
             assert e.pins >= 0, f"{key!r} has negative pins"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pools import Arena, HostPool
-from sidecar import datadir
+from sidecar import datadir, report
 from sidecar.buffers import Sources
 from sidecar.config import Config
 from sidecar.leases import LeaseRegistry, LendServer, fd_socket_path
@@ -81,6 +81,7 @@ class Context:
         own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
         sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda)
         store = Store(host_pool, executor, sources, min(config.copy_threads, os.cpu_count() or 1), tiering)
+        store.operator_tcp = config.token is not None   # else TCP is anyone on the node
         ctx = cls(config, arena, host_pool, store, executor)
         for tier in tiers:
             tier.attach(arena.address, arena.size)
@@ -108,7 +109,7 @@ class Context:
             self.tiering.writer.start()
         self._tasks.append(self.loop.create_task(self._recover_then_serve()))
         self._tasks.append(self.loop.create_task(self._reaper()))
-        sample = self.sampler.run(self.store.stats, lambda: self.requests.count)
+        sample = self.sampler.run(lambda: report.sample(self.store), lambda: self.requests.count)
         self._tasks.append(self.loop.create_task(sample))
         # what start-up built (modules, the app, the pools) lives as long as the process:
         # keep it out of every later collection (a full one paused the loop 100-270 ms)

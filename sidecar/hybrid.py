@@ -31,6 +31,7 @@ from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
+from sidecar.tenancy import OPERATOR, Caller
 from sidecar.transports.base import MAX_RUNS
 
 ALL_PAGES = "all_pages"
@@ -169,13 +170,25 @@ def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
 
 
 async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
-                       restorable: bool = False) -> dict[str, Any]:
+                       restorable: bool = False, who: Caller = OPERATOR) -> dict[str, Any]:
     """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all).
-    The keys are validated once, by the KV look-up; every pool reads that prefix only.
-    Without `restorable` or a remote tier, the KV pool and the all-pages pools are walked
-    once together, through their joint (`sidecar.joints`), made after the first such ask."""
+    Names are those `who` knows (sidecar/tenancy.py): a pool it reaches under no such
+    name holds nothing. The keys are validated once, by the KV look-up; every pool reads
+    that prefix only. Without `restorable` or a remote tier, the KV pool and the
+    all-pages pools are walked once together, through their joint (`sidecar.joints`),
+    made after the first such ask."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
+    kv = store.resolve(kv, who)
+    asked = [pool.namespace for pool in extra]
+    extra = [ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra]
+    out = await _batch_exists(store, keys, kv, extra, restorable)
+    out["pools"] = dict(zip(asked, out["pools"]))
+    return out
+
+
+async def _batch_exists(store: Store, keys: Any, kv: str, extra: list[ExtraPool],
+                        restorable: bool) -> dict[str, Any]:
     remote = store.tiering.remote
     whole = [] if restorable or remote else [p.namespace for p in extra if p.policy == ALL_PAGES]
     joint = store.joint(kv, whole) if whole else None
@@ -191,7 +204,7 @@ async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
         masks = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
         seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, masks)]
     elif not restorable and restores_top(store, extra, keys, top, held):
-        return {"hit": top, "kv": top, "pools": dict.fromkeys([pool.namespace for pool in extra], top)}
+        return {"hit": top, "kv": top, "pools": [top] * len(extra)}
     else:
         seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
     return hit_rule(extra, seen, top, restorable)
@@ -222,7 +235,7 @@ def hit_rule(extra: list[ExtraPool], seen: list[Presence], top: int,
         for i, (pool, s) in enumerate(zip(extra, seen)):
             if legal_at[i] != hit:
                 hit = legal_at[i] = cap(pool, s, hit)
-    out = {"hit": hit, "kv": top, "pools": {pool.namespace: b for pool, b in zip(extra, own)}}
+    out = {"hit": hit, "kv": top, "pools": own}   # each pool's own best, in `extra`'s order
     if restorable:
         out["restorable"] = common_endpoints(extra, seen, top)
     return out
@@ -245,8 +258,10 @@ class Item:
     slots: Any
 
 
-def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None) -> list[Item]:
-    """Validate every item (namespace, keys, buffer, slots) before any page moves."""
+def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,
+                who: Caller = OPERATOR) -> list[Item]:
+    """Validate every item (namespace, keys, buffer, slots) before any page moves; each
+    item's `namespace` becomes the ref its name means to `who`."""
     if not isinstance(raw, list) or not raw or len(raw) > 64:
         raise BadRequest("'items' must be a non-empty list of at most 64 items")
     items, seen, runs = [], set(), 0
@@ -257,7 +272,7 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None) -> list[Ite
         if not isinstance(name, str) or name in seen:
             raise BadRequest(f"items[{i}].namespace must be a namespace named once per request")
         seen.add(name)
-        item = Item(name, it.get("keys"), it.get("buffer_id"), it.get("slots"))
+        item = Item(store.resolve(name, who), it.get("keys"), it.get("buffer_id"), it.get("slots"))
         _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
         runs += len(item.keys) * len(buf.chunks)
         items.append(item)
@@ -266,20 +281,27 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None) -> list[Ite
     return items
 
 
-async def batch_set(store: Store, raw_items: Any, peer: Optional[Peer] = None) -> dict[str, list[bool]]:
+async def batch_set(store: Store, raw_items: Any, peer: Optional[Peer] = None,
+                    who: Caller = OPERATOR) -> dict[str, list[bool]]:
     """Each pool stores what it can: one pool out of room does not fail the others."""
-    items = parse_items(store, raw_items, peer)
+    items = parse_items(store, raw_items, peer, who)
     results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer)
                                      for i in items))
-    return {i.namespace: r for i, r in zip(items, results)}
+    return {name: r for name, r in zip(_names(raw_items), results)}
+
+
+def _names(raw_items: list) -> list[str]:
+    """The names the items were asked by (each resolved to a ref by `parse_items`)."""
+    return [it["namespace"] for it in raw_items]
 
 
 async def batch_get(store: Store, raw_items: Any, kv: Optional[str] = None,
-                    peer: Optional[Peer] = None) -> dict[str, list[bool]]:
+                    peer: Optional[Peer] = None, who: Caller = OPERATOR) -> dict[str, list[bool]]:
     """KV items first; the other items only when every KV page loaded, else all false."""
-    items = parse_items(store, raw_items, peer)
-    if kv is not None and kv not in {i.namespace for i in items}:
+    items = parse_items(store, raw_items, peer, who)
+    if kv is not None and kv not in _names(raw_items):
         raise BadRequest(f"'kv' names {kv!r}, which is not one of the items")
+    kv = None if kv is None else items[_names(raw_items).index(kv)].namespace
     anchors = [i for i in items if (i.namespace == kv if kv is not None
                                     else store.namespace(i.namespace).spec.pool == "kv")]
     loaded: dict[str, list[bool]] = {}
@@ -293,4 +315,4 @@ async def batch_get(store: Store, raw_items: Any, kv: Optional[str] = None,
     else:
         results = [[False] * len(i.keys) for i in rest]
     loaded.update({i.namespace: r for i, r in zip(rest, results)})
-    return {i.namespace: loaded[i.namespace] for i in items}
+    return {name: loaded[i.namespace] for name, i in zip(_names(raw_items), items)}

@@ -14,18 +14,24 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sidecar.datadir import check_private
+
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 PEER_KEY = "kv.peer"          # where the server puts the Peer in an ASGI scope
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+MAX_GROUPS = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class Peer:
     """The credentials of a connected process. `pid` is 0 when that process lives in a
-    PID namespace the sidecar cannot see (another container)."""
+    PID namespace the sidecar cannot see (another container). `groups`: its primary and
+    supplementary gids (SO_PEERGROUPS), what a namespace's `share_gid` is checked against."""
 
     pid: int
     uid: int
     gid: int
+    groups: frozenset = frozenset()
 
     def may_use(self, owner_uid: Optional[int]) -> bool:
         """Whether this peer may use memory registered by `owner_uid` (None: a TCP-registered
@@ -42,7 +48,17 @@ def peer_of(sock: Any) -> Optional[Peer]:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     except (OSError, AttributeError):
         return None
-    return Peer(*_UCRED.unpack(raw))
+    pid, uid, gid = _UCRED.unpack(raw)
+    return Peer(pid, uid, gid, frozenset((gid, *_groups(sock))))
+
+
+def _groups(sock: Any) -> tuple[int, ...]:
+    """The peer's supplementary gids (SO_PEERGROUPS, Linux 4.13+), as its connect saw them."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_GROUPS)
+    except OSError:   # ERANGE: more groups than room (the kernel allows 65,536): none counted
+        return ()
+    return struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])
 
 
 def scope_peer(scope: dict) -> Optional[Peer]:
@@ -52,9 +68,14 @@ def scope_peer(scope: dict) -> Optional[Peer]:
 
 def bind_unix(path: str, mode: int, group: Optional[str] = None,
               kind: int = socket.SOCK_STREAM) -> socket.socket:
-    """A listening Unix socket at `path` with `mode` (and `group`). A stale socket file is
-    replaced; a live one (another sidecar answers) or any other file is an error."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """A listening Unix socket at `path` with `mode` (and `group`), in a directory nobody
+    else controls (`datadir.check_private`). A stale socket file is replaced; a live one
+    (another sidecar answers) or any other file is an error."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, 0o755, exist_ok=True)
+    why = check_private(directory)
+    if why:
+        raise RuntimeError(f"the socket directory {directory} is unusable: {why}")
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise RuntimeError(f"{path} exists and is not a socket")

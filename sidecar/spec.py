@@ -19,10 +19,11 @@ POOL_KINDS = (
     "deepseek_v4_c2", "deepseek_v4_c2_indexer", "deepseek_v4_c2_indexer_scale",
     "deepseek_v4_c4_indexer_scale", "deepseek_v4_c4_rope", "deepseek_v4_c128_rope",
 )
+MIN_PAGE_BYTES = 512   # the index costs about the same per page whatever its size
 _NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}")
 _RANK_FIELDS = ("tp", "tp_size", "pp", "pp_size", "cp", "cp_size")
 _FIELDS = {"page_bytes", "pool", "model", "layout", "dtype", "page_tokens", "rank",
-           "replicated", "host_capacity_bytes", "share_scope"}
+           "replicated", "host_capacity_bytes", "share_scope", "share_gid"}
 
 
 def check_name(name: str) -> str:
@@ -55,19 +56,23 @@ class NamespaceSpec:
     replicated: bool = False
     host_capacity_bytes: Optional[int] = None
     share_scope: str = ""       # namespaces naming the same scope share tier pages
+    share_gid: Optional[int] = None   # peers in this group may use it too (sidecar/tenancy.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def identity(self, name: str) -> str:
+    def identity(self, name: str, owner: str) -> str:
         """A digest of what makes pages interchangeable: equal on every node and process.
 
         The namespace `name` is part of it (or, when set, the `share_scope` that several
-        names agree on), so tenants' namespaces never share tier pages by having equal
-        specs. Capacity is not; a replicated pool's TP rank is always 0 (see parse_spec).
+        names agree on), and so is its `owner` (`tenancy.owner_tag`: the uid, the share
+        group, or the operator), so tenants' namespaces never share tier pages by having
+        equal specs or names. Capacity is not; a replicated pool's TP rank is always 0
+        (see parse_spec).
         """
         data = self.to_json()
         data.pop("host_capacity_bytes")
+        data["owner"] = owner
         if not self.share_scope:
             data["name"] = name
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
@@ -121,9 +126,9 @@ def parse_spec(body: Any) -> NamespaceSpec:
     if replicated:  # identical on every TP rank: one namespace, whichever rank registers it
         rank = Rank(0, rank.tp_size, rank.pp, rank.pp_size, rank.cp, rank.cp_size)
     return NamespaceSpec(
-        page_bytes=_int(body, "page_bytes", None, 1), pool=pool,
+        page_bytes=_int(body, "page_bytes", None, MIN_PAGE_BYTES), pool=pool,
         model=_str(body, "model", ""), layout=_str(body, "layout", "page_first"),
         dtype=_str(body, "dtype", ""), page_tokens=_int(body, "page_tokens", 0, 0),
         rank=rank, replicated=replicated,
         host_capacity_bytes=_int(body, "host_capacity_bytes", None, 1),
-        share_scope=_str(body, "share_scope", ""))
+        share_scope=_str(body, "share_scope", ""), share_gid=_int(body, "share_gid", None, 0))

@@ -11,21 +11,23 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from pools import HostPool, PagePool, PoolFull
 from pools.joint import Joint
 from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
-from sidecar.errors import (BufferNotFound, Conflict, GeometryMismatch, NamespaceNotFound,
-                            NoRoom, TicketNotFound, TooMany)
+from sidecar.copier import Copier
+from sidecar.errors import (BufferNotFound, Conflict, Forbidden, GeometryMismatch,
+                            NamespaceNotFound, NoRoom, TicketNotFound, TooMany)
 from sidecar.joints import Joints
 from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.transports.base import (INLINE_MAX, CopyFailed, check_runs, check_slots,
-                                     copy_jobs, copy_pages)
+from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, caller, owner_of, owner_tag,
+                             ref_of)
+from sidecar.transports.base import check_runs, check_slots
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -51,6 +53,8 @@ class Namespace:
     spec: NamespaceSpec
     pool: PagePool
     identity: str
+    owner: Optional[int] = None          # the uid that made it; None: the operator (TCP)
+    ref: str = ""                        # its key in the store (`tenancy.ref_of`)
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
 
@@ -70,52 +74,79 @@ class Store:
                  copy_parallel: int = 2, tiering: Optional[Tiering] = None):
         self.host_pool = host_pool
         self.executor = executor
-        self.copy_parallel = copy_parallel
+        self.copier = Copier(executor, copy_parallel)
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
         self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
         sources.leases.on_end = self.release_lent
-        self.namespaces: dict[str, Namespace] = {}
+        self.dir = Directory.empty()
+        self.namespaces: dict[str, Namespace] = self.dir.by_ref   # by ref (sidecar/tenancy.py)
+        self.operator_tcp = False   # TCP callers are the operator (a token guards TCP)
         self.joints = Joints()
+        self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
         self._base = host_pool.arena.address
 
     # -- namespaces -------------------------------------------------------------------
-    def put_namespace(self, name: str, spec: NamespaceSpec) -> bool:
-        """Create; True when new, False when the same spec was there. 409 on a different one."""
+    # Routes turn the name a caller sends into a ref (`resolve`, or `ref` where an unknown
+    # name means "holds nothing"); every other method takes refs.
+    def caller(self, peer: Optional[Peer]) -> Caller:
+        return caller(peer, self.operator_tcp)
+
+    def resolve(self, name: str, who: Caller) -> str:
+        """The ref of the namespace `name` means to `who`; 404 when none (sidecar/tenancy.py)."""
+        ref = self.dir.ref(name, who) if isinstance(name, str) else MISSING
+        if ref is MISSING:
+            raise NamespaceNotFound(f"namespace {str(name)[:140]!r} does not exist; create it "
+                                    f"with PUT /v1/namespaces/{{name}}")
+        return ref
+
+    def put_namespace(self, name: str, spec: NamespaceSpec, who: Caller = OPERATOR) -> tuple[Namespace, bool]:
+        """(namespace, created): the caller's own namespace `name`, or the one another owner
+        shares with it under the same spec, or a new one. 409 on a different spec."""
         check_name(name)
-        ns = self.namespaces.get(name)
+        owner = owner_of(who)
+        ns = self.namespaces.get(ref_of(name, owner))
+        if ns is None and isinstance(who, Peer):
+            shared = self.dir.shared(name, who)
+            ns = shared if shared is not None and shared.spec == spec else None
         if ns is not None:
             if ns.spec != spec:
                 raise Conflict(f"namespace {name!r} exists with a different spec; delete it "
                                f"first or use another name", existing=ns.spec.to_json())
-            return False
+            return ns, False
+        self.dir.check_room(owner)
+        ref = ref_of(name, owner)
         try:
-            pool = self.host_pool.create(name, spec.page_bytes, spec.host_capacity_bytes)
+            pool = self.host_pool.create(ref, spec.page_bytes, spec.host_capacity_bytes, owner)
         except PoolFull as exc:
             raise NoRoom(f"host pool cannot hold namespace {name!r}: {exc}") from exc
         except ValueError as exc:
             raise GeometryMismatch(str(exc)) from exc
-        ns = Namespace(name, spec, pool, spec.identity(name))
+        ns = Namespace(name, spec, pool, spec.identity(name, owner_tag(owner, spec.share_gid)),
+                       owner, ref)
         if self.tiering.policy == "write_back":
             pool.on_evict = self.tiering.on_evict(ns.identity)
-        self.namespaces[name] = ns
-        return True
+        self.dir.add(ns)
+        return ns, True
 
-    def namespace(self, name: str) -> Namespace:
-        ns = self.namespaces.get(name)
+    def namespace(self, ref: str) -> Namespace:
+        ns = self.namespaces.get(ref)
         if ns is None:
-            raise NamespaceNotFound(f"namespace {name[:140]!r} does not exist; create it with "
+            raise NamespaceNotFound(f"namespace {ref[:140]!r} does not exist; create it with "
                                     f"PUT /v1/namespaces/{{name}}")
         return ns
 
-    def delete_namespace(self, name: str) -> Namespace:
-        """Drop a namespace from the host pool; the caller drops its tier pages (`drop_tiers`)."""
-        ns = self.namespace(name)
-        del self.namespaces[name]
-        self.joints.drop(name)
+    def delete_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
+        """Drop a namespace from the host pool (its owner or the operator only); the
+        caller drops its tier pages (`drop_tiers`)."""
+        ns = self.namespace(ref)
+        if isinstance(who, Peer) and ns.owner != who.uid:
+            raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner deletes it")
+        self.dir.remove(ns)
+        self.joints.drop(ref)
         for buf in ns.buffers.values():
             buf.release()
-        self.host_pool.drop(name)
+        self.host_pool.drop(ref)
         return ns
 
     async def drop_tiers(self, ns: Namespace) -> int:
@@ -293,13 +324,55 @@ class Store:
     async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
                   durable: bool = False, peer: Optional[Peer] = None) -> list[bool]:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
-        With `durable`, a key is True only once it is written to every write-through tier."""
+        Under write_through a page is True only once it is pinned on the writer's queue
+        (in the loop turn of its commit); with `durable`, only once every tier has it."""
         ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
+        stored, todo, repeats = await self._reserve_all(ns, keys)
+        try:
+            credits = await self.tiering.admit(ns.identity, ns.pool, len(todo))
+        except BaseException:   # cancelled while the writer had no room
+            for _, e in todo:
+                ns.pool.abort(e)
+            raise
+        futures: dict[str, Any] = {}
+
+        def settle(ok: bool) -> None:
+            """The copy ended: publish (and queue for the tiers) or give the slots back."""
+            committed = []
+            for i, e in todo:
+                if ok:
+                    stored[i] = ns.pool.commit(e)
+                    if stored[i]:
+                        committed.append(e)
+                else:
+                    ns.pool.abort(e)
+            queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits) \
+                if credits else []
+            futures.update(zip((e.key for e in committed), queued))
+        await self.copier.copy(buf, [(self._base + e.offset, slots[i]) for i, e in todo],
+                               into_engine=False, settle=settle)
+        for i, first in repeats:
+            stored[i] = stored[first]
+        ns.counters.stored += len(todo)
+        ns.counters.bytes_in += len(todo) * ns.spec.page_bytes
+        self.totals.bytes_in += len(todo) * ns.spec.page_bytes
+        if durable and self.tiering.writes():
+            await self._await_durable(ns, keys, stored, futures)
+        return stored
+
+    async def _reserve_all(self, ns: Namespace, keys: list[str]) -> tuple[list[bool], list, list]:
+        """Reserve a slot for each key of a set: (stored, todo: (i, entry) to copy,
+        repeats: (i, first i) of a key named twice). Present keys are stored already."""
         stored, todo, mine, repeats = [False] * len(keys), [], {}, []
         for i, key in enumerate(keys):
             r = ns.pool.reserve(key)
             if r is None and self.tiering.backlogged():
-                r = await self._reserve_after_writes(ns, key)
+                try:
+                    r = await self._reserve_after_writes(ns, key)
+                except BaseException:   # cancelled: give back what this set reserved
+                    for _, e in todo:
+                        ns.pool.abort(e)
+                    raise
             if r is PRESENT:
                 stored[i] = True
             elif r is BUSY:  # true only if this request's own copy of the key commits
@@ -310,25 +383,7 @@ class Store:
             else:
                 mine[key] = i
                 todo.append((i, r))
-        ok = False
-        try:
-            ok = await self._copy(buf, [(self._base + e.offset, slots[i]) for i, e in todo],
-                                  into_engine=False)
-        finally:
-            for i, e in todo:
-                if ok:
-                    stored[i] = ns.pool.commit(e)
-                else:
-                    ns.pool.abort(e)
-        for i, first in repeats:
-            stored[i] = stored[first]
-        ns.counters.stored += len(todo)
-        ns.counters.bytes_in += len(todo) * ns.spec.page_bytes
-        committed = [e for i, e in todo if stored[i]]
-        futures = await self.tiering.write_through(ns.identity, ns.pool, committed)
-        if durable and self.tiering.policy == "write_through":
-            await self._await_durable(ns, keys, stored, dict(zip((e.key for e in committed), futures)))
-        return stored
+        return stored, todo, repeats
 
     async def _reserve_after_writes(self, ns: Namespace, key: str):
         """write_back with a full write queue: the pool keeps its unwritten pages, so wait
@@ -367,13 +422,17 @@ class Store:
         ns.counters.hits += hits
         ns.counters.misses += len(keys) - hits
         ns.counters.bytes_out += hits * ns.spec.page_bytes
+        self.totals.hits += hits
+        self.totals.misses += len(keys) - hits
+        self.totals.bytes_out += hits * ns.spec.page_bytes
         return loaded
 
     async def _get_chunk(self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]) -> list[bool]:
-        if self._inline(buf, len(keys)):
+        if self.copier.inline(buf, len(keys)):
             found = ns.pool.peek(keys)
             if not self.tiering.enabled or None not in found:  # nothing to promote
-                return self._get_inline(buf, found, slots)
+                return self.copier.get_inline(buf, [None if e is None else self._base + e.offset
+                                                    for e in found], slots)
         # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
         missing = [k for k, e in zip(keys, pinned) if e is None]
@@ -381,70 +440,15 @@ class Store:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
             if not ns.pool.closed:
                 pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
-        ok = False
-        try:
-            ok = await self._copy(buf, [(self._base + e.offset, slots[i])
-                                        for i, e in enumerate(pinned) if e is not None],
-                                  into_engine=True)
-        finally:
+
+        def settle(ok: bool) -> None:
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
+        ok = await self.copier.copy(buf, [(self._base + e.offset, slots[i])
+                                          for i, e in enumerate(pinned) if e is not None],
+                                    into_engine=True, settle=settle)
         return [ok and e is not None for e in pinned]
-
-    def _get_inline(self, buf: Buffer, found: list[Optional[Entry]], slots: list[int]) -> list[bool]:
-        """A small get copied on the loop straight after its look-up: no other request runs
-        in between, so no page can be evicted under the copy and none needs a pin."""
-        ok = self._copy_inline(buf, [(self._base + e.offset, s) for e, s in zip(found, slots)
-                                     if e is not None], into_engine=True)
-        if ok and None not in found:
-            return [True] * len(found)
-        return [ok and e is not None for e in found]
-
-    async def _copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
-        """Move (host address, slot) pages in the executor, large moves on several threads
-        that plan as they copy (`copy_jobs`): the loop only lists the pages. A cancelled
-        request still waits for every job to end before its slots are released. False when
-        the engine's memory failed the copy (it shrank): those pages answer false."""
-        if not pages:
-            return True
-        if buf.released:  # released while the request waited (promotion, back-pressure)
-            return False
-        if self._inline(buf, len(pages)):
-            return self._copy_inline(buf, pages, into_engine)
-        buf.acquire()
-        try:
-            loop = asyncio.get_running_loop()
-            futs = [loop.run_in_executor(self.executor, job) for job in
-                    copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.copy_parallel)]
-            try:
-                await asyncio.shield(asyncio.gather(*futs))
-            except asyncio.CancelledError:
-                await asyncio.wait(futs)
-                raise
-            except CopyFailed as exc:
-                await asyncio.wait(futs)
-                log.warning("copy with buffer %s failed: %s", buf.id, exc)
-                return False
-            return True
-        finally:
-            buf.release_ref()
-
-    @staticmethod
-    def _inline(buf: Buffer, pages: int) -> bool:
-        """Whether a move of `pages` pages with `buf` runs on the loop (`_copy_inline`)."""
-        return getattr(buf.mapping, "inline", False) and \
-            pages * sum(c.size for c in buf.chunks) <= INLINE_MAX
-
-    def _copy_inline(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
-        """A small shm move on the loop: a memmove or pread/pwrite of at most INLINE_MAX
-        bytes costs less than two thread hand-offs (get of 64 x 4 KiB: 0.5x -> see bench)."""
-        try:
-            copy_pages(buf.mapping, buf.chunks, pages, into_engine)
-        except CopyFailed as exc:
-            log.warning("copy with buffer %s failed: %s", buf.id, exc)
-            return False
-        return True
 
     # -- inline pages -----------------------------------------------------------------
     async def put_page(self, name: str, key: str, body: AsyncIterator[bytes]) -> bool:
@@ -464,22 +468,24 @@ class Store:
         if r is None:
             ns.counters.no_room += 1
             raise NoRoom(f"no room for a page in namespace {name!r}: every slot is in use")
-        ok = False
+        ok, credits = False, 0
         try:
             got = await self._fill(r, body, size)
             if got != size:
                 raise GeometryMismatch(f"page body has {got} bytes; namespace {name!r} pages "
                                        f"are exactly {size} bytes")
+            credits = await self.tiering.admit(ns.identity, ns.pool, 1)
             ok = True
         finally:
             if ok:
                 ok = ns.pool.commit(r)
             else:
                 ns.pool.abort(r)
+        if credits:   # queued in the loop turn of the commit (see `set`)
+            self.tiering.queue_committed(ns.identity, ns.pool, [r] if ok else [], credits)
         ns.counters.stored += 1
         ns.counters.bytes_in += size
-        if ok:
-            await self.tiering.write_through(ns.identity, ns.pool, [r])
+        self.totals.bytes_in += size
         return True
 
     async def _fill(self, e: Entry, body: AsyncIterator[bytes], size: int) -> int:
@@ -502,6 +508,7 @@ class Store:
         e = ns.pool.pin(key)
         if e is None:
             ns.counters.misses += 1
+            self.totals.misses += 1
             return None
         try:
             out = bytearray(ns.spec.page_bytes)
@@ -510,6 +517,8 @@ class Store:
             ns.pool.unpin(e)
         ns.counters.hits += 1
         ns.counters.bytes_out += len(out)
+        self.totals.hits += 1
+        self.totals.bytes_out += len(out)
         return out
 
     async def flush(self, timeout: float) -> int:
@@ -524,32 +533,6 @@ class Store:
         for ns in list(self.namespaces.values()):
             unqueued += await self.tiering.write_dirty(ns.identity, ns.pool, deadline)
         return unqueued + await writer.flush(max(0.0, deadline - loop.time()))
-
-    # -- observation ------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        hp = self.host_pool
-        spaces = {}
-        for name, ns in self.namespaces.items():
-            c, pool = ns.counters, ns.pool
-            spaces[name] = {
-                "pool": ns.spec.pool, "page_bytes": ns.spec.page_bytes,
-                "pages": {"host": pool.ready_pages, **self.tiering.counts(ns.identity)},
-                "capacity_pages": pool.capacity_pages, "tier_hits": c.tier_hits,
-                "capacity_bytes": pool.capacity_pages * ns.spec.page_bytes,
-                "hits": c.hits, "misses": c.misses, "evictions": pool.evictions,
-                "stored": c.stored, "no_room": c.no_room, "buffers": len(ns.buffers),
-                "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
-        tiering = self.tiering
-        writer = tiering.writer
-        return {"host_pool": {"bytes": hp.arena.size, "segment_size": hp.segment_size,
-                              "segments": hp.n_segments, "free_segments": len(hp.free_segments)},
-                "tiers": {t.name: t.describe() for t in tiering.tiers},
-                "write_policy": tiering.policy,
-                "write_queue": {"pending": writer.pending if writer else 0,
-                                "failed": writer.failed if writer else 0,
-                                "dropped": writer.dropped if writer else 0,
-                                "cancelled": writer.cancelled if writer else 0},
-                "namespaces": spaces}
 
     # -- prefetch ---------------------------------------------------------------------
     async def prefetch(self, name: str, keys: list[str]) -> dict[str, Any]:

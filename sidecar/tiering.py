@@ -117,26 +117,70 @@ class Tiering:
     def durable(self, identity: str, key: str) -> bool:
         return all(t.contains(identity, key) for t in self.tiers)
 
-    # -- writes -----------------------------------------------------------------------
-    async def write_through(self, identity: str, pool: PagePool, entries: list[Entry]) -> list:
-        """Queue committed pages (pinned until written); futures say which became durable.
+    # -- writes ---------------------------------------------------------------------
+    # write_through: a set takes credits for the pages it will copy (`admit`), waiting
+    # while the writer or its pool is crowded; once its copy ends, `queue_committed` pins
+    # and queues each committed page in the same loop turn as its commit, so no page
+    # answered true can be evicted before it is on the writer's queue.
+    #
+    #   set: reserve --> admit(n) --(wait for room)--> copy --> commit + queue_committed
+    #                                                          \--> release(unused credits)
+    def writes(self) -> bool:
+        return self.policy == "write_through"
 
-        Back-pressure per namespace: at most half of a pool's pages are pinned for writing,
-        so a slow disk slows `set` down instead of filling the pool with unevictable pages."""
-        if self.policy != "write_through":
-            return []
-        if identity in self.dropping:  # a namespace created again while its pages go
+    async def admit(self, identity: str, pool: PagePool, n: int) -> int:
+        """Take `n` write credits for `pool` (write_through), waiting while the writer or
+        the pool is crowded: at most half of a pool's pages are pinned or promised for
+        writing, and at most the writer's `max_pages` in all (a request larger than either
+        goes alone). A namespace created again while its old pages go waits for that
+        first. Returns the credits taken (0 without write_through)."""
+        if not self.writes() or n <= 0:
+            return 0
+        if identity in self.dropping:
             await asyncio.shield(self.dropping[identity])
-        futures = []
-        for e in entries:
-            await self._room(pool)
-            fut = self._queue_pinned(identity, pool, e.key)
-            if fut is not None:   # (None: deleted meanwhile)
-                futures.append(fut)
+        while self._crowded(pool, n):
+            await self.writer.wait_change()
+        self.writing[pool.name] = self.writing.get(pool.name, 0) + n
+        self.writer.promised += n
+        return n
+
+    def queue_committed(self, identity: str, pool: PagePool, entries: list[Entry],
+                        credits: int) -> list:
+        """Pin and queue committed pages now (no await: none can be evicted first), each on
+        one of `credits` taken by `admit`; the rest of the credits go back. Futures say
+        which pages became durable."""
+        assert len(entries) <= credits, "more pages than write credits"
+        self.writing[pool.name] -= credits      # each queued page counts again, pinned
+        self.writer.promised -= credits
+        futures = [self._queue_pinned(identity, pool, e.key) for e in entries]
+        if len(entries) < credits:
+            self.writer.wake()
         return futures
 
-    def _crowded(self, pool: PagePool) -> bool:
-        return self.writer.full or self.writing.get(pool.name, 0) >= max(1, pool.capacity_pages // 2)
+    def release(self, pool: PagePool, credits: int) -> None:
+        """Give back credits that no page will use (aborted copies, a failed request)."""
+        if credits:
+            self.writing[pool.name] -= credits
+            self.writer.promised -= credits
+            assert self.writing[pool.name] >= 0 and self.writer.promised >= 0, "credits below zero"
+            self.writer.wake()
+
+    async def write_through(self, identity: str, pool: PagePool, entries: list[Entry]) -> list:
+        """Queue committed pages that took no credits before (benchmarks, tools): waits for
+        room first, so between a commit and this call an await may evict a page. The store
+        uses `admit` + `queue_committed` instead."""
+        if not self.writes():
+            return []
+        credits = await self.admit(identity, pool, len(entries))
+        entries = [e for e in entries if pool.contains(e.key)]
+        return [f for f in self.queue_committed(identity, pool, entries, credits) if f is not None]
+
+    def _crowded(self, pool: PagePool, n: int = 1) -> bool:
+        w = self.writer
+        busy = self.writing.get(pool.name, 0)
+        pool_full = busy and busy + n > max(1, pool.capacity_pages // 2)
+        queue_full = (w.pending + w.promised) and w.pending + w.promised + n > w.max_pages
+        return bool(pool_full or queue_full)
 
     async def _room(self, pool: PagePool) -> None:
         """Wait until the writer takes a page and `pool` may pin one more for writing."""
@@ -144,6 +188,7 @@ class Tiering:
             await self.writer.wait_change()
 
     def _queue_pinned(self, identity: str, pool: PagePool, key: str, touch: bool = True):
+        """Pin `key` and queue it, counted in `writing` until written; None when absent."""
         pinned = pool.pin(key, touch)
         if pinned is None:
             return None

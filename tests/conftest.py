@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # there (naming the path, which collect_ignore does not block). The project's suite skips them.
 collect_ignore = ["engines"]
 
+# Every default the sidecar reads from the environment, pointed by `hermetic` at a fresh
+# temp dir per test (short: a socket path holds at most 100 bytes). The first four are
+# what `Config()` resolves its data dir and socket from; HOME catches `~` anywhere else.
+HERMETIC_DIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config",
+                 "XDG_RUNTIME_DIR": "run", "RUNTIME_DIRECTORY": "run/kv-sidecar"}
+
+
+@pytest.fixture(autouse=True)
+def hermetic(monkeypatch):
+    """No test reads or writes the user's `~/.cache/kv-sidecar`, `/run/kv-sidecar` or a
+    default socket, or takes a token, URL or setting from the environment it ran in: two
+    runs at once, or a run beside `make serve`, never meet. Child processes inherit this."""
+    top = tempfile.mkdtemp(prefix="kvh-")
+    for var, sub in HERMETIC_DIRS.items():
+        path = os.path.join(top, sub)
+        os.makedirs(path, 0o700, exist_ok=True)
+        monkeypatch.setenv(var, path)
+    for var in [v for v in os.environ if v.startswith("SIDECAR_")]:
+        monkeypatch.delenv(var)
+    yield top
+    shutil.rmtree(top, ignore_errors=True)
+
 
 def _has_cuda() -> bool:
     """Whether a CUDA device is usable. Only "no CUDA here" answers False: our own cuda_ipc
@@ -45,6 +68,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def engine_connection(server, timeout: float = 10) -> socket.socket:
+    """A raw connection to a server's engine socket (requests the client would never send,
+    asked as this process's uid: the owner of the namespaces its client made)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(server.config.socket)
+    return s
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -96,6 +128,12 @@ class LiveServer:
 
     def invariants(self) -> None:
         self.on_loop(self.ctx.host_pool.invariants)
+
+    def ns(self, name: str):
+        """The namespace called `name`, whoever owns it (as the operator sees it)."""
+        from sidecar.tenancy import OPERATOR
+        store = self.ctx.store
+        return store.namespace(store.resolve(name, OPERATOR))
 
     def client(self, **kw) -> SidecarClient:
         """A client on the engine socket (what engines use; it can register memory)."""

@@ -46,8 +46,11 @@ def namespace_spec(cfg, pool: str, page_bytes: int, layout: str, dtype: str = ""
     rank = {"tp": 0 if replicated else cfg.tp_rank, "tp_size": cfg.tp_size,
             "pp": cfg.pp_rank, "pp_size": cfg.pp_size,
             "cp": cfg.attn_cp_rank, "cp_size": cfg.attn_cp_size}
-    return {"page_bytes": page_bytes, "pool": pool, "model": model, "layout": layout,
+    spec = {"page_bytes": page_bytes, "pool": pool, "model": model, "layout": layout,
             "dtype": dtype, "page_tokens": page_tokens, "rank": rank, "replicated": replicated}
+    if extra.get("sidecar_share_gid") is not None:   # engines of other uids in this group share
+        spec["share_gid"] = int(extra["sidecar_share_gid"])
+    return spec
 
 
 def namespace_name(cfg, pool: str, spec: dict) -> str:

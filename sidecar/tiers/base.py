@@ -53,6 +53,10 @@ class Tier:
     def count(self, identity: str) -> int:
         raise NotImplementedError
 
+    def pages(self) -> int:
+        """Pages held, every identity together (the sampler reads it once a second)."""
+        return self.describe()["pages"]
+
     # -- moves ------------------------------------------------------------------------
     def attach(self, address: int, size: int) -> None:
         """The host arena: a tier that moves pages by address registers it here, once."""

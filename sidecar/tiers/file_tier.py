@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -200,11 +201,14 @@ class FileTier(Tier):
             self._dirs.add(directory)
 
     def _make_dir(self, directory: str) -> None:
-        """Create `directory` (and a missing root) with this tier's mode and group."""
+        """Create `directory` (and a missing root) with this tier's mode and group. One
+        already there must be a real directory: pages are never written through a link."""
         for d in (self.root, directory):
             try:
                 os.mkdir(d, self.dir_mode)
             except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    raise OSError(errno.ENOTDIR, f"{d} is a link or not a directory") from None
                 continue
             if self.group is not None:
                 os.chown(d, -1, self.group)
@@ -395,6 +399,9 @@ class FileTier(Tier):
                 elif pagefile.abandoned(name, st.st_mtime, now):
                     pagefile._unlink(entry.path)  # a write that will never publish
         return out
+
+    def pages(self) -> int:
+        return len(self.lru)
 
     def describe(self) -> dict:
         return {"root": self.root, "pages": len(self.lru), "bytes": self.used,

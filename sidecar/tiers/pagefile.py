@@ -215,7 +215,7 @@ def read_into(path: str, key: str, dst: memoryview) -> bool:
         got = _try_direct(path, key, dst)
         if got is not None:
             return got
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
         offset, digest = parse_header(os.pread(fd, HEADER_SIZE, 0), key, len(dst))
@@ -231,7 +231,7 @@ def read_into(path: str, key: str, dst: memoryview) -> bool:
 def _try_direct(path: str, key: str, dst: memoryview):
     """True/False for a page read with O_DIRECT, None when the file is not in that layout."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return None

@@ -48,6 +48,7 @@ class TierWriter:
         self.failed = 0
         self.dropped = 0
         self.cancelled = 0
+        self.promised = 0      # write_through credits: pages being copied that will be queued
         self._threads = [threading.Thread(target=self._work, name=f"kv-tier-{i}", daemon=True)
                          for i in range(threads)]
         self._q: queue.Queue = queue.Queue()
@@ -69,7 +70,7 @@ class TierWriter:
 
     @property
     def full(self) -> bool:
-        return len(self._outstanding) >= self.max_pages
+        return len(self._outstanding) + self.promised >= self.max_pages
 
     def queued(self, identity: str, key: str) -> bool:
         """A write of this page is queued or running."""
@@ -174,6 +175,10 @@ class TierWriter:
             self.cancelled += job.cancelled
             if not job.future.done():
                 job.future.set_result(ok)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake every `changed()` waiter (a batch finished, or credits came back)."""
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():   # (a waiter that timed out is cancelled)

@@ -18,6 +18,7 @@ from api.engine.shm import SharedBuffer
 from api.wire import MAX_JSON_VALUES
 from sidecar.keys import MAX_BATCH
 from sidecar.transports.base import MAX_RUNS
+from tests.conftest import UnixHTTPConnection
 
 CHUNKS = MAX_RUNS // MAX_BATCH      # 16 runs a page: the largest request is 4,096 x 16
 CHUNK = 1024
@@ -87,8 +88,9 @@ def max_json_body() -> bytes:
     return body
 
 
-def raw_post(port: int, path: str, body: bytes) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+def raw_post(socket_path: str, path: str, body: bytes) -> int:
+    """POST on the engine socket, where the namespace's owner asks (uid of this process)."""
+    conn = UnixHTTPConnection(socket_path, timeout=60)
     conn.request("POST", path, body, {"Content-Type": "application/json"})
     status = conn.getresponse().status
     conn.close()
@@ -117,8 +119,8 @@ def test_healthz_stays_fast_while_the_largest_requests_run(spawn):
         first = page_in(buf, 0)        # what key r-0 is set from
         results.append(all(client.set("kv", keys, bid, slots)))
         results.append(all(client.get("kv", keys, bid, slots[::-1])))
-        results.append(raw_post(proc.port, "/v1/namespaces/kv/exists", json_body) == 200)
-        results.append(raw_post(proc.port, "/v1/namespaces/kv/exists", lists) == 413)
+        results.append(raw_post(proc.socket, "/v1/namespaces/kv/exists", json_body) == 200)
+        results.append(raw_post(proc.socket, "/v1/namespaces/kv/exists", lists) == 413)
     latencies, rss = prober.stop()
     lat = sorted(latencies)
     over = [x for x in lat if x > PROBE_LIMIT]

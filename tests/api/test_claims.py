@@ -13,7 +13,7 @@ import pytest
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import page_first_chunks
 from sidecar.tiers.file_tier import FileTier
-from tests.conftest import Gate, wait_for
+from tests.conftest import Gate, engine_connection, wait_for
 
 PAGE = 4096
 # the write-back counter of pages evicted while the write queue was full (/v1/stats);
@@ -53,7 +53,7 @@ def test_readyz_is_503_until_tiers_are_recovered(make_server, monkeypatch, tmp_p
 
 def test_client_disconnected_mid_body_aborts_the_reservation(server, client):
     client.put_namespace("kv", PAGE)
-    sock = socket.create_connection(("127.0.0.1", server.config.port), timeout=10)
+    sock = engine_connection(server)
     sock.sendall((f"PUT /v1/namespaces/kv/pages/cut HTTP/1.1\r\nHost: x\r\nContent-Length: {PAGE}\r\n"
                   "Content-Type: application/octet-stream\r\n\r\n").encode() + data("cut")[:100])
     assert client.health()["status"] == "ok"   # the head was read (the loop answered after it)
@@ -90,7 +90,8 @@ def test_prefetch_tickets_expire_oldest_first(server, client):
     store = server.ctx.store
 
     async def many():
-        return [(await store.prefetch("kv", []))["ticket"] for _ in range(4097)]
+        ref = server.ns("kv").ref
+        return [(await store.prefetch(ref, []))["ticket"] for _ in range(4097)]
     tickets = asyncio.run_coroutine_threadsafe(many(), server.ctx.loop).result(30)
     with pytest.raises(SidecarError) as exc:
         client.request("GET", f"/v1/prefetch/{tickets[0]}")
@@ -119,7 +120,7 @@ def test_write_back_keeps_pages_a_full_queue_cannot_take(make_server, tmp_path):
         writer.start()
         # d needs a slot: b and c are in no tier and the queue is full, so d waits
         wait_for(lambda: srv.on_loop(lambda: srv.ctx.store.tiering.writer.full))
-        assert srv.on_loop(lambda: sorted(srv.ctx.store.namespace("small").pool.ready)) == ["b", "c"]
+        assert srv.on_loop(lambda: sorted(srv.ns("small").pool.ready)) == ["b", "c"]
         assert not done
         stats = c.stats()
         assert stats[DROPPED[0]][DROPPED[1]] == 0, stats["write_queue"]

@@ -47,7 +47,7 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
     c.put_namespace("kv", PAGE, host_capacity_bytes=8 * PAGE)
     gate = Gate(file_tier(srv), "write_batch")
     writer = srv.ctx.store.tiering.writer
-    ident = srv.ctx.store.namespaces["kv"].identity
+    ident = srv.ns("kv").identity
     buf = SharedBuffer(8 * PAGE)
     bid = buf.register(c, "kv", 8, page_first_chunks(PAGE))
     acked, answers = [], []
@@ -65,7 +65,7 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
     wait_for(lambda: gate.entered.is_set() and writer.full)
 
     def kept():  # on the loop: every acknowledged key is in the host pool or queued
-        pool = srv.ctx.store.namespaces["kv"].pool
+        pool = srv.ns("kv").pool
         pool.invariants()
         return [k for k in list(acked) if not (pool.contains(k) or writer.queued(ident, k))]
     assert srv.on_loop(kept) == []
@@ -144,7 +144,7 @@ def test_a_delete_during_a_held_write_sticks_across_flush_and_restart(make_serve
     deleter = threading.Thread(target=lambda: answers.append(
         c.request("POST", "/v1/namespaces/kv/delete", {"keys": ["a", "b", "c"]})[1]))
     deleter.start()
-    pool = srv.ctx.store.namespaces["kv"].pool
+    pool = srv.ns("kv").pool
     wait_for(lambda: not pool.contains("a"))      # the delete is past its cancel, awaiting "a"
     assert not answers                             # it waits for the write in flight
     gate.open()
@@ -173,7 +173,7 @@ def test_a_deleted_namespace_leaves_nothing_for_one_created_again(make_server, t
     deleter = threading.Thread(target=lambda: answers.append(
         c.request("DELETE", "/v1/namespaces/kv")[1]))
     deleter.start()
-    wait_for(lambda: "kv" not in srv.ctx.store.namespaces)
+    wait_for(lambda: "kv" not in srv.ctx.store.dir.by_name)
     gate.open()
     deleter.join(30)
     assert answers == [{"deleted": "kv", "failed": 0}]
@@ -219,10 +219,11 @@ def test_a_namespace_created_again_while_its_pages_go_keeps_its_new_pages(make_s
         threads.append(threading.Thread(target=lambda: answers.append(fn())))
         threads[-1].start()
     run(lambda: c.request("DELETE", "/v1/namespaces/kv")[1])
-    wait_for(lambda: "kv" not in srv.ctx.store.namespaces)
+    wait_for(lambda: "kv" not in srv.ctx.store.dir.by_name)
     c.put_namespace("kv", PAGE)                     # the same spec, so the same identity
     run(lambda: c.put_page("kv", "new", data("new")))
-    wait_for(lambda: srv.ctx.store.namespaces["kv"].pool.contains("new"))
+    # the new page is reserved and waits for the old pages to go before it is published
+    wait_for(lambda: "new" in srv.ns("kv").pool.entries)
     gate.open()
     for t in threads:
         t.join(30)

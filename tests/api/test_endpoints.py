@@ -166,7 +166,7 @@ def test_small_shm_get_refreshes_its_pages_and_pins_nothing(client, server):
         bid = out.register(client, "small", 4, page_first_chunks(PAGE))
         assert client.get("small", ["b", "x", "a", "b"], bid, [0, 1, 2, 3]) == [True, False, True, True]
         assert [bytes(out.view(i * PAGE, PAGE)) for i in (0, 2, 3)] == [pattern("b"), pattern("a"), pattern("b")]
-        pool = server.ctx.store.namespace("small").pool
+        pool = server.ns("small").pool
         assert server.on_loop(lambda: pool.busy) == 0
         client.put_page("small", "d", pattern("d"))   # c is least recent now, then a, then b
         assert client.exists_each("small", list("abcd")) == [True, True, False, True]

@@ -30,9 +30,16 @@ def raw(server, method, path, body=b"", headers=None, tcp=False):
     return resp.status, orjson.loads(data) if "json" in ctype else data
 
 
-def raw_socket(server, data: bytes):
-    """Send bytes as they are and read one response (the body may never be finished)."""
-    with socket.create_connection(("127.0.0.1", server.config.port), timeout=10) as sock:
+def raw_socket(server, data: bytes, unix: bool = False):
+    """Send bytes as they are and read one response (the body may never be finished), on
+    loopback TCP or the engine socket."""
+    if unix:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(server.config.socket)
+    else:
+        sock = socket.create_connection(("127.0.0.1", server.config.port), timeout=10)
+    with sock:
         sock.sendall(data)
         resp = http.client.HTTPResponse(sock)
         resp.begin()
@@ -98,7 +105,8 @@ def test_400_malformed_set_get(server, ready, extra, code):
     {}, {"page_bytes": 0}, {"page_bytes": "4096"}, {"page_bytes": 4096, "pool": "nope"},
     {"page_bytes": 4096, "rank": {"tp": 2, "tp_size": 2}}, {"page_bytes": 4096, "bogus": 1},
     {"page_bytes": 4096, "replicated": "yes"}, {"page_bytes": 4096, "host_capacity_bytes": -1},
-    {"page_bytes": True},
+    {"page_bytes": True}, {"page_bytes": 1}, {"page_bytes": 511},    # pages of 512 bytes at least
+    {"page_bytes": 4096, "share_gid": -1}, {"page_bytes": 4096, "share_gid": "kv"},
 ])
 def test_400_bad_namespace_spec(server, ready, spec):
     assert_error(raw(server, "PUT", "/v1/namespaces/n2", orjson.dumps(spec)), 400, "bad_request")
@@ -131,7 +139,25 @@ def test_400_bad_buffer_registration(server, ready, body):
     assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 400, "bad_request")
 
 
-def test_pid_fd_registration_is_gone(server, ready, tmp_path):
+@pytest.fixture
+def operator_server(make_server):
+    """A sidecar with a token: TCP callers are the operator, who reaches every namespace
+    (tenancy), so what TCP may not do is refused by the buffer rules themselves."""
+    return make_server(token="t0ken")
+
+
+@pytest.fixture
+def operator_ready(operator_server):
+    c = operator_server.client()
+    c.put_namespace("kv", PAGE)
+    c.put_page("kv", "keep", hashlib.shake_256(b"keep").digest(PAGE))
+    buf = SharedBuffer(4 * PAGE)
+    yield buf.register(c, "kv", 4, page_first_chunks(PAGE))
+    buf.close()
+
+
+def test_pid_fd_registration_is_gone(operator_server, operator_ready, tmp_path):
+    server = operator_server
     f = open(tmp_path / "plain", "wb+")
     f.truncate(PAGE)
     body = {"transport": "shm", "size": PAGE, "slots": 1, "pid": os.getpid(), "fd": f.fileno(),
@@ -142,7 +168,8 @@ def test_pid_fd_registration_is_gone(server, ready, tmp_path):
     f.close()
 
 
-def test_403_and_404_for_memory_the_caller_does_not_own(server, ready):
+def test_403_and_404_for_memory_the_caller_does_not_own(operator_server, operator_ready):
+    server, ready = operator_server, operator_ready
     shm = {"transport": "shm", "size": PAGE, "slots": 1, "path": "/dev/shm/x",
            "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
     assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(shm), tcp=True),
@@ -187,12 +214,12 @@ def test_413_too_many_keys_and_body_limits(make_server):
     assert_error(raw(srv, "POST", "/v1/namespaces/kv/exists", big), 413, "payload_too_large")
     # refused from the Content-Length alone, before the body is read
     head = b"PUT /v1/namespaces/kv/pages/a HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n"
-    assert_error(raw_socket(srv, head), 413, "payload_too_large")
+    assert_error(raw_socket(srv, head, unix=True), 413, "payload_too_large")
     # a chunked page body longer than page_bytes is cut off at once: 422
     chunk = b"x" * ((1 << 20) + 1)
     head = (b"PUT /v1/namespaces/kv/pages/a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             + b"%x\r\n" % len(chunk) + chunk + b"\r\n")
-    assert_error(raw_socket(srv, head), 422, "geometry_mismatch")
+    assert_error(raw_socket(srv, head, unix=True), 422, "geometry_mismatch")
     assert srv.client().exists("kv", ["a"]) == 0
     srv.invariants()
 

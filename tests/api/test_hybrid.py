@@ -12,7 +12,7 @@ KV_PAGE = 4096
 SLOTS = 8
 # Mamba state: a temporal chunk and two conv chunks of unequal sizes
 MAMBA = (1536, 320, 192)
-INDEXER = 264
+INDEXER = 528
 DRAFT = 2048
 
 
@@ -67,7 +67,7 @@ def create(client, tp=0, tp_size=1, mamba_capacity=None):
 
 def test_every_pool_kind_is_a_namespace(client):
     for i, kind in enumerate(POOL_KINDS):
-        spec = client.put_namespace(f"ns-{kind}", 64, pool=kind, replicated=i % 2 == 0,
+        spec = client.put_namespace(f"ns-{kind}", 512, pool=kind, replicated=i % 2 == 0,
                                     rank={"tp": 1, "tp_size": 2, "pp": 0, "pp_size": 1})["spec"]
         assert spec["pool"] == kind and spec["replicated"] == (i % 2 == 0)
         assert spec["rank"]["tp"] == (0 if i % 2 == 0 else 1)  # replicated: one copy for all ranks

@@ -11,7 +11,7 @@ import pytest
 
 from api.engine.client import SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
-from tests.conftest import wait_for
+from tests.conftest import engine_connection, wait_for
 
 PAGE = 4096
 
@@ -66,7 +66,7 @@ def tiered(make_server, tmp_path):
     for k in ("a", "b"):
         c.put_page("kv", k, bytes([ord(k)]) * PAGE)
     c.request("POST", "/v1/flush", {})
-    srv.on_loop(lambda: [srv.ctx.store.namespace("kv").pool.delete(k) for k in ("a", "b")])
+    srv.on_loop(lambda: [srv.ns("kv").pool.delete(k) for k in ("a", "b")])
     assert c.exists("kv", ["a", "b"]) == 2   # in the file tier only: a get must promote
     yield srv, c
 
@@ -100,7 +100,7 @@ def test_delete_while_a_set_copies(make_server, what):
     c.put_namespace("kv", PAGE)
     buf = SharedBuffer(2 * PAGE)
     bid = buf.register(c, "kv", 2, page_first_chunks(PAGE))
-    entered, release = gate_copy(srv.on_loop(lambda: srv.ctx.store.namespace("kv").buffers[bid]))
+    entered, release = gate_copy(srv.on_loop(lambda: srv.ns("kv").buffers[bid]))
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(outcome, lambda: srv.client().set("kv", ["x", "y"], bid, [0, 1]))
         assert entered.wait(10)
@@ -137,14 +137,13 @@ def test_registrations_are_bounded(server, client, monkeypatch):
 
 
 def test_a_set_meeting_an_upload_in_flight_is_false_until_it_commits(server, client):
-    import socket as so
     client.put_namespace("kv", PAGE)
     buf = SharedBuffer(2 * PAGE)
     bid = buf.register(client, "kv", 2, page_first_chunks(PAGE))
-    s = so.create_connection(("127.0.0.1", server.config.port), timeout=10)
+    s = engine_connection(server)
     s.sendall(b"PUT /v1/namespaces/kv/pages/up HTTP/1.1\r\nHost: x\r\n"
               b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * (PAGE // 2))
-    wait_for(lambda: "up" in server.on_loop(lambda: server.ctx.store.namespace("kv").pool.entries), 10)
+    wait_for(lambda: "up" in server.on_loop(lambda: server.ns("kv").pool.entries), 10)
     # the key is reserved by the stalled upload: not stored yet, so not "true"
     assert client.set("kv", ["up", "other", "other"], bid, [0, 1, 1]) == [False, True, True]
     with pytest.raises(SidecarError) as e:
@@ -166,24 +165,23 @@ def closed_by_server(s) -> bool:
 
 
 def test_stalled_clients_are_cut_off_and_capped(make_server):
-    import socket as so
     srv = make_server(read_timeout=0.5, max_connections=6)
     c = srv.client()
     c.put_namespace("kv", PAGE)           # the client's own connection: 1 of 6
     heads = []
     for _ in range(4):     # half-sent heads hold connections...
-        s = so.create_connection(("127.0.0.1", srv.config.port), timeout=10)
+        s = engine_connection(srv)
         s.sendall(b"POST /v1/namespaces/kv/exists HTTP/1.1\r\nHost: x\r\n")
         heads.append(s)
-    upload = so.create_connection(("127.0.0.1", srv.config.port), timeout=10)
+    upload = engine_connection(srv)
     upload.sendall(b"PUT /v1/namespaces/kv/pages/u HTTP/1.1\r\nHost: x\r\n"
                    b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * 100)
     heads.append(upload)
-    extra = so.create_connection(("127.0.0.1", srv.config.port), timeout=10)
+    extra = engine_connection(srv)
     assert closed_by_server(extra)         # the 7th connection is refused at once
     for s in heads:        # ...until the read timeout closes each of them
         assert closed_by_server(s)
     # the stalled upload's reservation is aborted with its connection
-    wait_for(lambda: "u" not in srv.on_loop(lambda: srv.ctx.store.namespace("kv").pool.entries), 10)
+    wait_for(lambda: "u" not in srv.on_loop(lambda: srv.ns("kv").pool.entries), 10)
     assert c.exists("kv", ["u"]) == 0 and c.health()["status"] == "ok"
     srv.invariants()

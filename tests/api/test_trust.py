@@ -61,7 +61,9 @@ def open_server(make_server):
     srv = make_server(socket_mode=0o666)
     os.chmod(os.path.dirname(srv.config.socket), 0o755)
     c = srv.client()
-    c.put_namespace("victim", PAGE)
+    # shared with the attacker's group: it reaches the namespace, so what it tries is
+    # refused by the buffer and lease rules themselves (tests/api/test_tenancy.py: not shared)
+    c.put_namespace("victim", PAGE, share_gid=NOBODY)
     c.put_page("victim", "secret", pattern("secret"))
     yield srv
     c.close()
@@ -86,6 +88,7 @@ def victim_file(tmpdir: str, mode: int = 0o600) -> str:
 # -- registration needs the socket and proof of possession ---------------------------
 def test_tcp_callers_cannot_register_memory(open_server):
     tcp = open_server.tcp_client()
+    tcp.put_namespace("victim", PAGE)   # the operator's own (TCP) namespace of that name
     buf = SharedBuffer(PAGE)
     body = dict(size=PAGE, slots=1, chunks=page_first_chunks(PAGE))
     with pytest.raises(SidecarError) as e:
@@ -287,11 +290,11 @@ def test_dead_engine_buffers_are_released(open_server):
     p.start()
     bid = parent.recv()
     c = open_server.tcp_client()
-    assert bid in open_server.on_loop(lambda: open_server.ctx.store.namespace("victim").buffers)
+    assert bid in open_server.on_loop(lambda: open_server.ns("victim").buffers)
     parent.send("die")
     p.join(30)
     wait_for(lambda: bid not in open_server.on_loop(
-        lambda: open_server.ctx.store.namespace("victim").buffers), 10)
+        lambda: open_server.ns("victim").buffers), 10)
     assert not open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases)
     assert c.health()["status"] == "ok"
 
@@ -386,5 +389,5 @@ def test_a_dead_engines_path_buffer_is_reaped(open_server):
     bid = parent.recv()
     parent.send("die")
     p.join(30)
-    buffers = lambda: open_server.on_loop(lambda: set(open_server.ctx.store.namespace("victim").buffers))
+    buffers = lambda: open_server.on_loop(lambda: set(open_server.ns("victim").buffers))
     wait_for(lambda: bid not in buffers(), 10)   # the reaper released the dead engine's buffer

@@ -14,11 +14,12 @@ EXTERNAL = re.compile(r"""(src|href)\s*=\s*["']?(https?:)?//|@import|url\(\s*["'
 
 
 def stats(hits=0, misses=0, bytes_in=0, bytes_out=0, host=0, failed=0, corrupt=0, pending=0):
-    return {"namespaces": {"kv": {"hits": hits, "misses": misses, "bytes_in": bytes_in,
-                                  "bytes_out": bytes_out, "pages": {"host": host, "file": 2 * host},
-                                  "capacity_pages": 100}},
+    """What `Store.sample()` answers."""
+    return {"totals": {"hits": hits, "misses": misses, "bytes_in": bytes_in,
+                       "bytes_out": bytes_out},
+            "fill": {"kv": host / 100}, "pages": {"host": host, "file": 2 * host},
             "write_queue": {"pending": pending, "failed": failed, "dropped": 0},
-            "tiers": {"file": {"write_errors": 0, "read_errors": 0, "corrupt": corrupt}}}
+            "tier_errors": corrupt}
 
 
 def test_sampler_turns_counters_into_rates():

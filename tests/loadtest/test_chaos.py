@@ -33,6 +33,9 @@ def test_chaos_soak_short_seeded(tmp_path):
         assert s["faults"][kind] >= 1, f"{kind} never injected\n{log}"
     assert s["requests"] > 500 and s["pages_checked"] > 1000, log
     assert s["checks"] >= 5, log       # each restart and namespace delete is checked, and the end
+    second = s["tenants"]["second"]    # another uid's engine on the write_through sidecar
+    assert second["acked_pages"] > 100, log
+    assert second["uid"] == (65534 if os.geteuid() == 0 else os.geteuid()), log
     seen = {(what, node): n for what, per in s["violations_by_node"].items() for node, n in per.items() if n}
     assert not seen, f"violations: {seen}\n{log}"
     assert rc == 0, log

@@ -170,3 +170,31 @@ def test_segment_size_and_explicit_capacity_bounds():
             host.create("none", 4096, capacity_bytes=4095)
     finally:
         arena.close()
+
+
+# -- owners (issue 26, item 10): one tenant cannot take the others' share -----------------
+def test_an_owner_with_many_pools_gets_one_owners_share(host):
+    mine = [host.create(f"a{i}", SEG, owner=1) for i in range(4)]
+    for p in mine:
+        fill(p, p.name, 16)                   # owner 1 alone takes every segment
+    assert not host.free_segments
+    b = host.create("b", SEG, owner=2)
+    assert fill(b, "b", 16) == 16
+    assert len(b.segments) == 8               # half: one owner's share, not one pool's (1/5)
+    assert sum(len(p.segments) for p in mine) == 8
+    host.invariants()
+
+
+def test_a_tenant_cannot_reserve_past_its_share_or_take_another_tenants(host):
+    b = host.create("b", SEG, owner=2)
+    assert fill(b, "b", 6) == 6                          # tenant 2: 6 of 16 segments
+    with pytest.raises(PoolFull, match="share"):          # the whole pool: refused
+        host.create("all", SEG, capacity_bytes=16 * SEG, owner=1)
+    assert b.ready_pages == 6                             # and nothing of b was evicted
+    x = host.create("x", SEG, capacity_bytes=4 * SEG, owner=1)   # half / 2 tenants = 4
+    assert len(x.segments) == 4
+    with pytest.raises(PoolFull, match="share"):
+        host.create("y", SEG, capacity_bytes=SEG, owner=1)
+    assert host.create("op", SEG, capacity_bytes=4 * SEG).capacity_pages == 4   # the operator
+    assert b.ready_pages == 6
+    host.invariants()

@@ -54,7 +54,7 @@ def test_a_read_only_data_dir(spawn, tmpfs):
 
 
 def test_the_default_size_follows_the_free_space(spawn, tmpfs):
-    where = tmpfs("size=64m")
+    where = tmpfs("size=64m,mode=0700")   # a tmpfs root is 1777 unless told: refused as squattable
     with open(os.path.join(where, "held"), "wb") as f:   # what the tier already holds
         f.write(b"h" * (8 << 20))
     st = os.statvfs(where)
@@ -76,3 +76,58 @@ def test_the_default_size_is_capped(monkeypatch, tmp_path):
     Big.f_bavail = 1000
     (tmp_path / "page").write_bytes(b"p" * 40960)
     assert datadir.file_tier_size(config)[0] == int(0.9 * (1000 * 4096 + 40960))
+
+
+# -- squatted directories (issue 26, item 8) ----------------------------------------------
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+NOBODY = 65534
+
+
+@root_only
+def test_a_data_dir_another_user_made_first_is_refused(spawn, tmp_path):
+    squat = tmp_path / "squat"
+    squat.mkdir()
+    os.chown(squat, NOBODY, NOBODY)
+    exits_with_one_line(spawn, str(squat), f"it is owned by uid {NOBODY}")
+    assert list(squat.iterdir()) == []        # nothing was written into it
+
+
+def test_a_data_dir_others_can_write_or_a_link_is_refused(spawn, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    exits_with_one_line(spawn, str(shared), f"it is owned by uid {os.geteuid()}, mode 777")
+    (tmp_path / "real").mkdir(mode=0o700)
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    exits_with_one_line(spawn, str(tmp_path / "link"), "it is a symlink")
+    deep = tmp_path / "open" / "data"
+    deep.mkdir(parents=True, mode=0o700)
+    os.chmod(tmp_path / "open", 0o777)        # a parent anyone can rename things in
+    exits_with_one_line(spawn, str(deep), f"{tmp_path / 'open'} above it")
+
+
+@root_only
+def test_a_socket_dir_another_user_made_first_is_refused(spawn, tmp_path):
+    squat = tmp_path / "run"
+    squat.mkdir(mode=0o755)
+    os.chown(squat, NOBODY, NOBODY)
+    p = spawn("--host-pool", "16MiB", "--no-file-tier", socket=str(squat / "s.sock"))
+    assert p.proc.wait(timeout=60) == 1
+    out = p.output()
+    assert f"cannot listen: the socket directory {squat} is unusable: it is owned by uid {NOBODY}" in out, out
+    assert "Traceback" not in out and not (squat / "s.sock").exists()
+
+
+def test_the_file_tier_never_writes_through_a_planted_link(tmp_path):
+    """An identity directory replaced by a link to elsewhere: the write fails (a miss,
+    counted), nothing lands where the link points."""
+    from sidecar.tiers.file_tier import FileTier
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tier = FileTier("file", str(tmp_path / "data"), 1 << 20)
+    tier.recover()
+    ident = "a" * 32
+    os.symlink(elsewhere, tmp_path / "data" / ident)
+    assert tier.write_batch([(ident, "k", b"x" * 4096)]) == [False]
+    assert list(elsewhere.iterdir()) == [] and tier.stats.write_errors == 1
+    assert not tier.contains(ident, "k")

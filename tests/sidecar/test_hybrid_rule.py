@@ -110,7 +110,7 @@ def run(store, case):
 
 
 def fill(store, name, present, keys=KEYS):
-    store.put_namespace(name, parse_spec({"page_bytes": 64}))
+    store.put_namespace(name, parse_spec({"page_bytes": 512}))
     pool = store.namespace(name).pool
     for k, here in zip(keys, present):
         if here:

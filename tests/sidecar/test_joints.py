@@ -24,7 +24,7 @@ def store():
 
 
 def fill(store, name, keys=KEYS):
-    store.put_namespace(name, parse_spec({"page_bytes": 64}))
+    store.put_namespace(name, parse_spec({"page_bytes": 512}))
     pool = store.namespace(name).pool
     for k in keys:
         pool.commit(pool.reserve(k))

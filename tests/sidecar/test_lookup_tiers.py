@@ -17,7 +17,7 @@ from sidecar.tiering import Tiering
 from sidecar.tiers.file_tier import FileTier
 from tests.sidecar.test_hybrid_rule import reference
 
-PAGE = 64
+PAGE = 512
 KEYS = [f"{i:064x}" for i in range(80)]
 
 

@@ -42,15 +42,17 @@ def test_keys_checked_in_one_pass_and_individually():
 
 
 def test_spec_identity_is_stable_and_scoped():
-    a = parse_spec({"page_bytes": 64, "model": "m", "rank": {"tp": 1, "tp_size": 2}})
-    b = parse_spec({"rank": {"tp_size": 2, "tp": 1}, "model": "m", "page_bytes": 64,
+    a = parse_spec({"page_bytes": 512, "model": "m", "rank": {"tp": 1, "tp_size": 2}})
+    b = parse_spec({"rank": {"tp_size": 2, "tp": 1}, "model": "m", "page_bytes": 512,
                     "host_capacity_bytes": 640})
-    assert a.identity("ns") == b.identity("ns") and len(a.identity("ns")) == 32
-    other_rank = parse_spec({"page_bytes": 64, "model": "m", "rank": {"tp": 0, "tp_size": 2}})
-    assert other_rank.identity("ns") != a.identity("ns")
-    rep0 = parse_spec({"page_bytes": 64, "replicated": True, "rank": {"tp": 0, "tp_size": 2}})
-    rep1 = parse_spec({"page_bytes": 64, "replicated": True, "rank": {"tp": 1, "tp_size": 2}})
-    assert rep0.identity("ns") == rep1.identity("ns")
+    assert a.identity("ns", "operator") == b.identity("ns", "operator") and len(a.identity("ns", "operator")) == 32
+    other_rank = parse_spec({"page_bytes": 512, "model": "m", "rank": {"tp": 0, "tp_size": 2}})
+    assert other_rank.identity("ns", "operator") != a.identity("ns", "operator")
+    rep0 = parse_spec({"page_bytes": 512, "replicated": True, "rank": {"tp": 0, "tp_size": 2}})
+    rep1 = parse_spec({"page_bytes": 512, "replicated": True, "rank": {"tp": 1, "tp_size": 2}})
+    assert rep0.identity("ns", "operator") == rep1.identity("ns", "operator")
+    # the owner is part of it: equal names and specs of two tenants never share tier pages
+    assert len({a.identity("ns", o) for o in ("operator", "uid:1000", "uid:1001", "gid:7")}) == 4
 
 
 def test_open_beneath_never_leaves_the_allowed_dirs(tmp_path):

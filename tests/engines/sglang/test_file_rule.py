@@ -48,7 +48,7 @@ def sidecar(pools):
     store = Store(HostPool(arena, 64 << 10), None, Sources(["/dev/shm"]))
     try:
         for name, pages in [("kv", range(3))] + [(n, p) for n, p, _ in pools]:
-            store.put_namespace(name, parse_spec({"page_bytes": 64}))
+            store.put_namespace(name, parse_spec({"page_bytes": 512}))
             pool = store.namespace(name).pool
             for i in pages:
                 pool.commit(pool.reserve(KEYS[i]))

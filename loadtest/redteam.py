@@ -1,0 +1,238 @@
+"""Red-team runner (issue 26): each attack against a fresh root sidecar, with /healthz timed
+on both listeners while it runs.
+
+    python -m loadtest.redteam [--only NAME ...] [--seconds S] [--json]
+
+    this process                                  sidecar (python -m sidecar serve, root)
+    +------------------------------+  TCP         +-----------------------------------+
+    | prober: GET /healthz every   |------------->| loopback listener                 |
+    |   20 ms on a connection made |  engine sock | engine socket (0666 here: any uid)|
+    |   before the attack, on each |------------->| <socket>.fds                      |
+    |   listener; latency kept     |              +-----------------------------------+
+    | attack(target, stop) in a    |                    ^
+    |   thread (forks a child as   |--------------------+
+    |   uid nobody where it must)  |
+    +------------------------------+
+
+An attack module (`loadtest/redteam_*.py`) lists `ATTACKS: list[Attack]`. `run(target,
+stop)` attacks until `stop` is set (the runner sets it after `seconds`) or it is done, and
+returns facts: at least `held` (True when the sidecar kept its promise). The runner adds
+the /healthz latencies seen meanwhile (max and p99, per listener; a probe that fails
+counts as `inf`) and prints one row per attack. A promise of issue 26 is kept only when
+`held` and the engine socket's /healthz max stayed under 50 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from loadtest.procs import Proc, free_port
+
+NOBODY = 65534
+MODULES = ("loadtest.redteam_conn", "loadtest.redteam_lend", "loadtest.redteam_store")
+HEALTHZ_LIMIT_MS = 50.0
+
+
+@dataclass
+class Target:
+    """A running sidecar under attack."""
+    url: str            # http://127.0.0.1:PORT
+    socket: str         # engine socket path (its fd socket is socket + ".fds")
+    token: Optional[str]
+    pid: int
+    workdir: str        # a temp dir the attack may use (world-writable, sticky)
+
+    @property
+    def socket_url(self) -> str:
+        return f"unix://{self.socket}"
+
+
+@dataclass
+class Attack:
+    item: int                                            # issue 26 item
+    name: str
+    run: Callable[[Target, threading.Event], dict]
+    seconds: float = 5.0
+    sidecar_args: tuple = ()                             # extra flags for its sidecar
+    token: Optional[str] = "redteam-token"               # the sidecar's token (None: none)
+
+
+def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, timeout: float = 120) -> Any:
+    """Run `fn(*args)` in a forked child as `uid` (gid the same, no groups); its result."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            q.put(("ok", fn(*args)))
+        except BaseException as exc:  # report, never hang the parent
+            q.put(("error", repr(exc)))
+    p = ctx.Process(target=child, daemon=True)
+    p.start()
+    kind, value = q.get(timeout=timeout)
+    p.join(timeout)
+    if kind == "error":
+        raise RuntimeError(f"the child as uid {uid} failed: {value}")
+    return value
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+@dataclass
+class Prober:
+    """GET /healthz every `interval` s on one kept-alive connection per listener."""
+    target: Target
+    interval: float = 0.02
+    seen: dict = field(default_factory=lambda: {"tcp": [], "unix": []})
+
+    def __post_init__(self):
+        port = int(self.target.url.rsplit(":", 1)[1])
+        self.conns = {"tcp": http.client.HTTPConnection("127.0.0.1", port, timeout=30),
+                      "unix": _UnixConnection(self.target.socket, timeout=30)}
+        for conn in self.conns.values():
+            self._probe(conn)    # connect now: a connection cap reached later must not refuse it
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _probe(self, conn) -> float:
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()
+            resp.read()
+            ok = resp.status == 200
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            ok = False
+        return (time.perf_counter() - t0) * 1e3 if ok else float("inf")
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for name, conn in self.conns.items():
+                self.seen[name].append(self._probe(conn))
+            self.stop.wait(self.interval)
+
+    def summary(self) -> dict:
+        out = {}
+        for name, ms in self.seen.items():
+            ms = sorted(ms)
+            out[name] = {"probes": len(ms), "max_ms": ms[-1] if ms else None,
+                         "p99_ms": ms[int(0.99 * (len(ms) - 1))] if ms else None}
+        return out
+
+
+def start_sidecar(attack: Attack, workdir: str) -> tuple[Proc, Target]:
+    """The attack's sidecar; its socket dir and data dir beside `workdir`, the sidecar's."""
+    own = os.path.join(os.path.dirname(workdir), "own")
+    os.makedirs(own, 0o755)
+    port, sock = free_port(), os.path.join(own, "s.sock")
+    token = attack.token
+    cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--socket", sock,
+           "--socket-mode", "0666", "--log-level", "warning", "--host-pool", "64MiB",
+           "--data-dir", os.path.join(own, "data"), *attack.sidecar_args]
+    env_token = {"SIDECAR_TOKEN": token} if token else {}
+    os.environ.update(env_token)
+    try:
+        proc = Proc(cmd, port, sock)
+    finally:
+        for k in env_token:
+            os.environ.pop(k, None)
+    return proc, Target(f"http://127.0.0.1:{port}", sock, token, proc.proc.pid, workdir)
+
+
+def run_one(attack: Attack, seconds: Optional[float] = None) -> dict:
+    top = tempfile.mkdtemp(prefix="kv-redteam-")     # 0700, removed at the end
+    workdir = os.path.join(top, "w")
+    os.mkdir(workdir)
+    os.chmod(top, 0o755)
+    os.chmod(workdir, 0o1777)                          # the attackers' (sticky)
+    try:
+        return _run(attack, seconds, workdir)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _run(attack: Attack, seconds: Optional[float], workdir: str) -> dict:
+    proc, target = start_sidecar(attack, workdir)
+    try:
+        prober = Prober(target)
+        prober.thread.start()
+        stop = threading.Event()
+        timer = threading.Timer(seconds or attack.seconds, stop.set)
+        timer.start()
+        try:
+            facts = attack.run(target, stop)
+        except Exception as exc:   # an attack that breaks is a finding, not a crash
+            facts = {"held": False, "error": repr(exc)}
+        finally:
+            timer.cancel()
+            stop.set()
+            prober.stop.set()
+            prober.thread.join(30)
+        alive = proc.proc.poll() is None
+    finally:
+        proc.stop()
+    health = prober.summary()
+    unix_max = health["unix"]["max_ms"]
+    kept = bool(facts.get("held")) and alive and unix_max is not None and unix_max < HEALTHZ_LIMIT_MS
+    return {"item": attack.item, "attack": attack.name, "kept": kept, "alive": alive,
+            "healthz": health, **facts}
+
+
+def attacks() -> list[Attack]:
+    out = []
+    for name in MODULES:
+        try:
+            out += importlib.import_module(name).ATTACKS
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", help="attack names to run (default: all)")
+    p.add_argument("--seconds", type=float, help="override each attack's duration")
+    p.add_argument("--json", action="store_true", help="one JSON line per attack")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("the red-team runner attacks a root sidecar as uid nobody: run it as root", file=sys.stderr)
+        return 2
+    rows = [run_one(a, args.seconds) for a in attacks() if not args.only or a.name in args.only]
+    for r in rows:
+        if args.json:
+            print(json.dumps(r, default=str))
+        else:
+            h = r["healthz"]
+            print(f"{r['item']:>3} {r['attack']:<36} {'kept' if r['kept'] else 'BROKEN':<7}"
+                  f" healthz max unix {h['unix']['max_ms']:.1f} ms, tcp {h['tcp']['max_ms']:.1f} ms")
+    return 0 if all(r["kept"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
