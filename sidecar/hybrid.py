@@ -38,6 +38,7 @@ ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 POLICIES = (ALL_PAGES, TRAILING_PAGES)
 _EXTRA_FIELDS = frozenset({"namespace", "policy", "window"})
+MIN_CHUNK = 32   # pages a Presence looks up at least at a time (one local_mask call each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,22 +104,27 @@ def _parse_extra(raw: list) -> tuple[ExtraPool, ...]:
 
 class Presence:
     """One pool's pages over the KV prefix `keys[:top]`, looked up from the top down and
-    only as far as asked, in doubling chunks: a trailing pool's hit usually needs its
-    last window only. `bits[i - lo]` is 1 when page i (lo <= i < top) is present.
-    Look-ups are synchronous (host pool, local tiers); with a remote tier, `bits` comes
-    whole from one awaited look-up instead."""
+    only as far as asked, in doubling chunks of at least MIN_CHUNK pages: a trailing
+    pool's hit usually needs its last window only. `bits[i - lo]` is 1 when page i
+    (lo <= i < top) is present. Look-ups are synchronous (host pool, local tiers); with a
+    remote tier, `bits` comes whole from one awaited look-up instead. `run`: pages
+    [0, run) are known present (an all-pages pool's part of the joint's run). `floor`:
+    where the first look-up may as well reach down to (a partial hit's answer lies near
+    the all-pages pools' run: one look-up instead of a doubling series)."""
 
-    __slots__ = ("store", "name", "keys", "top", "lo", "bits", "run", "run_ends")
+    __slots__ = ("store", "name", "keys", "top", "lo", "bits", "run", "run_ends", "floor")
 
     def __init__(self, store: Store, name: str, keys: list[str], top: int,
-                 bits: Optional[bytes] = None):
+                 bits: Optional[bytes] = None, run: int = 0, floor: Optional[int] = None):
         self.store, self.name, self.keys, self.top = store, name, keys, top
         self.lo, self.bits = (top, b"") if bits is None else (0, bits)
-        self.run, self.run_ends = 0, False
+        self.run, self.run_ends = run, False
+        self.floor = top if floor is None else floor
 
     def _reach(self, i: int) -> None:
         if i < self.lo:
-            lo = max(0, min(i, 2 * self.lo - self.top))
+            lo = max(0, min(i, 2 * self.lo - self.top, self.lo - MIN_CHUNK, self.floor))
+            self.floor = self.top
             self.bits = self.store.local_mask(self.name, self.keys[lo:self.lo]) + self.bits
             self.lo = lo
 
@@ -144,7 +150,7 @@ class Presence:
         if self.lo > 0:
             below = min(p, self.lo)
             if self.run < below and not self.run_ends:
-                self.run = self.store.local_run(self.name, self.keys, below)
+                self.run = self.store.local_run(self.name, self.keys, below, self.run)
                 self.run_ends = self.run < below
             if self.run < below or p <= self.lo:
                 return min(self.run, p)
@@ -205,8 +211,11 @@ async def _batch_exists(store: Store, keys: Any, kv: str, extra: list[ExtraPool]
         seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, masks)]
     elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": [top] * len(extra)}
-    else:
-        seen = [Presence(store, pool.namespace, keys, top) for pool in extra]
+    else:   # the joint's run is in each all-pages pool; the hit is at most that run
+        seen = [Presence(store, pool.namespace, keys, top, run=held) if pool.policy == ALL_PAGES
+                else Presence(store, pool.namespace, keys, top,
+                              floor=held - pool.window - MIN_CHUNK if held else None)
+                for pool in extra]
     return hit_rule(extra, seen, top, restorable)
 
 

@@ -225,8 +225,8 @@ class Store:
         ns = self.namespace(name)
         try:
             held = n = joint.prefix(check_batch(keys))
-            if n < len(keys) and keys[n] in ns.pool.ready:
-                n = ns.pool.prefix(keys)
+            if n < len(keys) and keys[n] in ns.pool.ready:   # the pool holds [0, held) too
+                n += ns.pool.prefix(keys[n:])
         except TypeError:  # an unhashable key: the full check below names it
             held = n = 0
         return (*self._local_past(ns, keys, n), held)
@@ -279,13 +279,14 @@ class Store:
             found = bytes(hit or next(elsewhere) for hit in found)
         return found
 
-    def local_run(self, name: str, keys: list[str], hi: int) -> int:
+    def local_run(self, name: str, keys: list[str], hi: int, known: int = 0) -> int:
         """The leading run of `keys[:hi]` in the host pool or a local tier, for keys already
-        validated; stops at the first miss. A namespace that does not exist holds nothing."""
+        validated; stops at the first miss. `known`: a run the caller knows is there (the
+        walk starts after it). A namespace that does not exist holds nothing."""
         ns = self.namespaces.get(name)
         if ns is None:
             return 0
-        n = ns.pool.prefix(keys[:hi])
+        n = known + ns.pool.prefix(keys[known:hi])
         if n < hi and self.tiering.enabled:
             n += self.tiering.local_prefix(ns.identity, keys[n:hi], ns.pool.ready)
         return n

@@ -241,7 +241,7 @@ def test_the_whole_prefix_shortcut_answers_as_the_rule(store, monkeypatch, holes
     keys = [f"{i:064x}" for i in range(300)]
     spec = {"mamba": ("trailing_pages", 1), "swa": ("trailing_pages", 8), "idx": ("all_pages", 1)}
     made = []
-    monkeypatch.setattr(hybrid, "Presence", lambda *a: made.append(a) or Presence(*a))
+    monkeypatch.setattr(hybrid, "Presence", lambda *a, **k: made.append(a) or Presence(*a, **k))
     try:
         fill(store, "kv", [True] * 300, keys)
         pools = []
