@@ -28,6 +28,7 @@ from api.wire import parse_object, receive_body
 from sidecar import hybrid
 from sidecar.context import Context
 from sidecar.errors import BadRequest, SidecarError
+from sidecar.events import set_meta
 from sidecar.peer import scope_peer
 
 Handler = Callable[[Context, dict, Optional[str], dict], Awaitable[bytes]]
@@ -49,8 +50,8 @@ async def set_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) 
     durable = body.get("durable", False)
     if not isinstance(durable, bool):
         raise BadRequest("'durable' must be true or false")
-    stored = await ctx.store.set(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"), body.get("slots"),
-                                 durable, scope_peer(scope))
+    stored = await ctx.store.set(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"),
+                                 body.get("slots"), durable, scope_peer(scope), set_meta(body))
     return orjson.dumps({"stored": stored})
 
 

@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 from api.errors import error_body
+from sidecar.connections import CONN_KEY
 from sidecar.errors import PayloadTooLarge
 from sidecar.metrics import RequestStats
 
@@ -54,9 +55,14 @@ class Guard:
             elif name == b"authorization":
                 auth = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            conn = scope.get(CONN_KEY)    # a TCP connection yet to show the token
             auth = auth or b""
             if not (hmac.compare_digest(auth, self.expected) or hmac.compare_digest(auth, self.basic)):
+                if conn is not None:
+                    conn.unauthorized()   # closed once this answer is out
                 return (401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'"), False
+            if conn is not None:
+                conn.authenticated()
         if length is not None:
             if not length.isdigit():
                 return (400, "bad_request", "Content-Length is not a number"), False

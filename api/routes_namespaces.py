@@ -55,7 +55,7 @@ async def delete_namespace(name: str, request: Request, ctx: Context = Depends(c
 @router.post("/{name}/buffers", openapi_extra=body("buffer"))
 async def register_buffer(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    buf = ctx.store.register_buffer(ref(ctx, request.scope, name), body, scope_peer(request.scope))
+    buf = await ctx.store.register_buffer(ref(ctx, request.scope, name), body, scope_peer(request.scope))
     return json({"buffer_id": buf.id}, 201)
 
 

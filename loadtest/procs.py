@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from api.engine.client import SidecarClient
+from api.engine.client import SidecarClient, SidecarError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +32,12 @@ class Proc:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{cmd} exited: {self.proc.stderr.read().decode()[-2000:]}")
-            if client.ready():
+            try:
+                if client.ready():
+                    return
+            except SidecarError as exc:   # behind a token (the red-team runner): up, answering 401
+                if exc.status != 401:
+                    raise
                 return
             time.sleep(0.05)
         raise RuntimeError(f"{cmd} did not start")

@@ -26,6 +26,7 @@ otherwise). The operator (owner None) is not capped.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Hashable, Optional
 
 from pools.arena import Arena
@@ -52,6 +53,7 @@ class HostPool:
         self.pools: dict[str, PagePool] = {}
         self.draining: list[PagePool] = []
         self.explicit_segments = 0
+        self._shares: Optional[tuple] = None   # `_counts`, until segments move
 
     # -- namespaces -------------------------------------------------------------------
     def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None,
@@ -69,6 +71,7 @@ class HostPool:
             pool = self._create_explicit(name, page_bytes, capacity_bytes, owner)
         pool.on_idle = self._release
         self.pools[name] = pool
+        self._moved()
         return pool
 
     def _create_explicit(self, name: str, page_bytes: int, capacity_bytes: int,
@@ -92,6 +95,7 @@ class HostPool:
                 if seg is None:
                     break
                 self.free_segments.append(seg)
+                self._moved()
                 room -= 1
         if len(self.free_segments) < need:   # write-back kept pages it could not queue yet
             raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes; shared "
@@ -99,6 +103,7 @@ class HostPool:
         for _ in range(need):
             pool.add_segment(self.free_segments.pop())
         self.explicit_segments += need
+        self._moved()
         return pool
 
     def _check_reserved_share(self, owner: Hashable, need: int) -> None:
@@ -141,6 +146,7 @@ class HostPool:
         if pool.max_pages is not None:
             self.explicit_segments -= len(pool.segments)
         self.draining.append(pool)
+        self._moved()
         pool.close()
 
     def _release(self, pool: PagePool) -> None:
@@ -149,6 +155,7 @@ class HostPool:
             self.free_segments.extend(pool.segments)
             pool.segments.clear()
             pool.clear_free()
+            self._moved()
 
     # -- growth -----------------------------------------------------------------------
     def shared_pools(self) -> list[PagePool]:
@@ -159,27 +166,53 @@ class HostPool:
         shared = len(self.shared_pools())
         return (self.n_segments - self.explicit_segments) / max(shared, 1)
 
+    def _moved(self) -> None:
+        """Segments changed hands, or pools came or went: the shares are stale."""
+        self._shares = None
+
+    def _counts(self) -> tuple[float, Counter, Counter]:
+        """(owner share, shared pools by owner, shared segments held by owner), counted
+        once after each change (`_moved`): a pool at its share asks on every page it
+        stores, and the answer must not walk every pool each time."""
+        if self._shares is None:
+            shared = self.shared_pools()
+            pools, held = Counter(p.owner for p in shared), Counter()
+            for p in shared:
+                held[p.owner] += len(p.segments)
+            share = (self.n_segments - self.explicit_segments) / max(len(pools), 1)
+            self._shares = (share, pools, held)
+        return self._shares
+
     def owner_share(self) -> float:
         """Shared segments each owner of shared pools may hold before it evicts its own."""
-        owners = {p.owner for p in self.shared_pools()}
-        return (self.n_segments - self.explicit_segments) / max(len(owners), 1)
+        return self._counts()[0]
 
     def pool_share(self, pool: PagePool) -> float:
         """`pool`'s part of its owner's share."""
-        mine = sum(1 for p in self.shared_pools() if p.owner == pool.owner)
-        return self.owner_share() / max(mine, 1)
+        share, pools, _ = self._counts()
+        return share / max(pools[pool.owner], 1)
 
     def _held(self, owner: Hashable) -> int:
-        return sum(len(p.segments) for p in self.shared_pools() if p.owner == owner)
+        return self._counts()[2][owner]
 
     def _grow(self, pool: PagePool) -> bool:
-        """A segment for `pool`: a free one, else one reclaimed (`_reclaim_for`)."""
-        if not self.free_segments:
+        """A segment for `pool`: a free one, else one reclaimed (`_reclaim_for`) while it
+        may take one (no walk of the pools when it is at its share: `_may_reclaim`)."""
+        if not self.free_segments and self._may_reclaim(pool):
             self._reclaim_for(pool)
         if not self.free_segments:
             return False
         pool.add_segment(self.free_segments.pop())
+        self._moved()
         return True
+
+    def _may_reclaim(self, pool: PagePool) -> bool:
+        if not pool.segments:
+            return True
+        share, pools, held = self._counts()
+        mine = share / max(pools[pool.owner], 1)
+        return (held[pool.owner] + 1 <= max(share, 1.0) and len(held) > 1) or \
+            len(pool.segments) + 1 <= max(mine, 1.0)
 
     def _reclaim_for(self, pool: PagePool) -> bool:
         """One segment for `pool`, coldest idle one first: while its owner is below the
@@ -202,6 +235,7 @@ class HostPool:
             seg = victim.reclaim_segment()
             if seg is not None:
                 self.free_segments.append(seg)
+                self._moved()
                 return True
         return False
 
@@ -226,3 +260,6 @@ class HostPool:
             raise PoolInvariantError(f"segments {bad} are owned {[owners[i] for i in bad]} times")
         if explicit != self.explicit_segments:
             raise PoolInvariantError(f"explicit segments {self.explicit_segments} != {explicit}")
+        cached, self._shares = self._shares, None
+        if cached is not None and cached != self._counts():
+            raise PoolInvariantError(f"cached shares {cached} are stale: {self._shares}")

@@ -20,7 +20,9 @@ for writing yet; eviction then takes the next one). A deleted entry that is stil
 from the index at once, its slot freed when the last pin or the writer lets go.
 
 The joints that follow this pool (`pools/joint.py`) are told of every key published
-(commit) and every key that leaves (eviction, delete).
+(commit) and every key that leaves (eviction, delete); so is its `log`, when someone
+follows the pool (KV events, sidecar/events.py): `(True, key)` published, `(False, key)`
+gone, in order, with `on_log(pool)` called when the log stops being empty.
 
 The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
 event loop only; copies run elsewhere between reserve/pin and commit/unpin).
@@ -101,6 +103,8 @@ class PagePool:
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
         self.joints: list[Joint] = []    # told when a key comes or goes
+        self.log: Optional[list] = None  # (present, key) as keys come and go, when followed
+        self.on_log: Optional[Callable[["PagePool"], None]] = None
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
         self._slots = 0
@@ -191,6 +195,8 @@ class PagePool:
         self.ready[e.key] = e
         for joint in self.joints:
             joint.added(e.key)
+        if self.log is not None:
+            self._logged(True, e.key)
         self.lru.push_mru(e)
         self._after_release()
         return True
@@ -247,6 +253,8 @@ class PagePool:
             del self.ready[key]
             for joint in self.joints:
                 joint.removed(key)
+            if self.log is not None:
+                self._logged(False, key)
             self.lru.remove(e)
         if e.state == RESERVED or e.pins > 0:
             e.doomed = True
@@ -328,9 +336,16 @@ class PagePool:
         del self.ready[e.key]
         for joint in self.joints:
             joint.removed(e.key)
+        if self.log is not None:
+            self._logged(False, e.key)
         self.free.append(e.offset)
         self.evictions += 1
         return True
+
+    def _logged(self, present: bool, key: str) -> None:
+        if not self.log:
+            self.on_log(self)
+        self.log.append((present, key))
 
     def _bury(self, e: Entry) -> None:
         del self._doomed_entries[id(e)]

@@ -46,7 +46,29 @@ _FLAGS = [
     ("--write-queue-pages", "write_queue_pages", "pages queued for the tiers before set waits (256)"),
     ("--shutdown-timeout", "shutdown_timeout", "seconds to drain on SIGTERM (default 30)"),
     ("--read-timeout", "read_timeout", "seconds a request head or body may stall (default 30)"),
-    ("--max-connections", "max_connections", "open HTTP connections at most (default 1024)"),
+    ("--max-connections", "max_connections", "open HTTP connections on each listener, counted apart (1024)"),
+    # connections (issue 26): per uid, before the token, heads, body deadline, unread answers
+    ("--max-connections-per-uid", "max_connections_per_uid",
+     "engine socket connections of one peer uid at most (default 256)"),
+    ("--auth-timeout", "auth_timeout", "seconds a TCP connection may stay idle or send its head "
+                                       "before showing the token, when one is set (default 5)"),
+    ("--body-timeout", "body_timeout", "seconds a request body may take in all (default 60)"),
+    ("--write-timeout", "write_timeout", "seconds an answer may wait for the client to read (default 30)"),
+    ("--max-head", "max_head", "largest request line + headers (default 64KiB)"),
+    ("--max-header-fields", "max_header_fields", "header fields a request at most (default 100)"),
+    ("--kv-events", "kv_events", "publish KV events on this ZMQ endpoint, e.g. tcp://127.0.0.1:5557 "
+                                 "(off by default; docs/kv-events.md)"),
+    ("--kv-events-replay", "kv_events_replay", "ZMQ replay (ROUTER) endpoint (default: the PUB port + 1)"),
+    ("--kv-events-format", "kv_events_format", "map (vLLM's tagged structs, default) or array (positional)"),
+    ("--kv-events-topic", "kv_events_topic", "topic prefix (default kv-sidecar@<hostname>)"),
+    ("--kv-events-buffer", "kv_events_buffer", "event batches kept for replay (10000)"),
+    # lent memory (issue 26): stuck copies, idle lenders, address space
+    ("--copy-deadline", "copy_deadline", "seconds a set/get waits for its copy; past it its pages "
+                                         "answer false and the buffer is marked bad (default 30)"),
+    ("--lend-idle-timeout", "lend_idle_timeout", "seconds an fd socket connection holding no lease "
+                                                 "may stay idle (default 5)"),
+    ("--max-mapped", "max_mapped", "engine memory mapped at once, every user (default 64TiB)"),
+    ("--max-mapped-per-uid", "max_mapped_per_uid", "engine memory one user's buffers may map (16TiB)"),
     ("--log-level", "log_level", "debug, info, warning, error"),
 ]
 

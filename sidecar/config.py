@@ -93,7 +93,25 @@ class Config:
     write_queue_pages: int = 256          # pages pinned for the tiers before a set waits
     shutdown_timeout: float = 30.0
     read_timeout: float = 30.0            # a request head or body stalled this long: closed
-    max_connections: int = 1024           # open HTTP connections, both listeners
+    max_connections: int = 1024           # open HTTP connections on each listener (counted apart)
+    # connections (issue 26: items 3, 6, 10; sidecar/connections.py)
+    max_connections_per_uid: int = 256    # engine socket: one peer uid's connections at most
+    auth_timeout: float = 5.0             # TCP with a token: idle or head time before showing it
+    body_timeout: float = 60.0            # a request body must be whole this long after its head
+    write_timeout: float = 30.0           # answers unread (writing paused) this long: aborted
+    max_head: int = 64 * 2**10            # request line + headers (414/431 past it)
+    max_header_fields: int = 100          # header fields a request (431 past it)
+    # KV events for cache-aware routers (sidecar/events.py); off unless an endpoint is given
+    kv_events: Optional[str] = None       # ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557
+    kv_events_replay: Optional[str] = None  # ZMQ ROUTER replay endpoint (default: PUB port + 1)
+    kv_events_format: str = "map"         # "map" (vLLM's tagged structs) or "array" (positional)
+    kv_events_topic: str = ""             # topic prefix (default kv-sidecar@<hostname>)
+    kv_events_buffer: int = 10_000        # batches kept for replay
+    # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
+    copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad
+    lend_idle_timeout: float = 5.0        # s an fd socket connection holding no lease may idle
+    max_mapped: int = 64 * 2**40          # bytes of engine memory mapped, every uid together
+    max_mapped_per_uid: int = 16 * 2**40  # and by one uid's buffers (429 beyond)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -111,8 +129,16 @@ class Config:
             raise ValueError("segment size must be in 1..host pool size")
         if self.socket and (not os.path.isabs(self.socket) or len(self.socket.encode()) > 100):
             raise ValueError(f"socket must be an absolute path of at most 100 bytes, got {self.socket!r}")
+        if self.kv_events_format not in ("map", "array"):
+            raise ValueError(f"kv events format must be map or array, got {self.kv_events_format!r}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket mode must be an octal mode like 0660, got {self.socket_mode:o}")
+        if min(self.max_connections, self.max_connections_per_uid, self.max_head, self.max_header_fields) < 1:
+            raise ValueError("connection caps, max head and max header fields must be >= 1")
+        if min(self.read_timeout, self.auth_timeout, self.body_timeout, self.write_timeout) <= 0:
+            raise ValueError("read, auth, body and write timeouts must be > 0 seconds")
+        if min(self.copy_deadline, self.lend_idle_timeout) <= 0 or min(self.max_mapped, self.max_mapped_per_uid) < 1:
+            raise ValueError("copy deadline and lend idle timeout must be > 0 s, mapped bounds >= 1 byte")
 
     @property
     def effective_segment_size(self) -> int:
@@ -123,11 +149,14 @@ class Config:
 
 
 _SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body",
-          "mooncake_segment_size"}
+          "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid"}
 _BOOLS = {"file_tier"}
-_INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections"}
-_FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout"}
-_OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master")
+_INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections",
+         "kv_events_buffer", "max_connections_per_uid", "max_header_fields"}
+_FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout", "auth_timeout", "body_timeout",
+           "write_timeout", "copy_deadline", "lend_idle_timeout"}
+_OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master",
+             "kv_events", "kv_events_replay")
 
 
 def coerce(name: str, value: Any) -> Any:

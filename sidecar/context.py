@@ -9,12 +9,13 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pools import Arena, HostPool
 from sidecar import datadir, report
-from sidecar.buffers import Sources
+from sidecar.buffers import Quota, Sources
 from sidecar.config import Config
+from sidecar.copier import Copier
 from sidecar.leases import LeaseRegistry, LendServer, fd_socket_path
 from sidecar.metrics import RequestStats
 from sidecar.peer import bind_unix, group_id
@@ -34,9 +35,7 @@ REAP_INTERVAL = 1.0
 def build_tiers(config: Config) -> list[Tier]:
     tiers = []
     if config.file_tier:
-        size, why = datadir.file_tier_size(config)
-        log.info("file tier %s: %d bytes (%s)", config.data_dir, size, why)
-        tiers.append(FileTier("file", config.data_dir, size))
+        tiers.append(file_tier(config))
     if config.hf3fs_dir:
         group = group_id(config.hf3fs_group) if config.hf3fs_group else None
         tiers.append(FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True,
@@ -47,6 +46,22 @@ def build_tiers(config: Config) -> list[Tier]:
             config.mooncake_device, config.mooncake_segment_size,
             local_hostname=config.mooncake_local_hostname)))
     return tiers
+
+
+def file_tier(config: Config) -> FileTier:
+    """The local file tier: `--file-tier-size`, or the default size, set when recovery has
+    counted what the tier holds (one scan of its files, not two)."""
+    if config.file_tier_size:
+        log.info("file tier %s: %d bytes (--file-tier-size)", config.data_dir, config.file_tier_size)
+        return FileTier("file", config.data_dir, config.file_tier_size)
+    tier = FileTier("file", config.data_dir, datadir.file_tier_size(config, held=0)[0])
+
+    def sizer(held: int) -> int:
+        size, why = datadir.file_tier_size(config, held)
+        log.info("file tier %s: %d bytes (%s)", config.data_dir, size, why)
+        return size
+    tier.sizer = sizer
+    return tier
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +78,7 @@ class Context:
     ready: bool = False
     loop: Optional[asyncio.AbstractEventLoop] = None
     lend_server: Optional[LendServer] = None
+    events: Optional[Any] = None          # sidecar.events.Events with --kv-events
     _tasks: list = field(default_factory=list)
 
     @classmethod
@@ -79,8 +95,11 @@ class Context:
         cuda = cuda_ipc.CudaIpc.create()
         st = os.fstat(arena.fd)
         own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
-        sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda)
-        store = Store(host_pool, executor, sources, min(config.copy_threads, os.cpu_count() or 1), tiering)
+        sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda,
+                          Quota(config.max_mapped, config.max_mapped_per_uid))
+        parallel = min(config.copy_threads, os.cpu_count() or 1)
+        store = Store(host_pool, executor, sources, parallel, tiering)
+        store.copier = Copier(config.copy_threads, parallel, config.copy_deadline)
         store.operator_tcp = config.token is not None   # else TCP is anyone on the node
         ctx = cls(config, arena, host_pool, store, executor)
         for tier in tiers:
@@ -103,10 +122,14 @@ class Context:
             path = fd_socket_path(self.config.socket)
             sock = bind_unix(path, self.config.socket_mode, self.config.socket_group,
                              socket.SOCK_SEQPACKET)
-            self.lend_server = LendServer(self.store.sources.leases, sock, path)
+            self.lend_server = LendServer(self.store.sources.leases, sock, path,
+                                          self.config.lend_idle_timeout)
             self.lend_server.start(self.loop)
         if self.tiering.writer is not None:
             self.tiering.writer.start()
+        if self.config.kv_events:
+            from sidecar import events   # pyzmq and msgspec: the `events` extra
+            self.events = self.store.events = events.start(self.config, self.loop, self.tiering.tiers)
         self._tasks.append(self.loop.create_task(self._recover_then_serve()))
         self._tasks.append(self.loop.create_task(self._reaper()))
         sample = self.sampler.run(lambda: report.sample(self.store), lambda: self.requests.count)
@@ -165,10 +188,20 @@ class Context:
             await asyncio.wait_for(drain, timeout)
         except asyncio.TimeoutError:
             log.warning("copy workers did not finish within the shutdown timeout")
+        copying = not await self.store.copier.lanes.idle(min(timeout, 5.0))
+        if copying:   # a copy stuck in an engine's memory may still write into the arena
+            log.warning("shutdown: %d copies are stuck in engine memory; the host pool stays "
+                        "mapped until the process exits", self.store.copier.lanes.busy)
         if self.tiering.writer is not None:
             await self.loop.run_in_executor(None, self.tiering.writer.stop, timeout)
         for tier in self.tiering.tiers:
             await self.loop.run_in_executor(None, tier.close)
         for name in list(self.store.namespaces):
             self.store.delete_namespace(name)
-        self.arena.close()
+        if self.events is not None:
+            self.events.flush()
+            self.events.publisher.close()
+        self.store.copier.lanes.close()
+        self.store.sources.leases.lanes.close()   # after the closes queued above
+        if not copying:
+            self.arena.close()

@@ -1,93 +1,118 @@
 """Moving pages between engine buffers and host-pool slots.
 
     store: reserve / pin --> Copier.copy(buf, pages, into_engine, settle) --> commit / unpin
-                                 |  copy jobs (transports/base.copy_jobs) in the executor
+                                 |  copy jobs (transports/base.copy_jobs) on the copy lanes
+                                 |  (sidecar/lanes.py: per owner uid, never on the loop)
                                  `- settle(ok) on the loop once no job touches the slots
 
-The store decides which slots move and what happens to them after (`settle`); this module
-decides where and how the bytes move. A page is a (host address, engine slot) pair.
+Every byte moves on a copy thread: an engine's buffer is memory its tenant controls (a
+lent memfd can be locked, punched or swapped under the copy), so no copy runs on the event
+loop. A request waits at most `deadline` seconds for its copy: past it, its pages answer
+false and its buffer is marked bad (later moves with it answer false at once), while the
+slots stay reserved or pinned until the stuck jobs really end. The store decides which
+slots move and what happens to them after (`settle`); this module decides where and how
+the bytes move. A page is a (host address, engine slot) pair.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable
 
 from sidecar.buffers import Buffer
-from sidecar.transports.base import INLINE_MAX, CopyFailed, copy_jobs, copy_pages
+from sidecar.lanes import Job, Lanes
+from sidecar.transports.base import CopyFailed, copy_jobs
 
 log = logging.getLogger("kv_sidecar.store")
+COPY_DEADLINE = 30.0   # seconds a request waits for its copy (--copy-deadline)
+
+
+@dataclass(slots=True, eq=False)
+class _Move:
+    """The jobs of one request's copy: settles once, when the last of them has ended."""
+
+    buf: Buffer
+    settle: Callable[[bool], None]
+    finished: asyncio.Future
+    jobs: list[Job] = field(default_factory=list)
+    left: int = 0
+    failed: bool = False
+    abandoned: bool = False     # past its deadline, or its request was cancelled
+
+    def job_ended(self, job: Job) -> None:
+        if job.error is not None:
+            self.failed = True
+            if isinstance(job.error, CopyFailed):
+                log.warning("copy with buffer %s failed: %s", self.buf.id, job.error)
+            else:
+                log.error("copy with buffer %s failed", self.buf.id, exc_info=job.error)
+        self.left -= 1
+        if self.left:
+            return
+        self.buf.release_ref()
+        ok = not (self.failed or self.abandoned)
+        self.settle(ok)
+        if not self.finished.done():
+            self.finished.set_result(ok)
+
+    def overdue(self) -> None:
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+    def abandon(self, lanes: Lanes) -> None:
+        """Its request answers now: jobs not started never will; the rest settle later."""
+        self.abandoned = True
+        for job in self.jobs:
+            lanes.drop(job)
 
 
 class Copier:
-    """Runs the copies of set/get for every engine buffer."""
+    """Runs the copies of set/get for every engine buffer, on `threads` copy threads of
+    which one owner's jobs take at most half (and a spare replaces each stuck job)."""
 
-    def __init__(self, executor: Executor, parallel: int = 2):
-        self.executor = executor
-        self.parallel = parallel
+    def __init__(self, threads: int = 2, parallel: int = 2, deadline: float = COPY_DEADLINE):
+        per_owner = max(1, threads // 2)
+        self.lanes = Lanes("kv-copy", threads, per_owner)
+        self.parallel = max(1, min(parallel, per_owner))
+        self.deadline = deadline
 
     async def copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool,
                    settle: Callable[[bool], None]) -> bool:
-        """Move (host address, slot) pages in the executor, large moves on several threads
-        that plan as they copy (`copy_jobs`): the loop only lists the pages. `settle(ok)`
-        runs exactly once, on the loop, when no job can touch the slots any more (commit
-        or abort, unpin): a cancelled request still waits for every job first. False when
-        the engine's memory failed the copy (it shrank): those pages answer false."""
-        ok = False
-        try:
-            ok = await self._run(buf, pages, into_engine)
-        finally:
-            settle(ok)
-        return ok
-
-    async def _run(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
+        """Move (host address, slot) pages on the copy threads, large moves on several
+        threads that plan as they copy (`copy_jobs`): the loop only lists the pages.
+        `settle(ok)` runs exactly once, on the loop, when no job can touch the slots any
+        more (commit or abort, unpin); a request cancelled or past its deadline returns
+        first, and its `settle(False)` comes when its last job ends. False when the
+        engine's memory failed the copy (it shrank), or the copy overran its deadline."""
         if not pages:
+            settle(True)
             return True
-        if buf.released:  # released while the request waited (promotion, back-pressure)
+        if buf.released or buf.bad:  # released while the request waited; or stuck before
+            settle(False)
             return False
-        if self.inline(buf, len(pages)):
-            return self.copy_inline(buf, pages, into_engine)
+        loop = asyncio.get_running_loop()
+        move = _Move(buf, settle, loop.create_future())
+        try:
+            jobs = copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.parallel)
+        except BaseException:
+            settle(False)
+            raise
         buf.acquire()
+        move.left = len(jobs)
+        move.jobs = [self.lanes.submit(buf.owner_uid, job, move.job_ended) for job in jobs]
+        timer = loop.call_later(self.deadline, move.overdue)
         try:
-            loop = asyncio.get_running_loop()
-            futs = [loop.run_in_executor(self.executor, job) for job in
-                    copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.parallel)]
-            try:
-                await asyncio.shield(asyncio.gather(*futs))
-            except asyncio.CancelledError:
-                await asyncio.wait(futs)
-                raise
-            except CopyFailed as exc:
-                await asyncio.wait(futs)
-                log.warning("copy with buffer %s failed: %s", buf.id, exc)
-                return False
-            return True
+            ok = await move.finished
+        except asyncio.CancelledError:
+            move.abandon(self.lanes)
+            raise
         finally:
-            buf.release_ref()
-
-    @staticmethod
-    def inline(buf: Buffer, pages: int) -> bool:
-        """Whether a move of `pages` pages with `buf` runs on the loop (`copy_inline`)."""
-        return getattr(buf.mapping, "inline", False) and \
-            pages * sum(c.size for c in buf.chunks) <= INLINE_MAX
-
-    def copy_inline(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool) -> bool:
-        """A small shm move on the loop: a memmove or pread/pwrite of at most INLINE_MAX
-        bytes costs less than two thread hand-offs (get of 64 x 4 KiB: 0.5x -> see bench)."""
-        try:
-            copy_pages(buf.mapping, buf.chunks, pages, into_engine)
-        except CopyFailed as exc:
-            log.warning("copy with buffer %s failed: %s", buf.id, exc)
+            timer.cancel()
+        if ok is None:
+            move.abandon(self.lanes)
+            buf.bad = f"a copy overran the {self.deadline:g} s copy deadline"
+            log.warning("buffer %s (uid %s): a copy overran its %.1f s deadline; the buffer is "
+                        "marked bad", buf.id, buf.owner_uid, self.deadline)
             return False
-        return True
-
-    def get_inline(self, buf: Buffer, hosts: list[Optional[int]], slots: list[int]) -> list[bool]:
-        """A small get copied on the loop straight after its look-up (`hosts`: each key's
-        host address, None when absent): no other request runs in between, so no page can
-        be evicted under the copy and none needs a pin."""
-        ok = self.copy_inline(buf, [(h, s) for h, s in zip(hosts, slots) if h is not None],
-                              into_engine=True)
-        if ok and None not in hosts:
-            return [True] * len(hosts)
-        return [ok and h is not None for h in hosts]
+        return ok

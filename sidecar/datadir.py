@@ -85,15 +85,19 @@ def _probe(path: str) -> None:
         os.unlink(probe)
 
 
-def held_bytes(path: str) -> int:
-    """Bytes the files under `path` occupy on disk."""
+def held_bytes(path: str, enough: Optional[int] = None) -> int:
+    """Bytes the files under `path` occupy on disk (counting stops at `enough`)."""
     total = 0
+    if enough is not None and enough <= 0:
+        return 0
     for root, _, files in os.walk(path):
         for name in files:
             try:
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
             except OSError:
                 continue
+            if enough is not None and total >= enough:
+                return total
     return total
 
 
@@ -105,12 +109,20 @@ def _existing(path: str) -> str:
     return path
 
 
-def file_tier_size(config: Config) -> tuple[int, str]:
+def file_tier_size(config: Config, held: Optional[int] = None) -> tuple[int, str]:
     """The file tier's size: `--file-tier-size`, or min(64 GiB, 90% of (the file system's
-    free space + what the tier already holds)). Returns it and how it was chosen."""
+    free space + what the tier already holds)). `held`: the bytes the tier's recovery found
+    (the sidecar sizes the tier then: no second walk); None: counted here by a walk. Returns
+    the size and how it was chosen."""
     if config.file_tier_size:
         return config.file_tier_size, "--file-tier-size"
     st = os.statvfs(_existing(config.data_dir))
-    free, held = st.f_bavail * st.f_frsize, held_bytes(config.data_dir)
+    free = st.f_bavail * st.f_frsize
+    # past this much held the size is DEFAULT_CAP whatever else is there: a large disk
+    # (most NVMe) reads no file at all (a walk of 1,000,000 page files takes seconds)
+    enough = max(0, int(DEFAULT_CAP / FREE_SHARE) - free)    # held bytes that reach the cap
+    if held is None:
+        held = held_bytes(config.data_dir, enough)
     size = min(DEFAULT_CAP, int(FREE_SHARE * (free + held)))
-    return size, (f"default: min(64 GiB, 90% of {free} bytes free + {held} bytes held)")
+    told = f"{held} bytes held" if held < enough else "what the tier holds"
+    return size, (f"default: min(64 GiB, 90% of {free} bytes free + {told})")

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import orjson
 
 from sidecar.errors import BadRequest, PayloadTooLarge
+from sidecar.events import set_meta
 from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
@@ -265,6 +266,7 @@ class Item:
     keys: list
     buffer_id: Any
     slots: Any
+    meta: Optional[tuple] = None      # KV events: (parent, tokens), `events.set_meta`
 
 
 def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,
@@ -281,7 +283,8 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,
         if not isinstance(name, str) or name in seen:
             raise BadRequest(f"items[{i}].namespace must be a namespace named once per request")
         seen.add(name)
-        item = Item(store.resolve(name, who), it.get("keys"), it.get("buffer_id"), it.get("slots"))
+        item = Item(store.resolve(name, who), it.get("keys"), it.get("buffer_id"), it.get("slots"),
+                    set_meta(it))
         _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
         runs += len(item.keys) * len(buf.chunks)
         items.append(item)
@@ -294,8 +297,8 @@ async def batch_set(store: Store, raw_items: Any, peer: Optional[Peer] = None,
                     who: Caller = OPERATOR) -> dict[str, list[bool]]:
     """Each pool stores what it can: one pool out of room does not fail the others."""
     items = parse_items(store, raw_items, peer, who)
-    results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer)
-                                     for i in items))
+    results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer,
+                                               meta=i.meta) for i in items))
     return {name: r for name, r in zip(_names(raw_items), results)}
 
 

@@ -72,8 +72,13 @@ class _Collector:
 
     def _requests(self) -> Iterator:
         req = CounterMetricFamily("kv_sidecar_requests", "HTTP requests", labels=["method", "route", "status"])
-        for (method, route, status), n in sorted(self.snap["count"].items()):
+        counts = self.snap["count"]
+        for (method, route, status), n in sorted(counts.items()):
             req.add_metric([method, route, status], n)
+        # a zero 500 beside each route without a 5xx: error panels read 0, never "no data"
+        failed = {(m, r) for m, r, s in counts if s.startswith("5")}
+        for method, route in sorted({(m, r) for m, r, _ in counts} - failed):
+            req.add_metric([method, route, "500"], 0)
         yield req
         lat = HistogramMetricFamily("kv_sidecar_request_seconds", "request latency", labels=["route"])
         for route, counts in sorted(self.snap["hist"].items()):

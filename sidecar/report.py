@@ -30,12 +30,15 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
             "hits": c.hits, "misses": c.misses, "evictions": pool.evictions,
             "stored": c.stored, "no_room": c.no_room, "buffers": len(ns.buffers),
             "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
-    return {"host_pool": {"bytes": hp.arena.size, "segment_size": hp.segment_size,
-                          "segments": hp.n_segments, "free_segments": len(hp.free_segments)},
-            "tiers": {t.name: t.describe() for t in tiering.tiers},
-            "write_policy": tiering.policy,
-            "write_queue": {**_queue(store), "cancelled": tiering.writer.cancelled if tiering.writer else 0},
-            "namespaces": spaces}
+    out = {"host_pool": {"bytes": hp.arena.size, "segment_size": hp.segment_size,
+                         "segments": hp.n_segments, "free_segments": len(hp.free_segments)},
+           "tiers": {t.name: t.describe() for t in tiering.tiers},
+           "write_policy": tiering.policy,
+           "write_queue": {**_queue(store), "cancelled": tiering.writer.cancelled if tiering.writer else 0},
+           "namespaces": spaces}
+    if store.events is not None:
+        out["events"] = {"published": store.events.published, "dropped": store.events.dropped}
+    return out
 
 
 def sample(store: "Store", fill_top: int = FILL_TOP) -> dict[str, Any]:

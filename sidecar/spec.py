@@ -23,7 +23,8 @@ MIN_PAGE_BYTES = 512   # the index costs about the same per page whatever its si
 _NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}")
 _RANK_FIELDS = ("tp", "tp_size", "pp", "pp_size", "cp", "cp_size")
 _FIELDS = {"page_bytes", "pool", "model", "layout", "dtype", "page_tokens", "rank",
-           "replicated", "host_capacity_bytes", "share_scope", "share_gid"}
+           "replicated", "host_capacity_bytes", "share_scope", "share_gid", "key_format"}
+KEY_FORMATS = ("", "vllm", "sglang")   # how KV events name a page (sidecar/events.py)
 
 
 def check_name(name: str) -> str:
@@ -57,6 +58,7 @@ class NamespaceSpec:
     host_capacity_bytes: Optional[int] = None
     share_scope: str = ""       # namespaces naming the same scope share tier pages
     share_gid: Optional[int] = None   # peers in this group may use it too (sidecar/tenancy.py)
+    key_format: str = ""        # how KV events name its pages: "vllm", "sglang", "" (the key)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +74,7 @@ class NamespaceSpec:
         """
         data = self.to_json()
         data.pop("host_capacity_bytes")
+        data.pop("key_format")      # what events call a page, not what the page is
         data["owner"] = owner
         if not self.share_scope:
             data["name"] = name
@@ -131,4 +134,11 @@ def parse_spec(body: Any) -> NamespaceSpec:
         dtype=_str(body, "dtype", ""), page_tokens=_int(body, "page_tokens", 0, 0),
         rank=rank, replicated=replicated,
         host_capacity_bytes=_int(body, "host_capacity_bytes", None, 1),
-        share_scope=_str(body, "share_scope", ""), share_gid=_int(body, "share_gid", None, 0))
+        share_scope=_str(body, "share_scope", ""), share_gid=_int(body, "share_gid", None, 0),
+        key_format=_key_format(body.get("key_format", "")))
+
+
+def _key_format(value: Any) -> str:
+    if value not in KEY_FORMATS:
+        raise BadRequest(f"'key_format' must be one of {list(KEY_FORMATS)}")
+    return value

@@ -11,7 +11,7 @@ import logging
 import secrets
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
 from pools.joint import Joint
@@ -32,6 +32,7 @@ from sidecar.transports.base import check_runs, check_slots
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
 MAX_BUFFERS = 1024               # each is a mapping or an open fd
+MAX_BUFFERS_PER_UID = 256        # one uid's share: the others keep room
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class Store:
                  copy_parallel: int = 2, tiering: Optional[Tiering] = None):
         self.host_pool = host_pool
         self.executor = executor
-        self.copier = Copier(executor, copy_parallel)
+        self.copier = Copier(2 * copy_parallel, copy_parallel)   # one uid: half the threads
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
         self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
@@ -83,6 +84,7 @@ class Store:
         self.namespaces: dict[str, Namespace] = self.dir.by_ref   # by ref (sidecar/tenancy.py)
         self.operator_tcp = False   # TCP callers are the operator (a token guards TCP)
         self.joints = Joints()
+        self.events = None          # sidecar.events.Events with --kv-events
         self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
         self._base = host_pool.arena.address
 
@@ -127,6 +129,8 @@ class Store:
         if self.tiering.policy == "write_back":
             pool.on_evict = self.tiering.on_evict(ns.identity)
         self.dir.add(ns)
+        if self.events is not None:
+            self.events.watch(ns, self.tiering.tiers)
         return ns, True
 
     def namespace(self, ref: str) -> Namespace:
@@ -147,6 +151,8 @@ class Store:
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(ref)
+        if self.events is not None:
+            self.events.dropped_namespace(ns)
         return ns
 
     async def drop_tiers(self, ns: Namespace) -> int:
@@ -157,14 +163,22 @@ class Store:
         return await self.tiering.drop(ns.identity)
 
     # -- buffers ----------------------------------------------------------------------
-    def register_buffer(self, name: str, body: Any, peer: Optional[Peer] = None) -> Buffer:
-        """Map engine memory that `peer` (None: a TCP caller) proves it owns."""
+    async def register_buffer(self, name: str, body: Any, peer: Optional[Peer] = None) -> Buffer:
+        """Map engine memory that `peer` (None: a TCP caller) proves it owns (off the loop,
+        `open_buffer`). Buffers are capped a namespace, a uid and in all (429)."""
         ns = self.namespace(name)
-        total = sum(len(n.buffers) for n in self.namespaces.values())
-        if len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE or total >= MAX_BUFFERS:
-            raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace and "
-                          f"{MAX_BUFFERS} in all; release unused ones first")
-        buf = open_buffer(name, body, ns.spec.page_bytes, self.sources, peer)
+        quota, uid = self.sources.quota, (peer.uid if peer is not None else None)
+        if len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE or quota.total_buffers >= MAX_BUFFERS \
+                or (uid is not None and quota.buffers[uid] >= MAX_BUFFERS_PER_UID):
+            raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace, "
+                          f"{MAX_BUFFERS_PER_UID} a user and {MAX_BUFFERS} in all; release "
+                          f"unused ones first")
+        buf = await open_buffer(name, body, ns.spec.page_bytes, self.sources, peer)
+        if self.namespaces.get(name) is not ns or len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE:
+            buf.release()   # deleted, or filled by other registrations, while it was mapped
+            if self.namespaces.get(name) is not ns:
+                raise NamespaceNotFound(f"namespace {ns.name!r} was deleted during the registration")
+            raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace")
         ns.buffers[buf.id] = buf
         return buf
 
@@ -323,10 +337,12 @@ class Store:
         return ns, buf
 
     async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
-                  durable: bool = False, peer: Optional[Peer] = None) -> list[bool]:
+                  durable: bool = False, peer: Optional[Peer] = None,
+                  meta: Optional[tuple] = None) -> list[bool]:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
         Under write_through a page is True only once it is pinned on the writer's queue
-        (in the loop turn of its commit); with `durable`, only once every tier has it."""
+        (in the loop turn of its commit); with `durable`, only once every tier has it.
+        `meta`: (parent key, token ids per key) for the KV events of the pages stored."""
         ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
         stored, todo, repeats = await self._reserve_all(ns, keys)
         try:
@@ -339,6 +355,8 @@ class Store:
 
         def settle(ok: bool) -> None:
             """The copy ended: publish (and queue for the tiers) or give the slots back."""
+            if ok and meta is not None and self.events is not None:
+                self.events.annotate(ns.pool, keys, *meta)
             committed = []
             for i, e in todo:
                 if ok:
@@ -429,11 +447,6 @@ class Store:
         return loaded
 
     async def _get_chunk(self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]) -> list[bool]:
-        if self.copier.inline(buf, len(keys)):
-            found = ns.pool.peek(keys)
-            if not self.tiering.enabled or None not in found:  # nothing to promote
-                return self.copier.get_inline(buf, [None if e is None else self._base + e.offset
-                                                    for e in found], slots)
         # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
         missing = [k for k, e in zip(keys, pinned) if e is None]

@@ -298,8 +298,15 @@ class SidecarClient:
     def exists_each(self, namespace: str, keys: Sequence[str]) -> list[bool]:
         return self.request("POST", self._ns(namespace, "/exists?each=1"), {"keys": keys})[1]["present"]
 
-    def set(self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int]) -> list[bool]:
-        body = {"keys": keys, "buffer_id": buffer_id, "slots": slots}
+    def set(self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int],
+            parent: Optional[str] = None, tokens: Optional[Sequence[Sequence[int]]] = None) -> list[bool]:
+        """`parent` (the key before keys[0]) and `tokens` (each key's token ids) only feed the
+        sidecar's KV events (docs/kv-events.md)."""
+        body: dict = {"keys": keys, "buffer_id": buffer_id, "slots": slots}
+        if parent is not None:
+            body["parent"] = parent
+        if tokens is not None:
+            body["tokens"] = tokens
         return self.request("POST", self._ns(namespace, "/set"), body)[1]["stored"]
 
     def get(self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int]) -> list[bool]:

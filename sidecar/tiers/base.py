@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 log = logging.getLogger("kv_sidecar.tiers")
 
@@ -40,6 +40,18 @@ class Tier:
     shared = False          # other nodes publish into it: `recover` runs again every rescan
     remote_lookup = False   # `lookup` does network I/O: Tiering calls it off the event loop
     where = ""              # a directory or an address, for logs
+    # told (from any thread, in order) when pages join or leave the index: KV events
+    listener: Optional[Callable[[str, list, bool], None]] = None
+
+    def changed(self, identity: str, keys: list, present: bool) -> None:
+        """Tell the listener that `keys` of `identity` joined (or left) the index."""
+        if self.listener is not None and keys:
+            self.listener(identity, keys, present)
+
+    def held_keys(self, identity: str) -> list:
+        """The keys of `identity` the index holds now (what events announce for a new
+        namespace of that identity)."""
+        return []
 
     # -- index ------------------------------------------------------------------------
     def contains(self, identity: str, key: str) -> bool:

@@ -24,7 +24,8 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict
-from typing import Optional
+from itertools import repeat
+from typing import Callable, Optional
 
 from sidecar.tiers import pagefile
 from sidecar.tiers.base import Tier, TierStats
@@ -47,9 +48,17 @@ class FileTier(Tier):
         self.file_mode, self.dir_mode = (0o600, 0o700) if group is None else (0o640, 0o2770)
         self.root = os.path.abspath(root)
         self.capacity = capacity
+        # sizes the tier from the bytes recovery found (the default size: sidecar/datadir.py),
+        # so start-up reads no page file twice; set by the caller, None: `capacity` stands
+        self.sizer: Optional[Callable[[int], int]] = None
         self.shared = shared
         self.where = self.root
         self.keys: dict[str, dict[str, int]] = {}
+        # least recent first: the pages `recover` found, oldest mtime first, from `_cold_at`
+        # on (stale entries, since forgotten or touched, are skipped), then `lru`: pages
+        # added or read since, in order. Recovery builds no per-page LRU node (1M pages)
+        self._cold: tuple[list[str], list[str]] = ([], [])   # (identities, keys)
+        self._cold_at = 0
         self.lru: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.used = 0
         self.reserved = 0       # bytes of writes between `_make_room` and publish
@@ -58,6 +67,7 @@ class FileTier(Tier):
         self.stats = TierStats()
         self.degraded: Optional[str] = None
         self._lock = threading.Lock()
+        self._quiet = False     # True while `recover` rebuilds the index (no listener calls)
         self._dirs: set[str] = set()
         self._last_log = 0.0
 
@@ -82,11 +92,17 @@ class FileTier(Tier):
                 self._add(identity, key, size)
         return True
 
+    def held_keys(self, identity: str) -> list:
+        with self._lock:
+            return list(self.keys.get(identity, ()))
+
     def _add(self, identity: str, key: str, size: int) -> None:
         keys = self.keys.setdefault(identity, {})
         old = keys.get(key)
         if old is not None:
             self.used -= old
+        elif not self._quiet:
+            self.changed(identity, [key], True)
         keys[key] = size
         self.lru[(identity, key)] = size
         self.lru.move_to_end((identity, key))
@@ -99,9 +115,11 @@ class FileTier(Tier):
         if keys is None or key not in keys:
             return False
         self.used -= keys.pop(key)
-        del self.lru[(identity, key)]
+        self.lru.pop((identity, key), None)   # (or a stale entry of `_cold`)
         if self._scan_log is not None:
             self._scan_log[(identity, key)] = None
+        if not self._quiet:
+            self.changed(identity, [key], False)
         return True
 
     def _path(self, identity: str, key: str) -> str:
@@ -186,14 +204,28 @@ class FileTier(Tier):
         freed = 0
         while freed < want:
             with self._lock:
-                if not self.lru:
+                oldest = self._oldest()
+                if oldest is None:
                     break
-                (identity, key), size = next(iter(self.lru.items()))
+                (identity, key), size = oldest
                 self._forget(identity, key)
                 self.stats.evictions += 1
             pagefile._unlink(self._path(identity, key))
             freed += size
         return freed
+
+    def _oldest(self) -> Optional[tuple[tuple[str, str], int]]:
+        """The least recent page and its size (None: none); under the lock."""
+        idents, keys = self._cold
+        while self._cold_at < len(keys):
+            page = idents[self._cold_at], keys[self._cold_at]
+            size = self.keys.get(page[0], {}).get(page[1])
+            if size is not None and page not in self.lru:
+                return page, size
+            self._cold_at += 1
+        if keys:
+            self._cold, self._cold_at = ([], []), 0
+        return next(iter(self.lru.items()), None)
 
     def _ensure_dir(self, directory: str) -> None:
         if directory not in self._dirs:
@@ -268,6 +300,8 @@ class FileTier(Tier):
         with self._lock:
             if (identity, key) in self.lru:
                 self.lru.move_to_end((identity, key))
+            elif key in self.keys.get(identity, ()):    # a recovered page: now the most recent
+                self.lru[(identity, key)] = self.keys[identity][key]
             self.stats.pages_read += 1
             self.stats.bytes_read += len(dst)
         return True
@@ -349,64 +383,108 @@ class FileTier(Tier):
     # -- recovery ---------------------------------------------------------------------
     def recover(self) -> int:
         """Rebuild the index from the directory (LRU order by mtime); remove abandoned
-        temporaries (pagefile.abandoned), never another live writer's."""
-        found = []
+        temporaries (pagefile.abandoned), never another live writer's. The new index is
+        built aside in bulk (1,000,000 pages: loadtest/bench_recovery.py) and swapped in."""
         with self._lock:
             self._scan_log = {}
         try:
             os.makedirs(os.path.dirname(self.root), exist_ok=True)
             self._make_dir(self.root)
+            scans = []
             for ident in _subdirs(self.root, _IDENTITY_LEN):
                 try:
-                    found += self._scan_dir(ident, os.path.join(self.root, ident))
+                    scans.append((ident, *self._scan_dir(os.path.join(self.root, ident))))
                 except FileNotFoundError:  # dropped meanwhile (another node deleted the namespace)
                     continue
         except BaseException:
             with self._lock:
                 self._scan_log = None
             raise
-        found.sort()
+        keys, cold, used = _build_index(scans)
         with self._lock:
             changed, self._scan_log = self._scan_log or {}, None
+            before = {i: set(k) for i, k in self.keys.items()} if self.listener else None
+            # changed meanwhile, or renamed by a writer that has not indexed it yet (its
+            # bytes are still in `reserved`: counting them twice would evict them); their
+            # entries in `cold` go stale
+            for ident, key in changed.keys() | self._publishing.keys():
+                used -= keys.get(ident, {}).pop(key, 0)
             self.keys.clear()
-            self.lru.clear()
-            self.used = 0
-            for _, ident, key, size in found:
-                # changed meanwhile, or renamed by a writer that has not indexed it yet (its
-                # bytes are still in `reserved`: counting them twice would evict them)
-                if (ident, key) not in changed and (ident, key) not in self._publishing:
-                    self._add(ident, key, size)
+            self.keys.update((i, k) for i, k in keys.items() if k)
+            self._cold, self._cold_at, self.lru, self.used = cold, 0, OrderedDict(), used
+            self._quiet = True    # the index is rebuilt: listeners hear the difference once
             for (ident, key), size in changed.items():  # what happened during the scan wins
                 if size is not None:
                     self._add(ident, key, size)
+            self._quiet = False
+            if before is not None:
+                self._tell_difference(before)
+            if self.sizer is not None:
+                self.capacity = self.sizer(self.used)
         self._make_room(0)
-        return len(found)
+        return sum(len(names) for _, names, _, _ in scans)
 
-    def _scan_dir(self, ident: str, directory: str) -> list:
-        """Pages of one directory; removes temporaries no live writer can publish."""
-        out, now = [], time.time()
-        with os.scandir(directory) as it:
-            for entry in it:
-                name = entry.name
-                try:
-                    if not entry.is_file(follow_symlinks=False):
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:  # published or removed meanwhile
-                    continue
-                if pagefile.is_page_name(name):
-                    out.append((st.st_mtime_ns, ident, name[:-len(pagefile.SUFFIX)], st.st_size))
-                elif pagefile.abandoned(name, st.st_mtime, now):
-                    pagefile._unlink(entry.path)  # a write that will never publish
-        return out
+    def _tell_difference(self, before: dict) -> None:
+        """After a rescan: tell the listener what came (other nodes' pages) and went."""
+        for ident in before.keys() | self.keys.keys():
+            old, new = before.get(ident, set()), self.keys.get(ident, {}).keys()
+            self.changed(ident, [k for k in new if k not in old], True)
+            self.changed(ident, [k for k in old if k not in new], False)
+
+    def _scan_dir(self, directory: str) -> tuple[list, list, list]:
+        """(keys, sizes, mtimes) of the pages in one directory; removes temporaries no live
+        writer can publish. One thread: stat threads fight over the GIL (1,000,000 pages:
+        4.4 s on one thread, 6 s on two, 8.4 s on four, two idle cores)."""
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return _stat_pages(fd, directory, os.listdir(fd), time.time())
+        finally:
+            os.close(fd)
 
     def pages(self) -> int:
-        return len(self.lru)
+        return sum(map(len, list(self.keys.values())))
 
     def describe(self) -> dict:
-        return {"root": self.root, "pages": len(self.lru), "bytes": self.used,
+        return {"root": self.root, "pages": self.pages(), "bytes": self.used,
                 "capacity": self.capacity, "shared": self.shared, "degraded": self.degraded,
                 **asdict(self.stats)}
+
+
+def _stat_pages(fd: int, directory: str, names: list[str], now: float) -> tuple[list, list, list]:
+    """(keys, sizes, mtimes) of the pages among `names` in the directory open as `fd`;
+    unlinks abandoned temporaries. The per-file loop of a recovery: keep it lean."""
+    keys, sizes, mtimes = [], [], []
+    shared: dict[int, int] = {}     # one int object a size: a namespace's pages have one or two
+    is_page, is_reg, cut, lstat = pagefile.page_name_match, stat.S_ISREG, -len(pagefile.SUFFIX), os.stat
+    for name in names:
+        try:
+            st = lstat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:  # published or removed meanwhile
+            continue
+        if not is_reg(st.st_mode):
+            continue
+        if is_page(name):
+            keys.append(name[:cut])
+            size = st.st_size
+            sizes.append(shared.setdefault(size, size))
+            mtimes.append(st.st_mtime)
+        elif pagefile.abandoned(name, st.st_mtime, now):
+            pagefile._unlink(os.path.join(directory, name))  # a write that will never publish
+    return keys, sizes, mtimes
+
+
+def _build_index(scans: list) -> tuple[dict, tuple[list, list], int]:
+    """(identity -> key -> size, (identities, keys) oldest mtime first, bytes) from
+    `_scan_dir` results [(identity, keys, sizes, mtimes)], by C loops (zip, map, sort)."""
+    keys, idents, names, mtimes, used = {}, [], [], [], 0
+    for ident, found, sizes, mt in scans:
+        keys[ident] = dict(zip(found, sizes))
+        idents += repeat(ident, len(found))
+        names += found
+        mtimes += mt
+        used += sum(sizes)
+    order = sorted(range(len(names)), key=mtimes.__getitem__)
+    return keys, (list(map(idents.__getitem__, order)), list(map(names.__getitem__, order))), used
 
 
 def _subdirs(path: str, length: int) -> list[str]:

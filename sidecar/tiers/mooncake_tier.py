@@ -210,15 +210,23 @@ class MooncakeTier(Tier):
     def count(self, identity: str) -> int:
         return len(self.known.get(identity, ()))
 
+    def held_keys(self, identity: str) -> list:
+        return list(self.known.get(identity, ()))
+
     def _remember(self, identity: str, key: str) -> None:
         keys = self.known.get(identity)
         if keys is None:
             with self._known_lock:
                 keys = self.known.setdefault(identity, set())
-        keys.add(key)
+        if key not in keys:
+            keys.add(key)
+            self.changed(identity, [key], True)
 
     def _forget(self, identity: str, key: str) -> None:
-        self.known.get(identity, set()).discard(key)
+        keys = self.known.get(identity, set())
+        if key in keys:
+            keys.discard(key)
+            self.changed(identity, [key], False)
 
     def lookup(self, identity: str, keys: list[str]) -> list[bool]:
         """One `batch_is_exist` for all keys; an error is a miss."""
@@ -364,7 +372,8 @@ class MooncakeTier(Tier):
     def drop(self, identity: str) -> None:
         """Remove the pages of one identity that this process knows of (other nodes' pages
         of the same identity stay, until Mooncake evicts them)."""
-        self.delete(identity, list(self.known.pop(identity, ())))
+        self.delete(identity, list(self.known.get(identity, ())))
+        self.known.pop(identity, None)
 
     def _remove(self, mkeys: list[str]) -> list[int]:
         client = self._client

@@ -74,6 +74,9 @@ def is_page_name(name: str) -> bool:
     return _PAGE_NAME.fullmatch(name) is not None
 
 
+page_name_match = _PAGE_NAME.fullmatch   # is_page_name without a Python frame (recovery's loop)
+
+
 def temp_name() -> str:
     return f"{TMP_PREFIX}{NODE}~{BOOT}~{os.getpid()}~{secrets.token_hex(4)}.tmp"
 

@@ -22,7 +22,6 @@ MAX_CHUNKS = 4096
 MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
 YIELD_RUNS = 2048      # runs a copy thread plans and copies before it yields the GIL
 SPLIT_MIN = 8 << 20    # moves of fewer bytes stay on one copy thread
-INLINE_MAX = 1 << 20   # moves of at most this many bytes run on the event loop (shm only)
 _INT = {int}
 
 
@@ -75,6 +74,13 @@ def parse_chunks(raw: Any, page_bytes: int, size, slots: int) -> tuple[Chunk, ..
         raise GeometryMismatch(f"chunk sizes sum to {total} bytes; the namespace's page_bytes "
                                f"is {page_bytes}")
     return merge_chunks(chunks)
+
+
+def covered(chunks: Sequence[Chunk], slots: int) -> tuple[int, int]:
+    """(first, end): the bytes of region 0 that the chunks of `slots` slots cover, from the
+    first chunk byte to the last (what an shm buffer maps, not its whole size)."""
+    first = min(c.offset for c in chunks)
+    return first, max(c.offset + (slots - 1) * c.stride + c.size for c in chunks)
 
 
 def merge_chunks(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:

@@ -11,6 +11,9 @@ allowed directory and checks its owner (`open_beneath`). Then one of two copy mo
 A mapping of a file its owner may truncate would kill the sidecar with SIGBUS at the next
 copy; once sealed against shrinking it cannot be truncated, and pread/pwrite on an unsealed
 file answer a short count or an errno instead, which the store turns into `false`.
+Only the bytes the chunks cover are mapped (`span`), and nothing here runs on the event
+loop: the sidecar builds, copies with and closes these mappings on its lane threads
+(`sidecar.lanes`), since a tenant can hold its memfd's inode lock or punch holes under a copy.
 """
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ import fcntl
 import mmap
 import os
 import stat
-from typing import Sequence
+from typing import Optional, Sequence
 
-from sidecar.errors import BadRequest, Forbidden, GeometryMismatch
+from sidecar.errors import BadRequest, Forbidden, GeometryMismatch, TooMany
 from sidecar.transports.base import CopyFailed
 
 _memmove = ctypes.memmove
@@ -33,6 +36,7 @@ for _f in (_pread, _pwrite):
     _f.restype = ctypes.c_ssize_t
 _fstatfs = _libc.fstatfs
 TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
 
 
 def open_beneath(path: object, allowed: Sequence[str]) -> int:
@@ -81,19 +85,28 @@ def _sealed(fd: int) -> bool:
                 return False
         except OSError:
             return False
+    return fs_type(fd) == TMPFS_MAGIC
+
+
+def fs_type(fd: int) -> int:
+    """The f_type of the file system `fd` lives on (statfs; -1 when it cannot say)."""
     buf = ctypes.create_string_buffer(128)  # struct statfs; f_type comes first
-    return _fstatfs(fd, buf) == 0 and int.from_bytes(buf.raw[:8], "little") == TMPFS_MAGIC
+    if _fstatfs(fd, buf) != 0:
+        return -1
+    return int.from_bytes(buf.raw[:8], "little")
 
 
 class ShmMapping:
     """An engine buffer: the fd it was registered with (owned from here on), mapped when
-    sealed. `addresses` are mapping addresses, or file offsets (base 0) in fd mode."""
+    sealed, only over `span` (the bytes its chunks cover; default all of `size`), unless
+    `refusal` (no room to map: raised then). `addresses` are mapping addresses, or file
+    offsets (base 0) in fd mode; `mapped` is the bytes of address space it holds."""
 
-    __slots__ = ("size", "fd", "ident", "sealed", "_mm", "_anchor", "address")
-    inline = True   # small moves may run on the event loop: no copy can block (tmpfs/memfd)
+    __slots__ = ("size", "fd", "ident", "sealed", "mapped", "_mm", "_anchor", "address")
 
-    def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = ()):
-        self.fd, self._mm, self._anchor = fd, None, None
+    def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = (),
+                 span: Optional[tuple[int, int]] = None, refusal: Optional[Exception] = None):
+        self.fd, self._mm, self._anchor, self.mapped, self.address = fd, None, None, 0, 0
         try:
             self.sealed = _sealed(fd)  # before the size check: it cannot shrink after
             st = os.fstat(fd)
@@ -104,21 +117,28 @@ class ShmMapping:
                 raise BadRequest("the registered fd is not a regular file or memfd")
             if st.st_size < size:
                 raise GeometryMismatch(f"buffer size {size} is larger than the file ({st.st_size} bytes)")
+            if self.sealed and refusal is not None:   # no room to map it (fd mode would be)
+                raise refusal
             if self.sealed:
-                self._map(fd, size)
+                self._map(fd, span or (0, size))
         except BaseException:
             os.close(fd)
             raise
         self.size = size
-        self.address = ctypes.addressof(self._anchor) if self.sealed else 0
 
-    def _map(self, fd: int, size: int) -> None:
+    def _map(self, fd: int, span: tuple[int, int]) -> None:
+        start = span[0] - span[0] % mmap.ALLOCATIONGRANULARITY
         try:
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except OSError:  # e.g. a write-sealed memfd cannot be mapped writable: use the fd
-            self.sealed = False
+            self._mm = mmap.mmap(fd, span[1] - start, flags=mmap.MAP_SHARED, offset=start)
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM:   # the address space is full: the caller's 4xx
+                raise TooMany(f"the sidecar cannot map {span[1] - start} more bytes now "
+                              f"(out of address space); release buffers or register smaller ones") from None
+            self.sealed = False   # e.g. a write-sealed memfd cannot be mapped writable: use the fd
             return
         self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.mapped = span[1] - start
+        self.address = ctypes.addressof(self._anchor) - start
 
     @property
     def addresses(self) -> list[int]:

@@ -12,6 +12,7 @@ import pytest
 from api.engine.client import SidecarClient
 from sidecar import datadir
 from sidecar.config import Config
+from sidecar.tiers import pagefile
 
 
 def exits_with_one_line(spawn, data_dir: str, reason: str) -> None:
@@ -55,14 +56,24 @@ def test_a_read_only_data_dir(spawn, tmpfs):
 
 def test_the_default_size_follows_the_free_space(spawn, tmpfs):
     where = tmpfs("size=64m,mode=0700")   # a tmpfs root is 1777 unless told: refused as squattable
-    with open(os.path.join(where, "held"), "wb") as f:   # what the tier already holds
-        f.write(b"h" * (8 << 20))
+    ident = os.path.join(where, "ab" * 16)   # what the tier already holds: 128 page files
+    os.mkdir(ident, 0o700)
+    held = 0
+    for i in range(128):
+        body = bytes([i]) * (64 << 10)
+        data = pagefile.encode_header(f"k{i}", body) + body
+        with open(os.path.join(ident, pagefile.page_name(f"k{i}")), "wb") as f:
+            f.write(data)
+        held += len(data)
+    with open(os.path.join(where, "not-a-page"), "wb") as f:   # not the tier's: not counted
+        f.write(b"x" * (1 << 20))
     st = os.statvfs(where)
-    want = int(0.9 * (st.f_bavail * st.f_frsize + (8 << 20)))
+    want = int(0.9 * (st.f_bavail * st.f_frsize + held))
     p = spawn("--host-pool", "16MiB", "--data-dir", where).wait_ready()
     capacity = SidecarClient(p.url).stats()["tiers"]["file"]["capacity"]
     assert abs(capacity - want) <= 64 * 1024 and 0.85 * (64 << 20) < capacity < 0.9 * (64 << 20) + 1
     assert f"file tier {where}: {capacity} bytes (default: min(64 GiB, 90% of" in p.output()
+    assert f"{held} bytes held" in p.output()        # counted by the recovery scan, no second walk
     p2 = spawn("--host-pool", "16MiB", "--data-dir", where, "--file-tier-size", "1GiB").wait_ready()
     assert SidecarClient(p2.url).stats()["tiers"]["file"]["capacity"] == 2**30   # the flag wins
 

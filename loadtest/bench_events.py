@@ -1,0 +1,135 @@
+"""What KV events cost (issue 31): the same traffic against a sidecar with `--kv-events`
+(and a subscriber draining it) and one without, interleaved, in one run.
+
+    python -m loadtest.bench_events [--rounds 7] [--n 600] [--json]
+
+    exists 1,000 keys (500 present)      no event: the cost of the hooks being there
+    set 64 x 4 KiB, new keys each time   64 BlockStored a request, and BlockRemoved as the
+                                         32 MiB host pool evicts (with tokens and a parent)
+
+Each figure: req/s and server CPU per request (/proc/<pid>/stat), medians of the rounds,
+and the ratio on / off (target >= 0.95x).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+
+import orjson
+
+from api.engine.client import SidecarClient
+from api.engine.shm import SharedBuffer, page_first_chunks
+from loadtest.bench import _connect, _read_response, cpu_seconds, div, exists_keys
+from loadtest.procs import free_port, start_sidecar
+
+TARGET = 0.95
+PAGES = 64
+
+
+def drain(endpoint: str, stop: threading.Event) -> None:
+    """A subscriber that takes every event (a PUB with no subscriber costs less)."""
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    while not stop.is_set():
+        if sock.poll(50):
+            sock.recv_multipart()
+    sock.close(linger=0)
+
+
+def posts(url: str, path: str, bodies: list[bytes]) -> float:
+    """Seconds for one POST of each body, in order, on one keep-alive connection."""
+    reqs = [(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(b)}\r\n\r\n").encode() + b for b in bodies]
+    with _connect(url) as sock:
+        t = time.perf_counter()
+        for req in reqs:
+            sock.sendall(req)
+            _read_response(sock)
+        return time.perf_counter() - t
+
+
+def set_bodies(bid: str, round_: int, n: int) -> list[bytes]:
+    out = []
+    for r in range(n):
+        base = (round_ * n + r) * PAGES
+        keys = [f"{base + i:064x}" for i in range(PAGES)]
+        out.append(orjson.dumps({"keys": keys, "buffer_id": bid, "slots": list(range(PAGES)),
+                                 "parent": f"{base - 1:064x}" if base else None,
+                                 "tokens": [[16 * (base + i) + t for t in range(16)]
+                                            for i in range(PAGES)]}))
+    return out
+
+
+def setup(sidecar) -> tuple[str, bytes, tuple]:
+    """(buffer id, the exists body, what must stay alive: the client lent the buffer)."""
+    c = SidecarClient(sidecar.socket_url)
+    c.put_namespace("ev", 4096, key_format="vllm", page_tokens=16)
+    buf = SharedBuffer(PAGES * 4096)
+    bid = buf.register(c, "ev", PAGES, page_first_chunks(4096))
+    exists = orjson.dumps({"keys": exists_keys(sidecar.socket_url, "ev-exists")})
+    return bid, exists, (c, buf)
+
+
+def one(sidecar, bid: str, exists: bytes, r: int, n: int) -> dict:
+    """(req/s, CPU s a request) of exists and of set, one round on one sidecar."""
+    out = {}
+    for what, path, bodies in (("exists", "/v1/namespaces/ev-exists/exists", [exists] * n),
+                               ("set", "/v1/namespaces/ev/set", set_bodies(bid, r, n))):
+        cpu = cpu_seconds(sidecar.proc.pid)
+        secs = posts(sidecar.socket_url, path, bodies)
+        out[what] = (n / secs, (cpu_seconds(sidecar.proc.pid) - cpu) / n)
+    return out
+
+
+def run(rounds: int, n: int) -> dict:
+    port = free_port()
+    on = start_sidecar("--host-pool", "32MiB", "--no-file-tier", "--kv-events", f"tcp://127.0.0.1:{port}")
+    off = start_sidecar("--host-pool", "32MiB", "--no-file-tier")
+    stop = threading.Event()
+    sub = threading.Thread(target=drain, args=(f"tcp://127.0.0.1:{port}", stop), daemon=True)
+    sub.start()
+    try:
+        setups = {"on": setup(on), "off": setup(off)}
+        rows = {"on": [], "off": []}
+        for r in range(rounds):
+            for name, proc in (("on", on), ("off", off)) if r % 2 else (("off", off), ("on", on)):
+                bid, exists, _ = setups[name]
+                rows[name].append(one(proc, bid, exists, r, n))
+    finally:
+        stop.set()
+        on.stop()
+        off.stop()
+    med = statistics.median
+    res = {}
+    for what in ("exists", "set"):
+        a, b = [x[what] for x in rows["on"]], [x[what] for x in rows["off"]]
+        res[what] = {"on_rps": med(x[0] for x in a), "off_rps": med(x[0] for x in b),
+                     "on_cpu_us": med(x[1] for x in a) * 1e6, "off_cpu_us": med(x[1] for x in b) * 1e6,
+                     "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b)),
+                     "cpu_ratio": med(div(y[1], x[1]) for x, y in zip(a, b))}
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--n", type=int, default=600)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    res = run(args.rounds, args.n)
+    for what, r in res.items():
+        print(f"{what}: events on {r['on_rps']:.0f} req/s, {r['on_cpu_us']:.0f} us CPU vs off "
+              f"{r['off_rps']:.0f} req/s, {r['off_cpu_us']:.0f} us CPU -> req/s {r['rps_ratio']:.2f}x, "
+              f"CPU {r['cpu_ratio']:.2f}x (off CPU / on; target >= {TARGET}x)")
+    if args.json:
+        print(orjson.dumps(res).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

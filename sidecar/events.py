@@ -1,0 +1,316 @@
+"""KV events (`--kv-events ENDPOINT`): what the sidecar holds, for cache-aware routers.
+
+    page pools (commit, evict, delete)  --log--+
+    tiers (written, evicted, deleted; any      |   Events (the loop): one batch a topic
+      thread, in the order they happen)  ------+-> each loop turn, encoded here
+    namespaces (made, dropped)           ------+        |
+                                                         v  (on the loop; refused: counted)
+                                          PUB  [topic, seq (8-byte big-endian), payload]
+                        replay thread:    ROUTER [id, b"", seq] -> each kept batch from seq
+                                          on, then [id, b"", b"", -1, b""]
+
+The wire is vLLM's (`vllm.distributed.kv_events`): a payload is a msgpack EventBatch
+`[ts, [event, ...]]` of `BlockStored(block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, lora_name)`, `BlockRemoved(block_hashes, medium)` and
+`AllBlocksCleared()`. Two encodings of an event, as consumers parse them:
+
+    map    {"type": "BlockStored", "block_hashes": [...], ...}   (vLLM's tagged structs)
+    array  ["BlockStored", [...], parent, [tokens], 16, None, "CPU_PINNED", None]
+
+Media: CPU_PINNED (the host pool), DISK (the file tier), EXTERNAL (3FS, Mooncake).
+Topic: `<prefix>@<namespace>`, one per namespace (its pages, every medium); a dropped
+namespace is `AllBlocksCleared` on its topic. Block hashes are the namespace's keys in the
+form its engine's router knows (`key_format`): `vllm` the bytes of the hex key (vLLM's
+block hash), `sglang` SGLang's int64 of the key (`hash_str_to_int64`), else the key.
+A store carries `parent_block_hash` and `token_ids` when the set that stored it gave them.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+from sidecar.errors import BadRequest
+
+log = logging.getLogger("kv_sidecar.events")
+MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
+FORMATS = ("map", "array")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def block_hash(key: str, key_format: str) -> Any:
+    """A page key as the routers of its engine name the block (a key not in that form,
+    e.g. an extra pool's suffixed key, goes as it is)."""
+    try:
+        if key_format == "vllm":
+            return bytes.fromhex(key)
+        if key_format == "sglang":
+            value = int(key[:16], 16)
+            return value - 2**64 if value >= 2**63 else value
+    except ValueError:
+        pass
+    return key
+
+
+def encode_event(kind: str, fields: dict, fmt: str) -> Any:
+    """One event as `fmt` lays it out (the module docstring)."""
+    if fmt == "map":
+        return {"type": kind, **fields}
+    return [kind, *fields.values()]
+
+
+def stored_event(hashes: list, parent: Any, tokens: list, block_size: int, medium: str,
+                 fmt: str) -> Any:
+    return encode_event("BlockStored", {"block_hashes": hashes, "parent_block_hash": parent,
+                                        "token_ids": tokens, "block_size": block_size,
+                                        "lora_id": None, "medium": medium, "lora_name": None}, fmt)
+
+
+def removed_event(hashes: list, medium: str, fmt: str) -> Any:
+    return encode_event("BlockRemoved", {"block_hashes": hashes, "medium": medium}, fmt)
+
+
+def set_meta(body: dict) -> Optional[tuple]:
+    """A set's optional `parent` (the key before its first) and `tokens` (token ids, one
+    list per key) for KV events (docs/kv-events.md); None when it gives neither."""
+    parent, tokens = body.get("parent"), body.get("tokens")
+    if parent is None and tokens is None:
+        return None
+    if parent is not None and not (isinstance(parent, str) and 0 < len(parent) <= 128):
+        raise BadRequest("'parent' must be the key before the first one")
+    keys = body.get("keys")
+    if tokens is not None and not (isinstance(tokens, list) and isinstance(keys, list)
+                                   and len(tokens) == len(keys)
+                                   and all(type(t) is list and all(type(i) is int for i in t)
+                                           for t in tokens)):
+        raise BadRequest("'tokens' must hold one list of token ids (integers) per key")
+    return parent, tokens
+
+
+class Publisher:
+    """The PUB socket (sent on the event loop: a PUB never blocks, it drops past its
+    high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
+    the replay thread that owns the ROUTER socket and reads the ring."""
+
+    def __init__(self, endpoint: str, replay: Optional[str], keep: int):
+        import zmq   # the `events` extra: imported only when events are on
+        self.zmq, self.ctx = zmq, zmq.Context.instance()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.set_hwm(100_000)
+        self.pub.bind(endpoint)
+        self.ring: collections.deque = collections.deque(maxlen=keep)
+        self.seq = 0
+        self.router, self.thread, self.running = None, None, True
+        if replay:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.bind(replay)
+            self.thread = threading.Thread(target=self._serve_replay, name="kv-events-replay",
+                                           daemon=True)
+            self.thread.start()
+
+    def send(self, topic: bytes, payload: bytes) -> bool:
+        """Publish one batch now (on the loop); False when ZMQ refused it (counted)."""
+        try:
+            self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
+                                    flags=self.zmq.NOBLOCK)
+        except self.zmq.ZMQError:
+            return False
+        self.ring.append((self.seq, topic, payload))
+        self.seq += 1
+        return True
+
+    def _serve_replay(self) -> None:
+        while self.running:
+            if self.router.poll(100):
+                self._replay()
+
+    def _replay(self) -> None:
+        frames = self.router.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, topic, payload in list(self.ring):   # (a copy: the loop appends meanwhile)
+            if seq >= first:
+                self.router.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        self.router.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self.running = False
+        if self.thread is not None:
+            self.thread.join(5)
+            self.router.close(linger=0)
+        self.pub.close(linger=0)
+
+
+class Events:
+    """Events of one sidecar, collected on the event loop and flushed once a loop turn.
+
+    Pools append `(present, key)` to their `log` (pools/page_pool.py); tiers call
+    `tier_changed` from any thread; the store calls `watch` and `dropped_namespace` as
+    namespaces come and go, and `annotate` with a set's parents and tokens."""
+
+    def __init__(self, publisher: Publisher, topic: str, fmt: str, loop):
+        self.publisher, self.prefix, self.fmt, self.loop = publisher, topic, fmt, loop
+        self.by_pool: dict = {}        # pool -> its namespace
+        self.dirty: set = set()        # pools with a log to flush
+        self.pending: dict[bytes, list] = {}   # topic -> this turn's events, in order
+        self.meta: dict = {}           # (pool, key) -> (parent key, tokens) of this turn's sets
+        self.tier_log: collections.deque = collections.deque()   # (identity, keys, medium, present)
+        self.identities: dict[str, list] = {}   # identity -> its live namespaces
+        self.scheduled = False
+        self.dropped = 0               # batches ZMQ refused
+        self.published = 0
+        import msgspec   # the `events` extra
+        self.encode = msgspec.msgpack.Encoder().encode
+
+    # -- what the store tells -------------------------------------------------------
+    def topic(self, ns) -> bytes:
+        return f"{self.prefix}@{ns.name}".encode()
+
+    def watch(self, ns, tiers: list) -> None:
+        """A namespace was made: follow its pool; the first of its identity announces
+        the pages its tiers hold already."""
+        self.by_pool[ns.pool] = ns
+        ns.pool.log, ns.pool.on_log = [], self._logged
+        same = self.identities.setdefault(ns.identity, [])
+        same.append(ns)
+        if len(same) == 1:
+            for tier in tiers:
+                self.tier_changed(ns.identity, tier.held_keys(ns.identity), medium_of(tier), True)
+
+    def dropped_namespace(self, ns) -> None:
+        """Everything of `ns` goes (its pool closed, its tier pages being dropped)."""
+        ns.pool.log = None
+        self.by_pool.pop(ns.pool, None)
+        self.dirty.discard(ns.pool)
+        same = self.identities.get(ns.identity, [])
+        if ns in same:
+            same.remove(ns)
+        self._add(self.topic(ns), encode_event("AllBlocksCleared", {}, self.fmt))
+
+    def annotate(self, pool, keys: list, parent: Optional[str], tokens: Optional[list]) -> None:
+        """Before a set's commits: each key's parent (the key before it; `parent` for the
+        first) and its token ids, for the BlockStored events of this turn."""
+        prev = parent
+        for i, key in enumerate(keys):
+            self.meta[(pool, key)] = (prev, tokens[i] if tokens else None)
+            prev = key
+
+    def tier_changed(self, identity: str, keys: list, medium: str, present: bool) -> None:
+        """From any thread, in the order the tier changed its index."""
+        self.tier_log.append((identity, keys, medium, present))
+        self.loop.call_soon_threadsafe(self._schedule)
+
+    # -- collecting -----------------------------------------------------------------
+    def _logged(self, pool) -> None:
+        self.dirty.add(pool)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def _add(self, topic: bytes, event: Any) -> None:
+        self.pending.setdefault(topic, []).append(event)
+        self._schedule()
+
+    def flush(self) -> None:
+        """This turn's events, one batch a topic, to the publisher thread."""
+        self.scheduled = False
+        for pool in self.dirty:
+            self._drain_pool(pool)
+        self.dirty.clear()
+        while self.tier_log:
+            self._drain_tier(*self.tier_log.popleft())
+        self.meta.clear()
+        if not self.pending:
+            return
+        ts, encode = time.time(), self.encode
+        for topic, events in self.pending.items():
+            if self.publisher.send(topic, encode([ts, events])):
+                self.published += 1
+            else:
+                self.dropped += 1
+        self.pending.clear()
+
+    def _drain_pool(self, pool) -> None:
+        ns, entries = self.by_pool.get(pool), pool.log
+        if ns is None or not entries:
+            return
+        pool.log = []
+        topic, fmt, kf = self.topic(ns), self.fmt, ns.spec.key_format
+        gone: list = []
+        run: list = []                 # a chain of stored keys (each the next's parent)
+        for present, key in entries:
+            if not present:
+                self._stored(topic, ns, run)
+                run = []
+                gone.append(block_hash(key, kf))
+                continue
+            if gone:
+                self._add(topic, removed_event(gone, MEDIUM_HOST, fmt))
+                gone = []
+            parent, _ = self.meta.get((pool, key), (None, None))
+            if run and parent != run[-1]:
+                self._stored(topic, ns, run)
+                run = []
+            run.append(key)
+        self._stored(topic, ns, run)
+        if gone:
+            self._add(topic, removed_event(gone, MEDIUM_HOST, fmt))
+
+    def _stored(self, topic: bytes, ns, run: list, medium: str = MEDIUM_HOST) -> None:
+        """One BlockStored for a chain of keys (the first one's parent, the tokens known)."""
+        if not run:
+            return
+        kf = ns.spec.key_format
+        parent, tokens = self.meta.get((ns.pool, run[0]), (None, None))
+        all_tokens = []
+        for key in run:
+            t = self.meta.get((ns.pool, key), (None, None))[1]
+            if t:
+                all_tokens.extend(t)
+        self._add(topic, stored_event([block_hash(k, kf) for k in run],
+                                      None if parent is None else block_hash(parent, kf),
+                                      all_tokens, ns.spec.page_tokens, medium, self.fmt))
+
+    def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
+        for ns in self.identities.get(identity, ()):
+            topic, kf = self.topic(ns), ns.spec.key_format
+            if present:   # a tier knows no parents: one event a page
+                for key in keys:
+                    self._add(topic, stored_event([block_hash(key, kf)], None, [],
+                                                  ns.spec.page_tokens, medium, self.fmt))
+            elif keys:
+                self._add(topic, removed_event([block_hash(k, kf) for k in keys], medium, self.fmt))
+
+
+def medium_of(tier) -> str:
+    """The local file tier is DISK; a tier the cluster shares (3FS, Mooncake) EXTERNAL."""
+    return MEDIUM_DISK if tier.name == "file" else MEDIUM_EXTERNAL
+
+
+def start(config, loop, tiers: list) -> Events:
+    """The publisher (its thread) and the collector for `config`, tiers wired to it."""
+    import socket
+    replay = config.kv_events_replay or _next_port(config.kv_events)
+    events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer),
+                    config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
+                    config.kv_events_format, loop)
+    for tier in tiers:
+        tier.listener = lambda ident, keys, present, m=medium_of(tier): \
+            events.tier_changed(ident, keys, m, present)
+    log.info("kv events on %s (replay %s), %s encoding", config.kv_events, replay, config.kv_events_format)
+    return events
+
+
+def _next_port(endpoint: str) -> Optional[str]:
+    """tcp://host:port -> tcp://host:port+1; None for any other endpoint."""
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and port != "0":
+        return f"{head}:{int(port) + 1}"
+    return None

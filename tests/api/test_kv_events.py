@@ -1,0 +1,226 @@
+"""KV events (issue 31; sidecar/events.py): a subscriber that applies every event holds
+exactly what the sidecar holds, per namespace and medium; the replay socket fills a late
+subscriber; no event names a page that is not there.
+
+The events are decoded generically here (msgpack); tests/engines/vllm/test_kv_events.py
+decodes them with vLLM's own classes."""
+from __future__ import annotations
+
+import threading
+
+import orjson
+import pytest
+
+from api.engine.shm import SharedBuffer, page_first_chunks
+from loadtest.procs import free_port
+from sidecar.events import block_hash
+from tests.conftest import wait_for
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+PAGE = 4096
+
+
+class Subscriber:
+    """SUB on the sidecar's endpoint; applies each batch to a model of what is held:
+    {topic: {medium: set(block hash)}}."""
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.model: dict = {}
+        self.last = -1
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(50):
+                topic, seq, payload = self.sock.recv_multipart()
+                apply(self.model, topic, payload)
+                self.last = int.from_bytes(seq, "big")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(linger=0)
+
+
+def apply(model: dict, topic: bytes, payload: bytes) -> None:
+    _, events = msgspec.msgpack.decode(payload)[:2]
+    held = model.setdefault(topic.decode(), {})
+    for ev in events:
+        kind = ev["type"] if isinstance(ev, dict) else ev[0]
+        if kind == "AllBlocksCleared":
+            held.clear()
+            continue
+        hashes, medium = (ev["block_hashes"], ev["medium"]) if isinstance(ev, dict) else \
+            (ev[1], ev[6] if kind == "BlockStored" else ev[2])
+        bucket = held.setdefault(medium, set())
+        if kind == "BlockStored":
+            bucket.update(hashes)
+        else:
+            bucket.difference_update(hashes)
+
+
+def truth(srv, names: list[str]) -> dict:
+    """What the sidecar holds, as the subscriber's model would say it (on the loop)."""
+    def read():
+        store, out = srv.ctx.store, {}
+        tiers = store.tiering.tiers
+        for name in names:
+            ns = srv.ns(name)
+            kf = ns.spec.key_format
+            held = {"CPU_PINNED": {block_hash(k, kf) for k in ns.pool.ready}}
+            for tier in tiers:
+                held["DISK"] = {block_hash(k, kf) for k in tier.held_keys(ns.identity)}
+            out[f"t@{name}"] = {m: s for m, s in held.items() if s}
+        return out
+    return srv.on_loop(read)
+
+
+def settled(srv, sub: Subscriber) -> None:
+    """Every event so far flushed, published and received."""
+    events = srv.ctx.events
+    wait_for(lambda: srv.on_loop(lambda: (events.flush(), events.publisher.seq)[1]) - 1 == sub.last)
+
+
+def endpoints() -> tuple[int, int]:
+    """Two free ports: the PUB and the replay socket (port + 1 may be another's)."""
+    return free_port(), free_port()
+
+
+@pytest.fixture
+def evented(make_server, tmp_path):
+    port, replay = endpoints()
+    srv = make_server(file_tier=True, data_dir=str(tmp_path / "data"), kv_events=f"tcp://127.0.0.1:{port}",
+                      kv_events_replay=f"tcp://127.0.0.1:{replay}", kv_events_topic="t",
+                      write_queue_pages=8)
+    wait_for(lambda: srv.ctx.ready)
+    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    yield srv, sub, replay
+    sub.close()
+
+
+def model_of(sub: Subscriber, names: list[str]) -> dict:
+    return {f"t@{n}": {m: s for m, s in sub.model.get(f"t@{n}", {}).items() if s} for n in names}
+
+
+def test_a_subscriber_holds_what_the_sidecar_holds(evented):
+    srv, sub, replay = evented
+    c = srv.client(timeout=30)
+    c.put_namespace("kv", PAGE, key_format="vllm", page_tokens=4, host_capacity_bytes=16 * PAGE)
+    c.put_namespace("other", PAGE, page_tokens=4)
+    buf = SharedBuffer(8 * PAGE)
+    bid = buf.register(c, "kv", 8, page_first_chunks(PAGE))
+    wait_for(lambda: sub.sock is not None and srv.ctx.events is not None)
+    keys = [f"{i:064x}" for i in range(40)]
+    for r in range(5):                     # 40 pages through 16 slots: evictions
+        batch = keys[8 * r:8 * r + 8]
+        c.request("POST", "/v1/namespaces/kv/set",
+                  {"keys": batch, "buffer_id": bid, "slots": list(range(8)),
+                   "parent": keys[8 * r - 1] if r else None,
+                   "tokens": [[4 * (8 * r + j) + t for t in range(4)] for j in range(8)]})
+    c.put_page("other", "plain-key", b"p" * PAGE)
+    assert c.request("POST", "/v1/flush")[1]["pending"] == 0
+    c.delete("kv", keys[30:32])
+    settled(srv, sub)
+    assert model_of(sub, ["kv", "other"]) == truth(srv, ["kv", "other"])
+    late = replayed(replay)               # a subscriber that came late fills up by replay
+    assert {k: {m: s for m, s in v.items() if s} for k, v in late.items() if k != ""} == \
+        {k: v for k, v in truth(srv, ["kv", "other"]).items()}
+    c.delete_namespace("other")
+    settled(srv, sub)
+    assert sub.model["t@other"] == {}      # AllBlocksCleared
+    srv.invariants()
+
+
+def test_a_stored_chain_carries_its_parent_and_tokens(evented):
+    srv, sub, _ = evented
+    c = srv.client(timeout=30)
+    c.put_namespace("kv", PAGE, key_format="vllm", page_tokens=4)
+    buf = SharedBuffer(3 * PAGE)
+    bid = buf.register(c, "kv", 3, page_first_chunks(PAGE))
+    seen = []
+    real = srv.ctx.events.publisher.send
+    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append((topic, payload)),
+                                                            real(topic, payload))[1]
+    keys = ["aa" * 32, "bb" * 32, "cc" * 32]
+    c.request("POST", "/v1/namespaces/kv/set", {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2],
+                                                "parent": "99" * 32, "tokens": [[1, 2], [3], [4, 5]]})
+    settled(srv, sub)
+    events = [e for _, payload in seen for e in msgspec.msgpack.decode(payload)[1]]
+    host = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU_PINNED"]
+    assert host == [{"type": "BlockStored", "block_hashes": [bytes.fromhex(k) for k in keys],
+                     "parent_block_hash": bytes.fromhex("99" * 32), "token_ids": [1, 2, 3, 4, 5],
+                     "block_size": 4, "lora_id": None, "medium": "CPU_PINNED", "lora_name": None}]
+
+
+def replayed(port: int) -> dict:
+    """Ask the replay socket for everything from seq 0; the model it rebuilds."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart((b"", (0).to_bytes(8, "big")))
+    model = {}
+    while True:
+        assert sock.poll(10_000)
+        _, topic, seq, payload = sock.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        apply(model, topic, payload)
+    sock.close(linger=0)
+    return model
+
+
+def test_a_namespace_made_after_a_restart_announces_its_tier_pages(make_server, tmp_path):
+    """The file tier kept pages across a restart: the namespace's first maker learns them
+    as DISK pages (the host pool is empty)."""
+    first = make_server(file_tier=True, data_dir=str(tmp_path / "data"))
+    wait_for(lambda: first.ctx.ready)
+    c = first.client()
+    c.put_namespace("kv", PAGE, key_format="sglang")
+    keys = [f"{i:016x}" + "f" * 48 for i in range(5)]     # SGLang reads the first 16 digits
+    for k in keys:
+        c.put_page("kv", k, b"k" * PAGE)
+    assert c.request("POST", "/v1/flush")[1]["pending"] == 0
+    first.stop()
+    port, replay = endpoints()
+    srv = make_server(file_tier=True, data_dir=str(tmp_path / "data"), kv_events_topic="t",
+                      kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}")
+    wait_for(lambda: srv.ctx.ready)
+    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        wait_for(lambda: _probe_seen(srv, sub))
+        srv.client().put_namespace("kv", PAGE, key_format="sglang")
+        settled(srv, sub)
+        assert sub.model["t@kv"] == {"DISK": {block_hash(k, "sglang") for k in keys}}
+        assert block_hash(keys[1], "sglang") == 1 and truth(srv, ["kv"]) == model_of(sub, ["kv"])
+    finally:
+        sub.close()
+
+
+def _probe_seen(srv, sub: Subscriber) -> bool:
+    """A namespace made and dropped until the subscriber has joined (a SUB misses what is
+    published before it connects)."""
+    c = srv.tcp_client()
+    c.put_namespace("probe", PAGE)
+    c.delete_namespace("probe")
+    srv.on_loop(srv.ctx.events.flush)
+    return "t@probe" in sub.model
+
+
+def test_parents_and_tokens_are_checked(make_server):
+    srv = make_server()
+    c = srv.client()
+    c.put_namespace("kv", PAGE)
+    buf = SharedBuffer(2 * PAGE)
+    bid = buf.register(c, "kv", 2, page_first_chunks(PAGE))
+    body = {"keys": ["a", "b"], "buffer_id": bid, "slots": [0, 1]}
+    for bad in ({"tokens": [[1]]}, {"tokens": [[1], ["x"]]}, {"tokens": [[1], 2]},
+                {"parent": 7}, {"parent": ""}):
+        status, out = c.request("POST", "/v1/namespaces/kv/set", {**body, **bad}, ok=(400,))
+        assert status == 400 and orjson.loads(out)["error"]["code"] == "bad_request", bad
+    assert c.request("POST", "/v1/namespaces/kv/set", {**body, "parent": "z",
+                                                        "tokens": [[1, 2], []]})[1] == {"stored": [True, True]}
