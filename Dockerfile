@@ -9,8 +9,10 @@ COPY pools ./pools
 COPY sidecar ./sidecar
 COPY api ./api
 COPY loadtest ./loadtest
-# the gpu extra (cuda-python) enables the cuda_ipc transport; it imports fine without a GPU
-ARG EXTRAS=gpu
+# the gpu extra (cuda-python) enables the cuda_ipc transport; it imports fine without a GPU.
+# No torch: the server needs none (it is the `engine` extra, for engine processes); the events
+# extra (pyzmq, msgspec) serves --kv-events
+ARG EXTRAS=gpu,events
 RUN pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
  && useradd --system --uid 10001 --user-group --home /data kv \
  && mkdir -p /data /run/kv-sidecar && chown kv:kv /data /run/kv-sidecar \

@@ -8,7 +8,17 @@ SGLANG ?= sglang==0.5.23
 $(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan,engine,events]'
+	touch $@
+
+# `make serve` runs from its own virtualenv with the server's dependencies only: no torch
+# (that is the `engine` extra, for engine processes). SERVE_EXTRAS=mooncake,gpu adds extras.
+SERVE_VENV ?= .venv-serve
+SERVE_EXTRAS ?=
+$(SERVE_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SERVE_VENV)/bin/python -m pip install -q -c constraints.txt -e '.$(if $(SERVE_EXTRAS),[$(SERVE_EXTRAS)])'
 	touch $@
 
 .PHONY: install serve test test-core test-fast mutants mutation test-sglang test-vllm bench-vllm browser bench loadtest replay plan deb-libs bench-mooncake soak
@@ -28,15 +38,15 @@ deb-libs:
 	  else echo "Mooncake needs: apt-get install $(MOONCAKE_DEBS)" >&2; exit 1; fi; \
 	fi
 
-serve: $(VENV)/.installed
-	$(VENV)/bin/sidecar serve $(ARGS)
+serve: $(SERVE_VENV)/.installed
+	$(SERVE_VENV)/bin/sidecar serve $(ARGS)
 
 # `make test` runs the project's suite, then each engine's suite in its own virtualenv
 # (ENGINE_TESTS: one target per engine, each building its venv first). `make test-core`
 # runs only the project's suite (quick local work).
 ENGINE_TESTS ?=
 ENGINE_TESTS += test-sglang test-vllm
-test: browser test-core
+test: browser prometheus test-core
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 # The /ui test drives a real headless browser: install Debian's chromium where apt can (CI is
@@ -45,6 +55,14 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 || \
 	  echo "chromium could not be installed: the /ui browser test will skip"
+
+# The real-Prometheus test (tests/api/test_prometheus_real.py) runs Debian's prometheus:
+# installed the same way (root and apt, quiet, once; --no-install-recommends keeps out the
+# node exporter); without it the test skips.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null 2>&1 || \
+	  echo "prometheus could not be installed: the real-Prometheus test will skip"
 
 test-core: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
@@ -75,12 +93,13 @@ SPY := $(SGLANG_VENV)/bin/python
 SGLANG_NODEPS := $(SGLANG) triton==3.6.0 torchvision==0.28.0
 SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec \
 	pydantic pyzmq tqdm ipython aiohttp dill gguf transformers==5.19.0 apache-tvm-ffi==0.1.11 \
-	sentencepiece==0.2.1 compressed-tensors==0.18.0
+	sentencepiece==0.2.1 compressed-tensors==0.18.0 \
+	openai==2.8.0 partial-json-parser
 
 $(SGLANG_VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SPY) -m pip install -q --upgrade pip
-	$(SPY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(SPY) -m pip install -q -c constraints.txt -e '.[test,engine]'
 	$(SPY) -m pip install -q --no-deps $(SGLANG_NODEPS)
 	# (--no-warn-conflicts: SGLang's own pins name the serving stack this venv leaves out)
 	$(SPY) -m pip install -q --no-warn-conflicts -c constraints.txt $(SGLANG_DEPS)
@@ -105,7 +124,7 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -c constraints.txt $(VLLM) torch==2.13.0
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(VPY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(VPY) -m pip install -q -c constraints.txt -e '.[test,engine]'
 	$(VPY) -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', v"
 	touch $@
 
@@ -117,9 +136,39 @@ test-vllm: $(VLLM_VENV)/.installed
 bench-vllm: $(VLLM_VENV)/.installed
 	$(VPY) -m tests.engines.vllm.bench_ttft $(ARGS)
 
+# The sidecar at the engine level (docs/performance.md, issues 27 and 33), about 30 minutes:
+# TTFT cold / in-engine hit / restored / restored by a second engine on vLLM's CPU engine beside
+# no connector and LMCache 0.5.6 (LMCACHE=0 leaves its arm out), store-on-miss, and sharing
+# across engines; JSON lines, tables and a chart in BENCH_OUT
+.PHONY: bench-engines
+BENCH_OUT ?= build/bench-engines
+LMCACHE ?= 1
+LMCACHE_VENV ?= .venv-lmcache
+bench-engines: $(VLLM_VENV)/.installed $(VENV)/.installed $(if $(filter 1,$(LMCACHE)),$(LMCACHE_VENV)/.installed)
+	$(VPY) -m loadtest.bench_engines --out $(BENCH_OUT) \
+	  $(if $(filter 1,$(LMCACHE)),--lmcache-python $(LMCACHE_VENV)/bin/python) $(ARGS)
+	$(PY) -m loadtest.bench_engines_chart $(BENCH_OUT)/bench-engines.jsonl $(BENCH_OUT)/bench-engines.png
+
+# LMCache 0.5.6 for the peer arm: a copy of .venv-vllm with lmcache added without its dependencies
+# (they name CUDA wheels; what its server and vLLM connector import is in vLLM's venv already)
+$(LMCACHE_VENV)/.installed: $(VLLM_VENV)/.installed
+	rm -rf $(LMCACHE_VENV)
+	cp -a $(VLLM_VENV) $(LMCACHE_VENV)
+	sed -i 's#$(abspath $(VLLM_VENV))#$(abspath $(LMCACHE_VENV))#' $(LMCACHE_VENV)/pyvenv.cfg
+	$(LMCACHE_VENV)/bin/python -m pip install -q --no-deps lmcache==0.5.6
+	$(LMCACHE_VENV)/bin/python -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', v"
+	$(LMCACHE_VENV)/bin/python -c "import lmcache.integration.vllm.lmcache_mp_connector"
+	touch $@
+
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
 	$(PY) -m loadtest.bench_socket
+
+# The file tier's index rebuilt from 1,000,000 page files (written in a temp dir, removed
+# after): in process, memory per page, and process start to ready (target < 10 s)
+.PHONY: bench-recovery prometheus
+bench-recovery: $(VENV)/.installed
+	$(PY) -m loadtest.bench_recovery $(ARGS)
 
 bench-mooncake: $(VENV)/.installed
 	$(PY) -m loadtest.bench_mooncake $(ARGS)

@@ -19,8 +19,6 @@ from typing import Iterator, Optional
 import orjson
 
 from api.engine.client import SidecarClient
-from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.bench import pct
 from loadtest.lru_sim import LruSim
 from loadtest.progress import Progress
 
@@ -40,6 +38,9 @@ class Replay:
     """One replay run: the sidecar side and the simulator side, request by request."""
 
     def __init__(self, client: SidecarClient, page_bytes: int, capacity_pages: int, max_pages: int):
+        # here, not at the top: `sidecar serve` builds this module's parser, and the server
+        # has no torch (api.engine.shm needs it: the `engine` extra)
+        from api.engine.shm import SharedBuffer, page_first_chunks
         self.client, self.page_bytes = client, page_bytes
         self.ns = f"replay-{secrets.token_hex(4)}"
         client.put_namespace(self.ns, page_bytes, model="trace-replay",
@@ -75,6 +76,7 @@ class Replay:
         tt["sim_hit_tokens"] += min(sim_hit * BLOCK_TOKENS, tokens)
 
     def report(self, elapsed: float, stats: dict) -> dict:
+        from loadtest.bench import pct
         tt = self.totals
         moved = (tt["loaded"] + tt["stored"]) * self.page_bytes
         ns = stats["namespaces"][self.ns]
