@@ -97,6 +97,15 @@ class SidecarHiCacheStorage(HiCacheStorage):
         if name != _KV or _KV not in self.bindings:
             self._bind(name, host_pool)
 
+    @never_raises(None)
+    def on_host_pools_registered(self) -> None:
+        """SGLang's end of the attach burst (every pool of the group registered): one log line
+        of how each pool moves. Pools registered later (draft sidecars) arrive through v2 alone."""
+        how = {name: "marker" if b.logical else "zero copy" if b.buffer_id else
+               "inline" if not b.namespace.startswith("unregistered-") else "unregistered"
+               for name, b in self.bindings.items()}
+        log.info("kv-sidecar pools: %s", ", ".join(f"{n} ({h})" for n, h in how.items()))
+
     def _bind(self, name: str, host_pool) -> None:
         try:
             self.bindings[name] = bind_pool(self.client, self.config, name, host_pool)
@@ -110,6 +119,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         if not self._stale:
             return
         for name, binding in list(self.bindings.items()):
+            binding.close()
             self.bindings[name] = bind_pool(self.client, self.config, name, binding.host_pool)
         for ns, spec in self.generic.values():
             self.client.put_namespace(ns, **spec)
@@ -164,6 +174,8 @@ class SidecarHiCacheStorage(HiCacheStorage):
         P = binding.page_size
         if host_indices is None or host_indices.numel() != len(keys) * P:
             return [False] * len(keys)
+        if binding.logical:  # DeepSeek-V4's logical anchor: marker pages, no bytes
+            return self._call(binding.markers, self.client, op, keys)
         slots = (host_indices.view(-1)[::P] // P).tolist()
         if binding.buffer_id is None:
             return binding.inline(self.client, op, keys, slots)
@@ -203,6 +215,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         if value is None:
             return False
+        value = value.contiguous()  # held while the view is in use
         view = _tensor_bytes(value)
         self._call(self.client.put_page, self._generic_ns(key, len(view)), key, view)
         return True
@@ -291,5 +304,6 @@ class SidecarHiCacheStorage(HiCacheStorage):
                     self.client.release_buffer(binding.namespace, binding.buffer_id)
                 except SidecarError:
                     pass
+            binding.close()
         self.client.close()
 

@@ -43,5 +43,5 @@ def main(url: str, op: str, seed: int) -> dict:
 
 
 if __name__ == "__main__":
-    with kit.single_rank():
+    with kit.single_rank(), kit.host_budget():
         print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))

@@ -4,8 +4,9 @@ Runs in `.venv-sglang` (`make test-sglang`). Nothing of SGLang is replaced; two 
 it build on a CPU: host pools with `pin_memory=False, device="cpu"` (pinning would call
 cudaHostRegister), and torchvision's `nms`/`qnms` op schemas defined before SGLang imports
 torchvision (the index's torchvision is a CUDA build whose `_C.so` does not load here, and its
-meta registrations then fail on those two ops). Without SGLang the tests skip, or fail when
-KV_SIDECAR_REQUIRE_SGLANG is set (CI).
+meta registrations then fail on those two ops). Host pools book against SGLang's own
+`host_memory_budget_scope` (`host_budget`, around every test), not free RAM less a 10 GiB
+reserve. Without SGLang the tests skip, or fail when KV_SIDECAR_REQUIRE_SGLANG is set (CI).
 
 Pools: 64 device tokens, pages of P=4 tokens, 3 layers; the host pools hold twice that
 (SGLang's `hicache_ratio`), 33 pages with SGLang's padding page. Their layouts (N tokens,
@@ -47,6 +48,7 @@ try:
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.common import get_allocator_type
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -71,6 +73,13 @@ def single_rank():
     """SGLang's parallel context for one rank without torch.distributed (its test kit's way)."""
     return get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
                                    attn_dcp_size=1, attn_dcp_rank=0)
+
+
+def host_budget():
+    """SGLang's own host memory snapshot (`host_memory_budget_scope`, as its auto-sizer
+    uses): pools book against 1 GiB instead of the machine's free RAM less SGLang's 10 GiB
+    reserve, which on a shared or small machine is below zero and fails every host pool."""
+    return host_memory_budget_scope(1 << 30)
 
 
 # -- pools ------------------------------------------------------------------------------
