@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from api.engine.client import ENGINE_URL, SidecarClient
 from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
-from api.engine.vllm_worker import WorkerSide
+from api.engine.vllm_worker import KvArena, WorkerSide
 
 log = logging.getLogger("kv_sidecar.vllm")
 _CRYPTO_HASHES = ("sha256", "sha256_cbor")
@@ -74,6 +74,7 @@ class SidecarConnector(KVConnectorBase_V1):
         self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
         self.sched: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None
+        self.arena: Optional[KvArena] = None
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
 
@@ -101,10 +102,37 @@ class SidecarConnector(KVConnectorBase_V1):
         if algo not in _CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
             log.warning("kv-sidecar: %s block hashes get a random seed per process: set PYTHONHASHSEED "
                         "(the same on every engine) or no engine finds another's pages", algo)
+        ratio = block_size // hash_block
+        tail = self._tail_hasher(algo, block_size, ratio) if self._flag("load_last_block", True) else None
         self.sched = SchedulerSide(
-            self.client, block_size, ratio=block_size // hash_block,
+            self.client, block_size, ratio=ratio,
             lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
-            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3)
+            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
+
+    def _flag(self, key: str, default: bool) -> bool:
+        value = self.extra.get(key, default)
+        return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no", "off")
+
+    def _tail_hasher(self, algo: str, bs: int, ratio: int):
+        """Key of a prompt's partial last block: vLLM's own block hash of its tokens (with the
+        LoRA, multimodal and salt extra keys vLLM would use) chained on the last full block,
+        with a suffix no full block's key has. None when vLLM's hash helpers are missing."""
+        try:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+            hash_fn = get_hash_fn_by_name(algo)
+        except Exception as exc:
+            log.warning("kv-sidecar: cannot hash partial blocks (%s): the last block of a prompt "
+                        "that does not end on a block boundary is computed", exc)
+            return None
+
+        def tail_key(request, full: int) -> Optional[str]:
+            start, end = full * bs, request.num_tokens
+            parent = request.block_hashes[full * ratio - 1] if full else None
+            extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
+            digest = hash_block_tokens(hash_fn, parent, request.all_token_ids[start:end], extra)
+            return bytes(digest).hex() + "-tail"
+        return tail_key
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -119,10 +147,29 @@ class SidecarConnector(KVConnectorBase_V1):
         scope = EngineScope(model=self._model_id(), dtype=self._dtype(),
                             block_size=cfg.cache_config.block_size, backend=self._backend(kv_caches),
                             hashing=self._hashing(), rank=self._rank())
-        staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(layout)
-        self.worker = WorkerSide(self.client, layout, namespace_spec(scope, layout), staging)
+        kv_buffer = self.arena.holding(layout.views) if self.arena is not None else None
+        if self.arena is not None and kv_buffer is None:
+            log.warning("kv-sidecar: the KV cache is not in the connector's memfd: loads go through staging")
+        staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(layout, kv_buffer is None)
+        self.worker = WorkerSide(self.client, layout, namespace_spec(scope, layout, self.extra.get("sidecar_share_gid")),
+                                 staging, kv_buffer)
         log.info("kv-sidecar: namespace %s, %d-byte pages, %s", self.worker.namespace, layout.page_bytes,
-                 "cuda_ipc" if self.worker.cuda else f"{self.worker.slots.capacity}-slot staging memfd")
+                 "cuda_ipc" if self.worker.cuda else
+                 f"loads into the KV cache's memfd, {self.worker.slots.capacity}-slot staging memfd for saves"
+                 if kv_buffer is not None else f"{self.worker.slots.capacity}-slot staging memfd")
+
+    def get_mem_pool_context(self):
+        """On CPU, vLLM's KV cache allocation runs in `KvArena`: the cache lands in a memfd
+        the sidecar maps, and a load is one copy into the KV blocks (no staging)."""
+        try:
+            from vllm.platforms import current_platform
+            if not current_platform.is_cpu() or not self._flag("kv_cache_in_memfd", True):
+                return None
+            self.arena = self.arena or KvArena()
+            return self.arena
+        except Exception:
+            log.exception("kv-sidecar: the KV cache stays in private memory (loads through staging)")
+            return None
 
     def _model_id(self) -> str:
         mc = self._vllm_config.model_config
@@ -162,11 +209,14 @@ class SidecarConnector(KVConnectorBase_V1):
                 "pp": get_pp_group().rank_in_group, "pp_size": pc.pipeline_parallel_size,
                 "cp": cp, "cp_size": dcp * pcp}
 
-    def _default_staging(self, layout: PageLayout) -> int:
-        """Enough slots for one step's saves and a long prompt's loads, at most 1 GiB."""
+    def _default_staging(self, layout: PageLayout, loads: bool = True) -> int:
+        """Enough slots for two steps' saves (and, when loads use staging too, a long
+        prompt's loads), at most 1 GiB."""
         sc = self._vllm_config.scheduler_config
         bs = self._vllm_config.cache_config.block_size
-        want = 2 * (sc.max_num_batched_tokens // bs + 1) + self._vllm_config.model_config.max_model_len // bs
+        want = 2 * (sc.max_num_batched_tokens // bs + 1)
+        if loads:
+            want += self._vllm_config.model_config.max_model_len // bs
         return max(8, min(want, (1 << 30) // layout.page_bytes))
 
     def get_handshake_metadata(self) -> Optional[SidecarHandshake]:
@@ -225,6 +275,11 @@ class SidecarConnector(KVConnectorBase_V1):
                         len(ranks), expected)
             return
         self.sched.specs = {m.namespace: m.spec for _, m in ranks}
+
+    @never_raises(None)
+    def on_new_request(self, request) -> None:
+        if self.sched is not None:
+            self.sched.prefetch(request)  # the exists call runs while the request queues
 
     @never_raises((0, False))
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import orjson
 import torch
@@ -102,17 +102,24 @@ class EngineScope:
     rank: dict
 
 
-def namespace_spec(scope: EngineScope, layout: PageLayout) -> dict:
-    """The sidecar namespace spec: equal exactly when pages are interchangeable."""
+def namespace_spec(scope: EngineScope, layout: PageLayout, share_gid: Optional[int] = None) -> dict:
+    """The sidecar namespace spec: equal exactly when pages are interchangeable. KV events
+    name its pages by vLLM's block hash (`key_format`); `share_gid` lets engines of other
+    uids in that group share it (docs/security.md, "Tenants")."""
     digest = hashlib.sha256(layout.describe.encode()).hexdigest()[:16]
-    return {"page_bytes": layout.page_bytes, "pool": "kv", "model": scope.model, "dtype": scope.dtype,
+    spec = {"page_bytes": layout.page_bytes, "pool": "kv", "model": scope.model, "dtype": scope.dtype,
             "page_tokens": scope.block_size, "rank": scope.rank,
-            "layout": f"vllm:{scope.backend}:{scope.hashing}:{digest}"}
+            "layout": f"vllm:{scope.backend}:{scope.hashing}:{digest}", "key_format": "vllm"}
+    if share_gid is not None:
+        spec["share_gid"] = int(share_gid)
+    return spec
 
 
 def namespace_name(spec: dict) -> str:
-    """`vllm.<model slug>.<digest of the spec>`: deterministic on every process and node."""
-    digest = hashlib.sha256(orjson.dumps(spec, option=orjson.OPT_SORT_KEYS)).hexdigest()[:20]
+    """`vllm.<model slug>.<digest of the spec>`: deterministic on every process and node
+    (what events call a page, `key_format`, is not part of what the page is)."""
+    same = {k: v for k, v in spec.items() if k != "key_format"}
+    digest = hashlib.sha256(orjson.dumps(same, option=orjson.OPT_SORT_KEYS)).hexdigest()[:20]
     slug = _SLUG.sub("-", spec["model"])[-48:].strip("-.") or "model"
     return f"vllm.{slug}.{digest}"
 

@@ -1,15 +1,23 @@
 """Scheduler side of the vLLM connector: how much of a prompt the sidecar holds, and which
 blocks each step loads and saves.
 
-    request.block_hashes  h0   h1   h2   h3   h4 |  (prompt: 5 full blocks + 7 tokens)
-    local prefix cache    [h0] [h1]              |  num_computed_tokens = 2 blocks
-    one exists call            [h0 .. h4]  ----> prefix 4: load blocks 2, 3 (never the
-                                                  block holding the prompt's last token)
-    after the step: blocks 4.. are saved once, when full and computed
+    request.block_hashes  h0   h1   h2   h3   h4 | t   (prompt: 5 full blocks + 7 tokens)
+    local prefix cache    [h0] [h1]              |     num_computed_tokens = 2 blocks
+    one exists call       [h0 .. h4, t]  ------> prefix 6: load blocks 2, 3, 4 and the tail
+                                                  t: every token but the last (vLLM computes it)
+    after the step: blocks 5.. are saved once, when full and computed; the tail t (the
+    prompt's partial last block, under its own key) once the whole prompt is computed
 
-The exists call runs on a worker thread: the scheduler loop waits at most `lookup_wait_ms`
-for it and otherwise answers None (vLLM asks again next step); an answer later than
-`lookup_timeout_ms` counts as a miss. Every failure is a miss (0), never an exception.
+With `tail_key` (the connector passes one built on vLLM's block hash) the block holding the
+prompt's last token loads too: under its vLLM key when the prompt ends on a block boundary,
+else under the tail key (when it holds 2 tokens or more: a 1-token tail saves nothing).
+Without it, that block is never claimed (the rule before issue 33).
+
+The exists call starts when the request arrives (`prefetch`, vLLM's `on_new_request`) and
+runs on a worker thread: by the time the scheduler asks, the answer is usually there. The
+scheduler waits at most `lookup_wait_ms` for it and otherwise answers None (vLLM asks again
+next step); an answer later than `lookup_timeout_ms` counts as a miss. Every failure is a
+miss (0), never an exception.
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.vllm_layout import block_keys
@@ -33,6 +41,8 @@ class Transfer:
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    parent: Optional[str] = None                 # KV events: the key before keys[0]
+    tokens: Optional[list[list[int]]] = None     # KV events: each key's token ids (saves)
 
 
 @dataclass
@@ -40,6 +50,25 @@ class Lookup:
     future: Future
     started: float
     keys: list[str]
+    tokens: int           # the request's tokens when asked: a load stops one short of them
+    tail: bool            # keys[-1] is the tail key (the partial block of the last token)
+
+
+@dataclass
+class Hit:
+    """What `matched` learned: vLLM's own (block-aligned) tokens and the sidecar's prefix
+    (None: not asked, or not answered yet, because nothing past vLLM's own could load)."""
+
+    local: int
+    present: Optional[int]
+
+
+@dataclass
+class Tail:
+    index: int            # block index of the partial block
+    key: str
+    end: int              # the prompt's tokens: the tail is complete once they are computed
+    saved: bool           # the sidecar holds it (found, or saved by this request)
 
 
 @dataclass
@@ -49,6 +78,17 @@ class Tracked:
     request: Any
     stored: int = 0
     saving: bool = False
+    tail: Optional[Tail] = None
+
+
+def _answer(future: Future) -> Optional[int]:
+    """The lookup's answer if it is in (a failed or cancelled lookup is a miss), else None."""
+    if not future.done():
+        return None
+    try:
+        return int(future.result())
+    except BaseException:
+        return 0
 
 
 @dataclass
@@ -58,36 +98,73 @@ class SchedulerSide:
     ratio: int = 1                      # KV block size / hash block size
     lookup_wait: float = 0.002
     lookup_timeout: float = 1.0
+    tail_key: Optional[Callable[[Any, int], Optional[str]]] = None  # (request, full blocks) -> key
     specs: dict[str, dict] = field(default_factory=dict)    # namespace -> spec, rank order
     lookups: dict[str, Lookup] = field(default_factory=dict)
-    hits: dict[str, int] = field(default_factory=dict)       # req_id -> stored blocks
+    hits: dict[str, Hit] = field(default_factory=dict)
     tracked: dict[str, Tracked] = field(default_factory=dict)
     loads: list[Transfer] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0})
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "sidecar-exists"))
 
     # -- lookups ----------------------------------------------------------------------
+    def keys_of(self, request) -> tuple[list[str], bool]:
+        """The keys to ask for, and whether the last one is the tail key."""
+        n, bs = request.num_tokens, self.block_size
+        if self.tail_key is None:
+            return block_keys(request.block_hashes, self.ratio, (n - 1) // bs), False
+        full = n // bs
+        keys = block_keys(request.block_hashes, self.ratio, full)
+        if len(keys) == full and n - full * bs >= 2:
+            tail = self.tail_key(request, full)
+            if tail:
+                return keys + [tail], True
+        return keys, False
+
+    def prefetch(self, request) -> None:
+        """Start the lookup as the request arrives (vLLM's `on_new_request`)."""
+        if self.specs and request.request_id not in self.lookups:
+            self._start(request)
+
+    def _start(self, request) -> Optional[Lookup]:
+        keys, tail = self.keys_of(request)
+        if not keys:
+            return None
+        look = Lookup(self.pool.submit(self._exists, keys), time.monotonic(), keys, request.num_tokens, tail)
+        self.lookups[request.request_id] = look
+        self.stats["lookups"] += 1
+        return look
+
+    def _loadable(self, look: Lookup, present: int) -> int:
+        """Tokens the first `present` keys give: never the last token (vLLM computes it)."""
+        return min(present * self.block_size, look.tokens - 1)
+
     def matched(self, request, num_computed: int) -> Optional[int]:
         """Tokens beyond `num_computed` the sidecar can load; None while the answer is late."""
         if not self.specs:
             return 0
-        limit = (request.num_tokens - 1) // self.block_size   # never the last token
         rid = request.request_id
         look = self.lookups.get(rid)
+        if look is not None and look.tokens != request.num_tokens:  # resumed with more tokens
+            look.future.cancel()
+            look = None
         if look is None:
-            keys = block_keys(request.block_hashes, self.ratio, limit)
-            if len(keys) * self.block_size <= num_computed:
-                return 0
-            look = Lookup(self.pool.submit(self._exists, keys), time.monotonic(), keys)
-            self.lookups[rid] = look
+            look = self._start(request)
+        if look is None or self._loadable(look, len(look.keys)) <= num_computed:
+            self.hits[rid] = Hit(num_computed, None)  # nothing past vLLM's own blocks to load
+            return 0
         try:
-            hit = look.future.result(timeout=self.lookup_wait)
+            present = int(look.future.result(timeout=self.lookup_wait))
         except FutureTimeout:
             if time.monotonic() - look.started < self.lookup_timeout:
+                self.stats["late"] += 1
                 return None
             log.warning("kv-sidecar exists took over %.0f ms: a miss", self.lookup_timeout * 1e3)
-            hit = 0
-        self.hits[rid] = hit = min(hit, limit)
-        return max(hit * self.block_size - num_computed, 0)
+            present = 0
+        except BaseException:  # cancelled
+            present = 0
+        self.hits[rid] = Hit(num_computed, present)
+        return max(self._loadable(look, present) - num_computed, 0)
 
     def _exists(self, keys: list[str]) -> int:
         """Stored prefix present in every rank's namespace: one call, never per block."""
@@ -114,18 +191,33 @@ class SchedulerSide:
 
     # -- allocation and the step's metadata -------------------------------------------
     def allocated(self, request, block_ids: list[int], num_external: int) -> None:
-        """Blocks are allocated: queue the load of the external tokens, start tracking."""
+        """Blocks are allocated: queue the load of the external tokens, start tracking.
+        What the sidecar holds decides what is saved later: its prefix when the answer is
+        in, else vLLM's own cached blocks (computed here and saved then, or loaded)."""
         rid = request.request_id
         look = self.lookups.pop(rid, None)
-        hit = self.hits.pop(rid, 0)
+        hit = self.hits.pop(rid, None)
         t = self.tracked.setdefault(rid, Tracked(request))
         t.request = request
-        t.stored = max(t.stored, hit)
+        if hit is None:
+            return
+        present = hit.present
+        if present is None and look is not None:
+            present = _answer(look.future)
+            if present is None:
+                look.future.cancel()
+        bs = self.block_size
+        full_keys = len(look.keys) - int(look.tail) if look is not None else 0
+        stored = hit.local // bs if present is None else min(present, full_keys)
+        t.stored = max(t.stored, stored)
+        if look is not None and look.tail:
+            t.tail = Tail(full_keys, look.keys[-1], look.tokens, saved=bool(present and present > full_keys))
         if num_external <= 0 or look is None:
             return
-        n = num_external // self.block_size
-        assert n * self.block_size == num_external and n <= hit, (num_external, hit)
-        self.loads.append(Transfer(rid, look.keys[hit - n:hit], list(block_ids[hit - n:hit])))
+        first, last = hit.local // bs, -(-(hit.local + num_external) // bs)
+        assert hit.local % bs == 0 and present is not None and last <= present, (hit, num_external)
+        self.loads.append(Transfer(rid, look.keys[first:last], list(block_ids[first:last])))
+        self.stats["load_blocks"] += last - first
 
     def take_loads(self) -> list[Transfer]:
         loads, self.loads = self.loads, []
@@ -133,23 +225,50 @@ class SchedulerSide:
 
     def saves(self, scheduled: dict[str, int], block_ids_of) -> list[Transfer]:
         """This step's saves: full blocks computed by the end of it, each once per request
-        (blocks the sidecar already holds are skipped)."""
+        (blocks the sidecar already holds are skipped), and the prompt's tail once the
+        prompt is computed."""
         saves = []
         for rid, n in scheduled.items():
             t = self.tracked.get(rid)
             if t is None:
                 continue
             req = t.request
-            done = min(req.num_computed_tokens + n, req.num_tokens) // self.block_size
-            if done <= t.stored:
-                continue
-            keys = block_keys(req.block_hashes, self.ratio, done)
-            if len(keys) <= t.stored:
-                continue
-            blocks = block_ids_of(rid)
-            saves.append(Transfer(rid, keys[t.stored:], list(blocks[t.stored:len(keys)])))
-            t.stored, t.saving = len(keys), True
+            end = req.num_computed_tokens + n
+            done = min(end, req.num_tokens) // self.block_size
+            keys: list[str] = []
+            blocks: list[int] = []
+            first = t.stored                   # the block index of keys[0]
+            if done > t.stored:
+                full = block_keys(req.block_hashes, self.ratio, done)
+                if len(full) > t.stored:
+                    ids = block_ids_of(rid)
+                    keys, blocks = full[t.stored:], list(ids[t.stored:len(full)])
+                    t.stored = len(full)
+            tail = t.tail
+            if tail is not None and not tail.saved and end >= tail.end and t.stored >= tail.index:
+                ids = block_ids_of(rid)
+                if tail.index < len(ids):
+                    first = first if keys else tail.index
+                    keys.append(tail.key)
+                    blocks.append(ids[tail.index])
+                    tail.saved = True
+            if keys:
+                saves.append(self._with_meta(Transfer(rid, keys, blocks), req, first))
+                t.saving = True
         return saves
+
+    def _with_meta(self, t: Transfer, req, first: int) -> Transfer:
+        """What KV events need (docs/kv-events.md): the parent key and each block's tokens
+        (a tail's: the prompt's last, partial block). Never fails a save."""
+        try:
+            if first:
+                t.parent = block_keys(req.block_hashes, self.ratio, first)[first - 1]
+            ids, bs = req.all_token_ids, self.block_size
+            t.tokens = [list(ids[(first + i) * bs:min((first + i + 1) * bs, req.num_tokens)])
+                        for i in range(len(t.keys))]
+        except Exception:
+            t.parent, t.tokens = None, None
+        return t
 
     def load_failed(self, invalid: set[int], block_ids_of) -> None:
         """Blocks that did not load are recomputed by vLLM: save them (and what follows) again."""
@@ -161,6 +280,9 @@ class SchedulerSide:
             first = next((i for i, b in enumerate(blocks[:t.stored]) if b in invalid), None)
             if first is not None:
                 t.stored = first
+            tail = t.tail
+            if tail is not None and tail.index < len(blocks) and blocks[tail.index] in invalid:
+                tail.saved = False
 
     def finished(self, request) -> bool:
         """Forget the request; True when saves were scheduled (the worker reports them)."""

@@ -1,14 +1,19 @@
 """Worker side of the vLLM connector: pages move by slot through a registered buffer.
 
-On CPU the KV cache is private memory, so the worker owns a staging memfd (SharedBuffer) of
-`staging_blocks` page slots registered with the sidecar; only keys and slot numbers go over
-HTTP. Loads run before the forward (get into staging, then copy into the KV blocks); saves
-copy the step's finished blocks into staging right after the forward, so the KV blocks are
-free again at once, and the `set` runs on an I/O thread; the request is reported through
-`get_finished` when its last set returned. On CUDA the KV tensors themselves are registered
-(cuda_ipc, `api.engine.cuda_export`) and slots are block ids: no staging, sets run in the step.
+On CPU, vLLM allocates its KV cache inside the connector's allocation context
+(`get_mem_pool_context`): `KvArena` puts that one allocation in a memfd, which the worker
+registers with the sidecar, slots = block ids. A load is then one copy, the sidecar's, from
+its host pool straight into the KV blocks, before the forward. Saves copy the step's
+finished blocks into a staging memfd (SharedBuffer, `staging_blocks` page slots) right after
+the forward, so the KV blocks are free again at once, and the `set` runs on an I/O thread
+(a block vLLM frees on preemption may be reused while a set reads it: never read KV blocks
+after the step); the request is reported through `get_finished` when its last set returned.
+Without the arena (the KV cache allocated elsewhere), loads go through staging too. On CUDA
+the KV tensors themselves are registered (cuda_ipc, `api.engine.cuda_export`) and slots are
+block ids: no staging, sets run in the step.
 
-    load:  sidecar --get(keys, slots)--> staging slots --copy--> KV blocks   (before forward)
+    load:  sidecar --get(keys, block ids)--> KV blocks                        (before forward)
+           (no arena: sidecar --get--> staging slots --copy--> KV blocks)
     save:  KV blocks --copy--> staging slots --set(keys, slots) on I/O thread--> sidecar
 """
 from __future__ import annotations
@@ -21,12 +26,73 @@ from typing import Callable, Optional
 
 import torch
 
+from torch.overrides import TorchFunctionMode
+
 from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
 from api.engine.shm import SharedBuffer, page_first_chunks
 from api.engine.vllm_layout import PageLayout, namespace_name
 from api.engine.vllm_scheduler import Transfer
 
 log = logging.getLogger("kv_sidecar.vllm")
+
+
+class KvArena(TorchFunctionMode):
+    """vLLM's KV cache allocation context on CPU: a `torch.zeros` of at least `min_bytes` on
+    the CPU is made in a memfd (zeroed, so faulted in as `torch.zeros` would) instead of
+    private memory. vLLM 0.32 allocates the whole KV cache as one such tensor and views
+    every layer over it, so the sidecar can copy pages into the KV blocks themselves."""
+
+    def __init__(self, min_bytes: int = 1 << 20):
+        super().__init__()
+        self.min_bytes = min_bytes
+        self.buffers: list[SharedBuffer] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and set(kwargs) <= {"dtype", "device"}:
+            shape = _shape(args)
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            device = torch.device(kwargs.get("device") or "cpu")
+            if shape is not None and device.type == "cpu":
+                count = 1
+                for d in shape:
+                    count *= d
+                nbytes = count * torch.empty((), dtype=dtype).element_size()
+                if nbytes >= self.min_bytes:
+                    buf = SharedBuffer(nbytes, name="kv-vllm-cache")
+                    buf.bytes.zero_()  # fault the pages in now, not in the first forward
+                    self.buffers.append(buf)
+                    return buf.tensor(shape, dtype)
+        return func(*args, **kwargs)
+
+    def holding(self, views) -> Optional[SharedBuffer]:
+        """The arena buffer every view lies in, or None."""
+        for buf in self.buffers:
+            lo, hi = buf.address, buf.address + buf.size
+            if all(lo <= v.data_ptr() and v.data_ptr() + v.stride(0) * (v.shape[0] - 1) + v.shape[1] <= hi
+                   for v in views):
+                return buf
+        return None
+
+
+def _shape(args) -> Optional[tuple[int, ...]]:
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    return tuple(args) if args and all(isinstance(a, int) for a in args) else None
+
+
+def kv_chunks(layout: PageLayout, buf: SharedBuffer) -> list[dict]:
+    """The page's chunks in the KV cache itself: view j of block b at its address, adjacent
+    chunks merged (a layout that keeps a block's layers together is one chunk a page)."""
+    chunks: list[dict] = []
+    for v in layout.views:
+        c = {"offset": v.data_ptr() - buf.address, "stride": v.stride(0), "size": v.shape[1]}
+        last = chunks[-1] if chunks else None
+        if last and last["stride"] == c["stride"] and last["offset"] + last["size"] == c["offset"]:
+            last["size"] += c["size"]
+        else:
+            chunks.append(c)
+    return chunks
 
 
 class SlotPool:
@@ -49,13 +115,28 @@ class SlotPool:
             self._cond.notify_all()
 
 
+MAX_SET_TOKENS = 8192   # token ids one set carries for KV events (a JSON body: 32,768 values)
+
+
+def _meta(t: Transfer, i: int, j: int) -> dict:
+    """The KV-event fields of the set of t.keys[i:j] (parent: the key before keys[i])."""
+    parent = t.keys[i - 1] if i else t.parent
+    meta = {"parent": parent} if parent else {}
+    if t.tokens:
+        meta["tokens"] = t.tokens[i:j]
+    return meta
+
+
 class WorkerSide:
     """Registration, loads, saves and their reports for one worker (one TP/PP rank)."""
 
-    def __init__(self, client: SidecarClient, layout: PageLayout, spec: dict, staging_blocks: int):
+    def __init__(self, client: SidecarClient, layout: PageLayout, spec: dict, staging_blocks: int,
+                 kv_buffer: Optional[SharedBuffer] = None):
         self.client, self.layout, self.spec = client, layout, spec
         self.namespace = namespace_name(spec)
         self.cuda = layout.views[0].is_cuda
+        self.kv_buffer = kv_buffer               # the KV cache's own memfd (KvArena): direct loads
+        self.kv_buffer_id: Optional[str] = None
         self.staging: Optional[SharedBuffer] = None
         if not self.cuda:
             slots = max(1, min(staging_blocks, layout.num_blocks))
@@ -76,9 +157,19 @@ class WorkerSide:
         self.stats = {"loaded": 0, "load_failed": 0, "saved": 0, "save_failed": 0}
         self._last_warning = 0.0
 
+    @property
+    def direct(self) -> bool:
+        """Loads go straight into the KV blocks (slots = block ids)."""
+        return self.cuda or self.kv_buffer is not None
+
     # -- registration (lazy; again after a sidecar restart) ---------------------------
-    def _ensure(self) -> str:
+    def _ensure(self, kv: bool = False) -> str:
         with self.reg_lock:
+            if kv and not self.cuda:
+                if self.kv_buffer_id is None:
+                    self.client.put_namespace(self.namespace, **self.spec)
+                    self.kv_buffer_id = self._register_kv()
+                return self.kv_buffer_id
             if self.buffer_id is None:
                 self.client.put_namespace(self.namespace, **self.spec)
                 if self.cuda:
@@ -91,18 +182,34 @@ class WorkerSide:
                                                            page_first_chunks(self.layout.page_bytes))
             return self.buffer_id
 
-    def _call(self, fn: Callable, keys: list[str], slots: list[int]) -> list[bool]:
-        """One get/set by slot; a lost registration registers again and retries once."""
+    def _register_kv(self) -> str:
+        """Register the KV cache's memfd: one slot per block, the page's chunks where the
+        layers lie. A sidecar that refuses it (4xx) gets loads through staging instead."""
+        try:
+            return self.kv_buffer.register(self.client, self.namespace, self.layout.num_blocks,
+                                           kv_chunks(self.layout, self.kv_buffer))
+        except SidecarError as exc:
+            if exc.status >= 500 or exc.code in ("namespace_not_found",):
+                raise
+            log.warning("kv-sidecar: the sidecar refused the KV cache buffer (%s): loads go through "
+                        "the staging memfd", exc)
+            self.kv_buffer = None
+            raise
+
+    def _call(self, fn: Callable, keys: list[str], slots: list[int], kv: bool = False,
+              **meta) -> list[bool]:
+        """One get/set by slot (`kv`: the slots are KV block ids; `meta`: a set's parent and
+        tokens); a lost registration registers again and retries once."""
         for attempt in (0, 1):
-            buffer_id = self._ensure()
+            buffer_id = self._ensure(kv)
             try:
-                return fn(self.namespace, keys, buffer_id, slots)
+                return fn(self.namespace, keys, buffer_id, slots, **meta)
             except (SidecarUnavailable, SidecarError) as exc:
                 lost = isinstance(exc, SidecarUnavailable) or exc.code in (
                     "buffer_not_found", "namespace_not_found")
                 if lost:
                     with self.reg_lock:
-                        self.buffer_id = None
+                        self.buffer_id = self.kv_buffer_id = None
                 if not lost or attempt:
                     raise
         raise AssertionError("unreachable")
@@ -131,8 +238,8 @@ class WorkerSide:
         if not t.keys:
             return []
         try:
-            if self.cuda:
-                return self._call(self.client.get, t.keys, t.block_ids)
+            if self.direct:
+                return self._call(self.client.get, t.keys, t.block_ids, kv=True)
             ok: list[bool] = []
             step = self.slots.capacity
             for i in range(0, len(t.keys), step):
@@ -169,11 +276,14 @@ class WorkerSide:
     def _save_one(self, t: Transfer) -> None:
         if self.cuda:  # the sidecar reads the KV blocks themselves: finish the step's writes first
             torch.cuda.current_stream().synchronize()
-            self._count(self._call(self.client.set, t.keys, t.block_ids))
+            self._count(self._call(self.client.set, t.keys, t.block_ids, **_meta(t, 0, len(t.keys))))
             return
         step = self.slots.capacity
+        if t.tokens:   # a set's JSON holds at most 32,768 values: its tokens stay well within
+            step = max(1, min(step, MAX_SET_TOKENS // max(1, len(t.tokens[0]))))
         for i in range(0, len(t.keys), step):
             keys, blocks = t.keys[i:i + step], t.block_ids[i:i + step]
+            meta = _meta(t, i, i + step)
             slots = self.slots.take(len(keys))
             try:
                 self.layout.to_staging(self.windows, blocks, slots)
@@ -182,12 +292,12 @@ class WorkerSide:
                 raise
             with self.lock:
                 self.inflight[t.req_id] = self.inflight.get(t.req_id, 0) + 1
-            self.pending.append(self.io.submit(self._set, t.req_id, keys, slots))
+            self.pending.append(self.io.submit(self._set, t.req_id, keys, slots, meta))
         self.pending = [f for f in self.pending if not f.done()]
 
-    def _set(self, req_id: str, keys: list[str], slots: list[int]) -> None:
+    def _set(self, req_id: str, keys: list[str], slots: list[int], meta: dict) -> None:
         try:
-            self._count(self._call(self.client.set, keys, slots))
+            self._count(self._call(self.client.set, keys, slots, **meta))
         except Exception as exc:
             self.stats["save_failed"] += len(keys)
             self._warn("save", exc)
@@ -233,6 +343,11 @@ class WorkerSide:
         if self.buffer_id is not None:
             try:
                 self.client.release_buffer(self.namespace, self.buffer_id)
+            except Exception:
+                pass
+        if self.kv_buffer_id is not None:
+            try:
+                self.client.release_buffer(self.namespace, self.kv_buffer_id)
             except Exception:
                 pass
         self.client.close()

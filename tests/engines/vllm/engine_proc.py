@@ -3,7 +3,13 @@
     python -m tests.engines.vllm.engine_proc MODEL_DIR SIDECAR_URL [TOKEN]
     stdin:  {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "reset": true}
             {"op": "ttft", "prompt": [ids...]}     (reset, then one token, timed)
+            {"op": "run", "prompt": [ids...], "max_tokens": 4, "reset": false, "reset_after": false}
+                (the engine's step loop: time to first token, tokens, num_cached_tokens)
+            {"op": "batch", "prompts": [[ids...], ...], "max_tokens": 16}   (throughput)
+            {"op": "reset"}
             {"op": "quit"}
+    env:    ENGINE_CONNECTOR sidecar | none | lmcache, ENGINE_EXTRA (JSON extra config),
+            ENGINE_MAX_MODEL_LEN, ENGINE_KV_BYTES, ENGINE_MAX_BATCHED_TOKENS
     stdout: "@@ " + JSON per command ({"ready": ...} first); everything else is vLLM's log.
 `Engine` below is the parent's side: it starts this script and exchanges the lines.
 
@@ -24,17 +30,35 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+def transfer_config(url: str, token: str | None) -> dict | None:
+    """ENGINE_CONNECTOR: `sidecar` (default; `url` is the sidecar's), `none`, or `lmcache`
+    (LMCache's multiprocess connector; `url` is its server, tcp://HOST:PORT). ENGINE_EXTRA
+    (JSON) is merged into the connector's extra config."""
+    kind = os.environ.get("ENGINE_CONNECTOR", "sidecar")
+    more = json.loads(os.environ.get("ENGINE_EXTRA", "{}"))
+    if kind == "none":
+        return None
+    if kind == "lmcache":
+        host, _, port = url.rpartition(":")
+        return {"kv_connector": "LMCacheMPConnector",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": host, "lmcache.mp.port": int(port), **more}}
+    extra = {"sidecar_url": url, **({"sidecar_token": token} if token else {}), **more}
+    return {"kv_connector": "SidecarConnector", "kv_connector_module_path": "api.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
 def engine(model: str, url: str, token: str | None):
     from vllm import LLM
-    extra = {"sidecar_url": url, **({"sidecar_token": token} if token else {})}
     max_len = int(os.environ.get("ENGINE_MAX_MODEL_LEN", "512"))
     kv_bytes = int(os.environ.get("ENGINE_KV_BYTES", str(64 << 20)))
+    batched = os.environ.get("ENGINE_MAX_BATCHED_TOKENS")
+    kw = {"max_num_batched_tokens": int(batched)} if batched else {}
+    tc = transfer_config(url, token)
     return LLM(model=model, dtype="float32", max_model_len=max_len, block_size=32, enforce_eager=True,
                enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes, seed=0,
-               kv_transfer_config={"kv_connector": "SidecarConnector",
-                                   "kv_connector_module_path": "api.vllm_connector",
-                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                   "kv_connector_extra_config": extra})
+               **({"kv_transfer_config": tc} if tc else {}), **kw)
 
 
 def reset(llm, timeout: float = 30.0) -> None:
@@ -66,6 +90,50 @@ def ttft(llm, cmd: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "cached": out.num_cached_tokens or 0}
 
 
+def run(llm, cmd: dict) -> dict:
+    """One prompt through the engine's own step loop: time to first token and to the end,
+    the greedy tokens and vLLM's `num_cached_tokens`. `reset` empties vLLM's prefix cache
+    before, `reset_after` after (which also waits until the request's saves are reported)."""
+    from vllm import SamplingParams
+    if cmd.get("reset"):
+        reset(llm)
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 1), ignore_eos=True)
+    rid = f"run-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    eng.add_request(rid, {"prompt_token_ids": cmd["prompt"]}, params)
+    first = None
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id != rid:
+                continue
+            out = o
+            if first is None and o.outputs and o.outputs[0].token_ids:
+                first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    if cmd.get("reset_after"):
+        reset(llm)
+    return {"ttft": first, "seconds": total, "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens or 0}
+
+
+def batch(llm, cmd: dict) -> dict:
+    """Throughput: every prompt at once, `max_tokens` each; wall seconds and tokens."""
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "prompt_tokens": sum(len(p) for p in cmd["prompts"]),
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "cached": [o.num_cached_tokens or 0 for o in outs]}
+
+
+OPS = {"generate": generate, "ttft": ttft, "run": run, "batch": batch,
+       "reset": lambda llm, cmd: (reset(llm), {"reset": True})[1]}
+
+
 def main() -> None:
     model, url = sys.argv[1], sys.argv[2]
     token = sys.argv[3] if len(sys.argv) > 3 else None
@@ -75,7 +143,10 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        answer = generate(llm, cmd) if cmd["op"] == "generate" else ttft(llm, cmd)
+        try:
+            answer = OPS[cmd["op"]](llm, cmd)
+        except Exception as exc:  # the parent sees the error instead of a hang
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
         print("@@ " + json.dumps(answer), flush=True)
     del llm
 
@@ -83,17 +154,19 @@ def main() -> None:
 class Engine:
     """`engine_proc` as a child: one JSON command in, one JSON answer out."""
 
-    def __init__(self, model: str, url: str, token: str | None = None, **env_extra: str):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-               "PYTHONUNBUFFERED": "1", **env_extra}
-        env.pop("PYTHONHASHSEED", None)
+    def __init__(self, model: str, url: str, token: str | None = None, python: str | None = None,
+                 **env_extra: str):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # sha256 needs none
+        env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                    "PYTHONUNBUFFERED": "1", **env_extra})
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.vllm.engine_proc", model, url, *([token] if token else [])],
+            [python or sys.executable, "-m", "tests.engines.vllm.engine_proc", model, url,
+             *([token] if token else [])],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self._answer(300)
+        self.ready = self._answer(600)
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -1,8 +1,10 @@
 """A real vLLM CPU engine saves and loads KV through a real sidecar (`make test-vllm`).
 
 Two engine processes (about a minute each) carry every scenario:
-  engine 1: A (miss, saves), then B = A's first two blocks + new tokens (saves B's new blocks)
-  engine 2: A with vLLM's prefix cache emptied -> loaded from the sidecar, same greedy tokens;
+  engine 1: A (miss, saves its full blocks and its tail), then B = A's first two blocks + new
+            tokens (saves B's new blocks and tail)
+  engine 2: A with vLLM's prefix cache emptied -> loaded from the sidecar, every token but the
+            last, same greedy tokens;
             the sidecar restarts on its data dir -> A loads again, same tokens;
             B's new pages corrupted on disk -> a miss for those blocks, recomputed (same
             tokens) and saved again.
@@ -65,17 +67,17 @@ def test_engines_share_kv_through_the_sidecar(spawn, engines, tiny_model, tmp_pa
     e1 = engines(tiny_model, sidecar.socket_url, TOKEN)
     ref_a = e1.ask(op="generate", prompts=[a])
     assert ref_a["cached"] == [0]
-    before_b = settled(data, 3)
-    assert len(before_b) == 3, "A's 3 full computed blocks, each saved once"
+    before_b = settled(data, 4)
+    assert len(before_b) == 4, "A's 3 full computed blocks and its tail, each saved once"
     ref_b = e1.ask(op="generate", prompts=[b])
     assert e1.close() == 0
-    b_pages = settled(data, 5) - before_b
-    assert len(b_pages) == 2, "B's blocks 2 and 3 (0 and 1 are A's)"
+    b_pages = settled(data, 7) - before_b
+    assert len(b_pages) == 3, "B's blocks 2 and 3 and its tail (0 and 1 are A's)"
 
     # engine 2: a new process loads A's prefix from the sidecar
     e2 = engines(tiny_model, sidecar.socket_url, TOKEN)
     got = e2.ask(op="generate", prompts=[a], reset=True)
-    assert got["cached"] == [3 * BLOCK]        # (101 - 1) // 32 blocks: never the last token
+    assert got["cached"] == [len(a) - 1]       # 3 blocks and the tail: all but the last token
     assert got["tokens"] == ref_a["tokens"]
 
     # the sidecar restarts on its data dir: A is still there
@@ -83,7 +85,7 @@ def test_engines_share_kv_through_the_sidecar(spawn, engines, tiny_model, tmp_pa
     assert code == 0
     sidecar = spawn(*args, port=port, socket=sidecar.socket).wait_ready(TOKEN)
     got = e2.ask(op="generate", prompts=[a], reset=True)
-    assert got["cached"] == [3 * BLOCK]
+    assert got["cached"] == [len(a) - 1]
     assert got["tokens"] == ref_a["tokens"]
 
     # B's own pages corrupted on disk: they fail to load, vLLM recomputes them
@@ -92,6 +94,6 @@ def test_engines_share_kv_through_the_sidecar(spawn, engines, tiny_model, tmp_pa
     got = e2.ask(op="generate", prompts=[b], reset=True)
     assert got["tokens"] == ref_b["tokens"]
     assert file_stats(sidecar.url)["corrupt"] >= 1
-    # the sidecar dropped the corrupt files; the recomputed blocks are saved again
-    assert len(settled(data, 5)) == 5
+    # the sidecar dropped the corrupt files; the recomputed blocks (and tail) are saved again
+    assert len(settled(data, 7)) == 7
     assert e2.close() == 0

@@ -18,6 +18,9 @@ SENTENCES = [
 SIZES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, max positions
     "tiny": (128, 2, 4, 2, 32, 256, 512),
     "small": (512, 8, 8, 4, 64, 1536, 4096),   # for time-to-first-token figures
+    # make bench-engines: a cold 1k-token prompt takes over a second on this CPU
+    "bench": (768, 12, 12, 4, 64, 2048, 16384),
+    "share": (128, 2, 4, 2, 32, 256, 16384),   # several engines, long multi-turn prompts
 }
 
 
