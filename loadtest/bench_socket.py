@@ -12,6 +12,9 @@ One sidecar process; in interleaved rounds, through `api.engine.client`:
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import tempfile
 import time
 
 import orjson
@@ -97,14 +100,22 @@ def bench_copy_modes(uds: SidecarClient, rounds: int) -> dict:
 
 
 def run(rounds: int, n: int) -> dict:
-    side = start_sidecar("--host-pool", "1GiB", "--no-file-tier")
+    # the token on both listeners; on TCP it makes the caller the operator, who reaches the
+    # namespaces made on the engine socket (docs/security.md); without it, only its own
+    token = secrets.token_hex(16)
+    with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
+        f.write(token)
+    os.chmod(f.name, 0o600)
+    side = start_sidecar("--host-pool", "1GiB", "--no-file-tier", "--token-file", f.name)
     try:
-        uds, tcp = SidecarClient(side.socket_url, timeout=120), SidecarClient(side.url, timeout=120)
+        uds = SidecarClient(side.socket_url, timeout=120, token=token)
+        tcp = SidecarClient(side.url, timeout=120, token=token)
         res = {"exists": bench_exists(uds, tcp, rounds, n, side.proc.pid),
                "small_moves": bench_small_moves(uds, tcp, rounds, max(n // 10, 5)),
                "copy_modes": bench_copy_modes(uds, rounds)}
     finally:
         side.stop()
+        os.unlink(f.name)
     e, m, s = res["exists"], res["copy_modes"], res["small_moves"]
     res["ratios"] = {
         "exists_uds_vs_tcp_req_s": e["uds"]["req_s"] / e["tcp"]["req_s"],

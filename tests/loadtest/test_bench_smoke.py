@@ -20,3 +20,22 @@ def test_bench_quick_json():
     assert res["inline"]["get_gbps"] > 0
     assert res["exists"]["cpu_us"] > 0 and res["exists"]["bare_cpu_us"] >= 0 and res["client"]["ratio"] > 0
     assert "exists 1000 keys" in out.stdout and "us CPU/request" in out.stdout and "vs torch copy" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_socket_reaches_the_engine_sockets_namespaces_over_tcp():
+    """`make bench`'s second half: TCP reads and writes the namespaces made on the engine
+    socket, which takes the token since namespaces have owners (docs/security.md)."""
+    from loadtest import bench_socket
+    res = bench_socket.run(1, 10)
+    assert res["exists"]["tcp"]["req_s"] > 0 and res["exists"]["uds"]["req_s"] > 0
+    assert res["small_moves"]["tcp_inline_get"]["gb_s"] > 0
+    assert res["ratios"]["fd_vs_mmap_get_gb_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_events_runs_both_sidecars():
+    from loadtest import bench_events
+    res = bench_events.run(1, 20)
+    assert res["set"]["on_rps"] > 0 and res["set"]["off_rps"] > 0
+    assert res["exists"]["on_cpu_us"] > 0 and res["exists"]["rps_ratio"] > 0
