@@ -1,11 +1,12 @@
 """What KV events cost (issue 31): the same traffic against a sidecar with `--kv-events`
 (and a subscriber draining it) and one without, interleaved, in one run.
 
-    python -m loadtest.bench_events [--rounds 7] [--n 600] [--json]
+    python -m loadtest.bench_events [--rounds 7] [--n 600] [--page-kib 4] [--json]
 
     exists 1,000 keys (500 present)      no event: the cost of the hooks being there
     set 64 x 4 KiB, new keys each time   64 BlockStored a request, and BlockRemoved as the
-                                         32 MiB host pool evicts (with tokens and a parent)
+                                         host pool (8,192 pages) evicts (with tokens and a
+                                         parent)
 
 Each figure: req/s and server CPU per request (/proc/<pid>/stat), medians of the rounds,
 and the ratio on / off (target >= 0.95x).
@@ -65,12 +66,12 @@ def set_bodies(bid: str, round_: int, n: int) -> list[bytes]:
     return out
 
 
-def setup(sidecar) -> tuple[str, bytes, tuple]:
+def setup(sidecar, page: int = 4096) -> tuple[str, bytes, tuple]:
     """(buffer id, the exists body, what must stay alive: the client lent the buffer)."""
     c = SidecarClient(sidecar.socket_url)
-    c.put_namespace("ev", 4096, key_format="vllm", page_tokens=16)
-    buf = SharedBuffer(PAGES * 4096)
-    bid = buf.register(c, "ev", PAGES, page_first_chunks(4096))
+    c.put_namespace("ev", page, key_format="vllm", page_tokens=16)
+    buf = SharedBuffer(PAGES * page)
+    bid = buf.register(c, "ev", PAGES, page_first_chunks(page))
     exists = orjson.dumps({"keys": exists_keys(sidecar.socket_url, "ev-exists")})
     return bid, exists, (c, buf)
 
@@ -86,15 +87,16 @@ def one(sidecar, bid: str, exists: bytes, r: int, n: int) -> dict:
     return out
 
 
-def run(rounds: int, n: int) -> dict:
-    port = free_port()
-    on = start_sidecar("--host-pool", "32MiB", "--no-file-tier", "--kv-events", f"tcp://127.0.0.1:{port}")
-    off = start_sidecar("--host-pool", "32MiB", "--no-file-tier")
+def run(rounds: int, n: int, page: int = 4096) -> dict:
+    """`page`: bytes a page; the host pool holds 8,192 of them, so sets evict as they go."""
+    port, pool = free_port(), f"{8192 * page >> 20}MiB"
+    on = start_sidecar("--host-pool", pool, "--no-file-tier", "--kv-events", f"tcp://127.0.0.1:{port}")
+    off = start_sidecar("--host-pool", pool, "--no-file-tier")
     stop = threading.Event()
     sub = threading.Thread(target=drain, args=(f"tcp://127.0.0.1:{port}", stop), daemon=True)
     sub.start()
     try:
-        setups = {"on": setup(on), "off": setup(off)}
+        setups = {"on": setup(on, page), "off": setup(off, page)}
         rows = {"on": [], "off": []}
         for r in range(rounds):
             for name, proc in (("on", on), ("off", off)) if r % 2 else (("off", off), ("on", on)):
@@ -119,9 +121,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--n", type=int, default=600)
+    p.add_argument("--page-kib", type=int, default=4, help="page size (4 KiB: the bookkeeping alone)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    res = run(args.rounds, args.n)
+    res = run(args.rounds, args.n, args.page_kib << 10)
     for what, r in res.items():
         print(f"{what}: events on {r['on_rps']:.0f} req/s, {r['on_cpu_us']:.0f} us CPU vs off "
               f"{r['off_rps']:.0f} req/s, {r['off_cpu_us']:.0f} us CPU -> req/s {r['rps_ratio']:.2f}x, "
