@@ -22,7 +22,8 @@ from the index at once, its slot freed when the last pin or the writer lets go.
 The joints that follow this pool (`pools/joint.py`) are told of every key published
 (commit) and every key that leaves (eviction, delete); so is its `log`, when someone
 follows the pool (KV events, sidecar/events.py): `(True, key)` published, `(False, key)`
-gone, in order, with `on_log(pool)` called when the log stops being empty.
+gone, in order, with `on_log(pool)` called when the log stops being empty (a commit
+with `log=False` is left to its caller, who logs it in its place).
 
 The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
 event loop only; copies run elsewhere between reserve/pin and commit/unpin).
@@ -184,8 +185,9 @@ class PagePool:
         self._reserved += 1
         return e
 
-    def commit(self, e: Entry) -> bool:
-        """Publish a reservation; False when it was deleted meanwhile (slot freed)."""
+    def commit(self, e: Entry, log: bool = True) -> bool:
+        """Publish a reservation; False when it was deleted meanwhile (slot freed).
+        `log=False`: the caller logs it (KV events take a set's commits as one entry)."""
         self._check_reserved(e)
         self._reserved -= 1
         if e.doomed:
@@ -195,7 +197,7 @@ class PagePool:
         self.ready[e.key] = e
         for joint in self.joints:
             joint.added(e.key)
-        if self.log is not None:
+        if log and self.log is not None:
             self._logged(True, e.key)
         self.lru.push_mru(e)
         self._after_release()

@@ -27,6 +27,7 @@ A store carries `parent_block_hash` and `token_ids` when the set that stored it 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -37,7 +38,8 @@ from sidecar.errors import BadRequest
 log = logging.getLogger("kv_sidecar.events")
 MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
 FORMATS = ("map", "array")
-_NO_META = (None, None)
+_LIST, _INT = {list}, {int}
+CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
 GATHER = 0.005   # seconds a batch gathers events (several loop turns) before it is sent:
                  # a set stores and evicts in two turns, and each send costs ~20 us of ZMQ
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -96,8 +98,8 @@ def set_meta(body: dict) -> Optional[tuple]:
     keys = body.get("keys")
     if tokens is not None and not (isinstance(tokens, list) and isinstance(keys, list)
                                    and len(tokens) == len(keys)
-                                   and all(type(t) is list and all(type(i) is int for i in t)
-                                           for t in tokens)):
+                                   and set(map(type, tokens)) <= _LIST   # C loops, no bools
+                                   and set(map(type, itertools.chain.from_iterable(tokens))) <= _INT):
         raise BadRequest("'tokens' must hold one list of token ids (integers) per key")
     return parent, tokens
 
@@ -163,14 +165,13 @@ class Events:
 
     Pools append `(present, key)` to their `log` (pools/page_pool.py); tiers call
     `tier_changed` from any thread; the store calls `watch` and `dropped_namespace` as
-    namespaces come and go, and `annotate` with a set's parents and tokens."""
+    namespaces come and go, and `stored_chain` with a set's commits, parent and tokens."""
 
     def __init__(self, publisher: Publisher, topic: str, fmt: str, loop):
         self.publisher, self.prefix, self.fmt, self.loop = publisher, topic, fmt, loop
         self.by_pool: dict = {}        # pool -> its namespace
         self.dirty: set = set()        # pools with a log to flush
         self.pending: dict[bytes, list] = {}   # topic -> this turn's events, in order
-        self.meta: dict = {}           # (pool, key) -> (parent key, tokens) of this turn's sets
         self.tier_log: collections.deque = collections.deque()   # (identity, keys, medium, present)
         self.identities: dict[str, list] = {}   # identity -> its live namespaces
         self.scheduled = False
@@ -195,7 +196,9 @@ class Events:
                 self.tier_changed(ns.identity, tier.held_keys(ns.identity), medium_of(tier), True)
 
     def dropped_namespace(self, ns) -> None:
-        """Everything of `ns` goes (its pool closed, its tier pages being dropped)."""
+        """Everything of `ns` goes (its pool closed, its tier pages being dropped); what
+        its pool logged since the last flush is published first, in order."""
+        self._drain_pool(ns.pool)
         ns.pool.log = None
         self.by_pool.pop(ns.pool, None)
         self.dirty.discard(ns.pool)
@@ -204,13 +207,15 @@ class Events:
             same.remove(ns)
         self._add(self.topic(ns), encode_event("AllBlocksCleared", {}, self.fmt))
 
-    def annotate(self, pool, keys: list, parent: Optional[str], tokens: Optional[list]) -> None:
-        """Before a set's commits: each key's parent (the key before it; `parent` for the
-        first) and its token ids, for the BlockStored events of this turn."""
-        prev = parent
-        for i, key in enumerate(keys):
-            self.meta[(pool, key)] = (prev, tokens[i] if tokens else None)
-            prev = key
+    def stored_chain(self, pool, keys: list, idx: list, parent: Optional[str],
+                     tokens: Optional[list]) -> None:
+        """A set's commits as one log entry (the pool logged none of them): `idx`, the
+        positions in `keys` committed, ascending; the set's `parent` and `tokens`."""
+        if not idx or pool.log is None:
+            return
+        if not pool.log:
+            self._logged(pool)
+        pool.log.append((CHAIN, (keys, idx, parent, tokens)))
 
     def tier_changed(self, identity: str, keys: list, medium: str, present: bool) -> None:
         """From any thread, in the order the tier changed its index."""
@@ -239,7 +244,6 @@ class Events:
         self.dirty.clear()
         while self.tier_log:
             self._drain_tier(*self.tier_log.popleft())
-        self.meta.clear()
         if not self.pending:
             return
         ts, encode = time.time(), self.encode
@@ -255,43 +259,41 @@ class Events:
         if ns is None or not entries:
             return
         pool.log = []
-        topic, fmt, kf = self.topic(ns), self.fmt, ns.spec.key_format
-        gone: list = []
-        run: list = []                 # a chain of stored keys (each the next's parent)
-        meta = self.meta
+        topic = self.topic(ns)
+        gone: list = []                # keys evicted or deleted, in a row
         for present, key in entries:
             if not present:
-                if run:
-                    self._stored(topic, ns, run)
-                    run = []
                 gone.append(key)
                 continue
             if gone:
-                self._add(topic, removed_event(hashes(gone, kf), MEDIUM_HOST, fmt))
+                self._add(topic, removed_event(hashes(gone, ns.spec.key_format), MEDIUM_HOST, self.fmt))
                 gone = []
-            if run and meta.get((pool, key), _NO_META)[0] != run[-1]:
-                self._stored(topic, ns, run)
-                run = []
-            run.append(key)
-        if run:
-            self._stored(topic, ns, run)
+            if present is CHAIN:
+                self._chains(topic, ns, *key)
+            else:                      # stored without a set's parent and tokens
+                self._stored(topic, ns, [key], None, [])
         if gone:
-            self._add(topic, removed_event(hashes(gone, kf), MEDIUM_HOST, fmt))
+            self._add(topic, removed_event(hashes(gone, ns.spec.key_format), MEDIUM_HOST, self.fmt))
 
-    def _stored(self, topic: bytes, ns, run: list, medium: str = MEDIUM_HOST) -> None:
-        """One BlockStored for a chain of keys (the first one's parent, the tokens known)."""
-        if not run:
-            return
-        kf, meta, pool = ns.spec.key_format, self.meta, ns.pool
-        parent = meta.get((pool, run[0]), _NO_META)[0]
-        all_tokens = []
-        for key in run:
-            t = meta.get((pool, key), _NO_META)[1]
-            if t:
-                all_tokens += t
-        self._add(topic, stored_event(hashes(run, kf),
-                                      None if parent is None else block_hash(parent, kf),
-                                      all_tokens, ns.spec.page_tokens, medium, self.fmt))
+    def _chains(self, topic: bytes, ns, keys: list, idx: list, parent: Optional[str],
+                tokens: Optional[list]) -> None:
+        """One BlockStored for each run of consecutive positions in `idx`: its parent is
+        the key before it (the set's `parent` before the first), its tokens theirs."""
+        runs, start = [], 0
+        if idx[-1] - idx[0] + 1 != len(idx):    # a gap: keys present before, or refused
+            for j in range(1, len(idx)):
+                if idx[j] != idx[j - 1] + 1:
+                    runs.append((idx[start], idx[j - 1] + 1))
+                    start = j
+        runs.append((idx[start], idx[-1] + 1))
+        for a, b in runs:
+            toks = list(itertools.chain.from_iterable(tokens[a:b])) if tokens else []
+            self._stored(topic, ns, keys[a:b], keys[a - 1] if a else parent, toks)
+
+    def _stored(self, topic: bytes, ns, run: list, parent: Optional[str], tokens: list) -> None:
+        kf = ns.spec.key_format
+        self._add(topic, stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
+                                      tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt))
 
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
         for ns in self.identities.get(identity, ()):

@@ -147,12 +147,12 @@ class Store:
         if isinstance(who, Peer) and ns.owner != who.uid:
             raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner deletes it")
         self.dir.remove(ns)
+        if self.events is not None:   # before the pool drops its pages: one AllBlocksCleared
+            self.events.dropped_namespace(ns)
         self.joints.drop(ref)
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(ref)
-        if self.events is not None:
-            self.events.dropped_namespace(ns)
         return ns
 
     async def drop_tiers(self, ns: Namespace) -> int:
@@ -354,17 +354,19 @@ class Store:
         futures: dict[str, Any] = {}
 
         def settle(ok: bool) -> None:
-            """The copy ended: publish (and queue for the tiers) or give the slots back."""
-            if ok and meta is not None and self.events is not None:
-                self.events.annotate(ns.pool, keys, *meta)
+            """The copy ended: publish (and queue for the tiers) or give the slots back.
+            With KV events and a set's parent or tokens, its commits go as one chain."""
+            chain = ok and meta is not None and self.events is not None
             committed = []
             for i, e in todo:
                 if ok:
-                    stored[i] = ns.pool.commit(e)
+                    stored[i] = ns.pool.commit(e, log=not chain)
                     if stored[i]:
                         committed.append(e)
                 else:
                     ns.pool.abort(e)
+            if chain:
+                self.events.stored_chain(ns.pool, keys, [i for i, _ in todo if stored[i]], *meta)
             queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits) \
                 if credits else []
             futures.update(zip((e.key for e in committed), queued))

@@ -158,6 +158,32 @@ def test_a_stored_chain_carries_its_parent_and_tokens(evented):
                      "block_size": 4, "lora_id": None, "medium": "CPU_PINNED", "lora_name": None}]
 
 
+def test_a_set_with_a_key_present_before_stores_two_chains(evented):
+    """A set's commits are logged as one entry; a key it did not store (present before)
+    cuts the chain: each run is its own BlockStored, its parent the key before it."""
+    srv, sub, _ = evented
+    c = srv.client(timeout=30)
+    c.put_namespace("kv", PAGE, key_format="vllm", page_tokens=1)
+    buf = SharedBuffer(4 * PAGE)
+    bid = buf.register(c, "kv", 4, page_first_chunks(PAGE))
+    keys = ["a1" * 32, "b2" * 32, "c3" * 32, "d4" * 32]
+    c.request("POST", "/v1/namespaces/kv/set", {"keys": keys[1:2], "buffer_id": bid, "slots": [1]})
+    settled(srv, sub)
+    seen = []
+    real = srv.ctx.events.publisher.send
+    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append(payload), real(topic, payload))[1]
+    c.request("POST", "/v1/namespaces/kv/set", {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2, 3],
+                                                "parent": "99" * 32, "tokens": [[1], [2], [3], [4]]})
+    settled(srv, sub)
+    host = [(e["block_hashes"], e["parent_block_hash"], e["token_ids"])
+            for p in seen for e in msgspec.msgpack.decode(p)[1]
+            if e["type"] == "BlockStored" and e["medium"] == "CPU_PINNED"]
+    h = [bytes.fromhex(k) for k in keys]
+    assert host == [([h[0]], bytes.fromhex("99" * 32), [1]), ([h[2], h[3]], h[1], [3, 4])]
+    assert set(sub.model["t@kv"]["CPU_PINNED"]) == set(h)
+    srv.invariants()
+
+
 def replayed(port: int) -> dict:
     """Ask the replay socket for everything from seq 0; the model it rebuilds."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -219,6 +245,7 @@ def test_parents_and_tokens_are_checked(make_server):
     bid = buf.register(c, "kv", 2, page_first_chunks(PAGE))
     body = {"keys": ["a", "b"], "buffer_id": bid, "slots": [0, 1]}
     for bad in ({"tokens": [[1]]}, {"tokens": [[1], ["x"]]}, {"tokens": [[1], 2]},
+                {"tokens": [[True], [1]]}, {"tokens": [[1.5], [1]]}, {"tokens": [[1], {"a": 1}]},
                 {"parent": 7}, {"parent": ""}):
         status, out = c.request("POST", "/v1/namespaces/kv/set", {**body, **bad}, ok=(400,))
         assert status == 400 and orjson.loads(out)["error"]["code"] == "bad_request", bad

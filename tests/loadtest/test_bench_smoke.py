@@ -38,4 +38,4 @@ def test_bench_events_runs_both_sidecars():
     from loadtest import bench_events
     res = bench_events.run(1, 20)
     assert res["set"]["on_rps"] > 0 and res["set"]["off_rps"] > 0
-    assert res["exists"]["on_cpu_us"] > 0 and res["exists"]["rps_ratio"] > 0
+    assert res["exists"]["on_rps"] > 0 and res["exists"]["rps_ratio"] > 0   # CPU: 10 ms ticks
