@@ -1,0 +1,57 @@
+"""Tiny random hybrid models (several vLLM KV cache groups), built on disk with no hub.
+
+    gemma3   Gemma 3 text: sliding-window (48 tokens) and full-attention layers alternating
+    qwen3_5  Qwen 3.5 text: Gated DeltaNet linear attention (a Mamba-style state) and full
+             attention, 3:1
+    granite  Granite 4 hybrid: Mamba-2 and attention layers (dense MLP)
+
+Deterministic: the same seed gives the same weights in every process.
+"""
+from __future__ import annotations
+
+import os
+
+from tests.engines.vllm.tiny_model import tokenizer
+
+COMMON = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3,
+              bos_token_id=0, eos_token_id=1, pad_token_id=1, torch_dtype="float32")
+SLIDING_WINDOW = 48
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(num_hidden_layers=4, head_dim=32, sliding_window=SLIDING_WINDOW,
+                           layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)
+    return Gemma3ForCausalLM(cfg)
+
+
+def _qwen3_5():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    cfg = Qwen3_5TextConfig(num_hidden_layers=4, head_dim=32, linear_key_head_dim=32,
+                            linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], **COMMON)
+    return Qwen3_5ForCausalLM(cfg)
+
+
+def _granite():
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    cfg = GraniteMoeHybridConfig(num_hidden_layers=4, layer_types=["mamba", "mamba", "mamba", "attention"],
+                                 num_local_experts=0, shared_intermediate_size=256, mamba_n_heads=8,
+                                 mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
+                                 mamba_chunk_size=32, **COMMON)
+    return GraniteMoeHybridForCausalLM(cfg)
+
+
+KINDS = {"gemma3": _gemma3, "qwen3_5": _qwen3_5, "granite": _granite}
+
+
+def build(path: str, kind: str, seed: int = 0) -> str:
+    """Write config, weights and tokenizer of `kind` to `path` (once) and return it."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    tokenizer(path)
+    torch.manual_seed(seed)
+    KINDS[kind]().save_pretrained(path)
+    return path
