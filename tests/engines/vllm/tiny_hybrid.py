@@ -3,7 +3,9 @@
     gemma3   Gemma 3 text: sliding-window (48 tokens) and full-attention layers alternating
     qwen3_5  Qwen 3.5 text: Gated DeltaNet linear attention (a Mamba-style state) and full
              attention, 3:1
+    qwen3_next  Qwen3-Next: the same layer pattern, MoE MLP
     granite  Granite 4 hybrid: Mamba-2 and attention layers (dense MLP)
+    gpt_oss  gpt-oss: sliding-window (48) and full attention alternating, with sinks, MoE
 
 Deterministic: the same seed gives the same weights in every process.
 """
@@ -21,8 +23,10 @@ SLIDING_WINDOW = 48
 
 def _gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    # Gemma scales embeddings by sqrt(hidden): a smaller init keeps the output on attention
     cfg = Gemma3TextConfig(num_hidden_layers=4, head_dim=32, sliding_window=SLIDING_WINDOW,
-                           layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)
+                           layer_types=["sliding_attention", "full_attention"] * 2,
+                           **{**COMMON, "initializer_range": 0.1})
     return Gemma3ForCausalLM(cfg)
 
 
@@ -34,6 +38,30 @@ def _qwen3_5():
     return Qwen3_5ForCausalLM(cfg)
 
 
+def _qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    # CPU GDN kernels take 128-wide heads (bfloat16); wide attention heads keep vLLM's
+    # block (sized so one attention page holds a state) small
+    cfg = Qwen3NextConfig(num_hidden_layers=4, head_dim=128, linear_key_head_dim=128,
+                          linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                          shared_expert_intermediate_size=128,
+                          layer_types=["linear_attention"] * 3 + ["full_attention"],
+                          **{**COMMON, "num_key_value_heads": 4})
+    return _long_memory(Qwen3NextForCausalLM(cfg))
+
+
+def _long_memory(model):
+    """A slow decay (A = e^-5) in every linear-attention layer: a random A up to 16 forgets
+    the prefix within a token, and a lost state would not change the output."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.fill_(-5.0)
+    return model
+
+
 def _granite():
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
     cfg = GraniteMoeHybridConfig(num_hidden_layers=4, layer_types=["mamba", "mamba", "mamba", "attention"],
@@ -43,7 +71,15 @@ def _granite():
     return GraniteMoeHybridForCausalLM(cfg)
 
 
-KINDS = {"gemma3": _gemma3, "qwen3_5": _qwen3_5, "granite": _granite}
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(num_hidden_layers=4, head_dim=32, sliding_window=SLIDING_WINDOW, num_local_experts=4,
+                       num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+                       **COMMON)
+    return GptOssForCausalLM(cfg)
+
+
+KINDS = {"gemma3": _gemma3, "qwen3_5": _qwen3_5, "qwen3_next": _qwen3_next, "granite": _granite, "gpt_oss": _gpt_oss}
 
 
 def build(path: str, kind: str, seed: int = 0) -> str:
