@@ -11,6 +11,10 @@ dtype, block size, backend and kernel path, tensor shapes, hash algorithm, TP/PP
 worker computes it from its KV tensors and hands it to the scheduler in the startup
 handshake. Nothing raises into the engine: a failure is a miss, a failed load is reported
 through `get_block_ids_with_load_errors` and vLLM recomputes those blocks.
+
+Hybrid models (several KV cache groups: sliding window, Mamba / linear attention) go
+through vLLM's hybrid KV cache manager (`SupportsHMA`): one namespace per group, each with
+its pool kind and hit rule (`api.engine.vllm_groups`).
 """
 from __future__ import annotations
 
@@ -23,7 +27,14 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole)
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a vLLM without the hybrid allocator interface: one group only
+    SupportsHMA = object  # type: ignore[misc,assignment]
+
 from api.engine.client import ENGINE_URL, SidecarClient
+from api.engine.vllm_groups import (MAMBA, HybridScheduler, HybridWorker, is_hybrid, kind_of,
+                                    plan_groups, transfer_results_type)
 from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
 from api.engine.vllm_worker import KvArena, WorkerSide
@@ -42,10 +53,12 @@ class SidecarConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class SidecarHandshake(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler at startup: this rank's namespace and its spec."""
+    """Worker -> scheduler at startup: this rank's namespace and its spec (hybrid models:
+    the first group's, and `groups`, every group's (namespace, spec) in group order)."""
 
     namespace: str
     spec: dict
+    groups: Optional[list] = None
 
 
 def never_raises(default):
@@ -62,7 +75,7 @@ def never_raises(default):
     return wrap
 
 
-class SidecarConnector(KVConnectorBase_V1):
+class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """kv_role "kv_both": loads the longest stored prefix, saves every new full block."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
@@ -75,6 +88,7 @@ class SidecarConnector(KVConnectorBase_V1):
         self.sched: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None
         self.arena: Optional[KvArena] = None
+        self.hybrid: Optional[HybridWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
 
@@ -85,11 +99,20 @@ class SidecarConnector(KVConnectorBase_V1):
             log.info("kv-sidecar: a page that fails to load is a miss: kv_load_failure_policy=recompute")
             tc.kv_load_failure_policy = "recompute"
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) != 1:
-            log.warning("kv-sidecar: %d KV cache groups (hybrid models are not supported): disabled",
-                        len(groups))
+        mamba = any(kind_of(g.kv_cache_spec) == MAMBA for g in groups)
+        tail_on = self._flag("load_last_block", True) and not mamba  # Mamba: states at block ends
+        plans = None
+        if is_hybrid(kv_cache_config):
+            plans, why = plan_groups(kv_cache_config, tail=tail_on)
+            if not plans:
+                log.warning("kv-sidecar: unsupported KV cache groups (%s): disabled", why)
+                return
+            log.info("kv-sidecar: %d KV cache groups: %s", len(plans),
+                     ", ".join(f"{p.kind}" + (f" (window {p.window})" if p.window else "") for p in plans))
+        elif len(groups) != 1:
+            log.warning("kv-sidecar: no KV cache groups: disabled")
             return
-        block_size = groups[0].kv_cache_spec.block_size
+        block_size = plans[0].block_size if plans else groups[0].kv_cache_spec.block_size
         hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
         if block_size % hash_block:
             log.warning("kv-sidecar: block size %d is no multiple of the hash block size %d: disabled",
@@ -103,11 +126,11 @@ class SidecarConnector(KVConnectorBase_V1):
             log.warning("kv-sidecar: %s block hashes get a random seed per process: set PYTHONHASHSEED "
                         "(the same on every engine) or no engine finds another's pages", algo)
         ratio = block_size // hash_block
-        tail = self._tail_hasher(algo, block_size, ratio) if self._flag("load_last_block", True) else None
-        self.sched = SchedulerSide(
-            self.client, block_size, ratio=ratio,
-            lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
-            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
+        tail = self._tail_hasher(algo, block_size, ratio) if tail_on else None
+        kw = dict(ratio=ratio, lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
+                  lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
+        self.sched = (HybridScheduler(self.client, block_size, plans=plans, **kw) if plans
+                      else SchedulerSide(self.client, block_size, **kw))
 
     def _flag(self, key: str, default: bool) -> bool:
         value = self.extra.get(key, default)
@@ -141,9 +164,28 @@ class SidecarConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------
     @never_raises(None)
     def register_kv_caches(self, kv_caches: dict[str, Any]):
-        cfg = self._vllm_config
         num_blocks = self._kv_cache_config.num_blocks
-        layout = PageLayout.of(dict(kv_caches), num_blocks)
+        if is_hybrid(self._kv_cache_config):
+            self._register_groups(dict(kv_caches), num_blocks)
+            return
+        self.worker = self._side(PageLayout.of(dict(kv_caches), num_blocks), kv_caches)
+
+    def _register_groups(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        """One `WorkerSide` per KV cache group: its layers' blocks, its namespace."""
+        kcc = self._kv_cache_config
+        plans, why = plan_groups(kcc, tail=False)
+        if not plans:
+            log.warning("kv-sidecar: unsupported KV cache groups (%s): disabled", why)
+            return
+        sides = []
+        for plan, group in zip(plans, kcc.kv_cache_groups):
+            layers = {n: kv_caches[n] for n in group.layer_names if n in kv_caches}
+            sides.append(self._side(PageLayout.of(layers, num_blocks), layers, plan.pool, plan.describe))
+        self.hybrid = HybridWorker(sides)
+
+    def _side(self, layout: PageLayout, kv_caches, pool: str = "kv", group: str = "") -> WorkerSide:
+        """The worker side of one namespace: these layers' pages (a group's, or all)."""
+        cfg = self._vllm_config
         scope = EngineScope(model=self._model_id(), dtype=self._dtype(),
                             block_size=cfg.cache_config.block_size, backend=self._backend(kv_caches),
                             hashing=self._hashing(), rank=self._rank())
@@ -151,12 +193,13 @@ class SidecarConnector(KVConnectorBase_V1):
         if self.arena is not None and kv_buffer is None:
             log.warning("kv-sidecar: the KV cache is not in the connector's memfd: loads go through staging")
         staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(layout, kv_buffer is None)
-        self.worker = WorkerSide(self.client, layout, namespace_spec(scope, layout, self.extra.get("sidecar_share_gid")),
-                                 staging, kv_buffer)
-        log.info("kv-sidecar: namespace %s, %d-byte pages, %s", self.worker.namespace, layout.page_bytes,
-                 "cuda_ipc" if self.worker.cuda else
-                 f"loads into the KV cache's memfd, {self.worker.slots.capacity}-slot staging memfd for saves"
-                 if kv_buffer is not None else f"{self.worker.slots.capacity}-slot staging memfd")
+        spec = namespace_spec(scope, layout, self.extra.get("sidecar_share_gid"), pool, group)
+        side = WorkerSide(self.client, layout, spec, staging, kv_buffer)
+        log.info("kv-sidecar: namespace %s (%s), %d-byte pages, %s", side.namespace, pool, layout.page_bytes,
+                 "cuda_ipc" if side.cuda else
+                 f"loads into the KV cache's memfd, {side.slots.capacity}-slot staging memfd for saves"
+                 if kv_buffer is not None else f"{side.slots.capacity}-slot staging memfd")
+        return side
 
     def get_mem_pool_context(self):
         """On CPU, vLLM's KV cache allocation runs in `KvArena`: the cache lands in a memfd
@@ -220,6 +263,9 @@ class SidecarConnector(KVConnectorBase_V1):
         return max(8, min(want, (1 << 30) // layout.page_bytes))
 
     def get_handshake_metadata(self) -> Optional[SidecarHandshake]:
+        if self.hybrid is not None:
+            groups = self.hybrid.groups
+            return SidecarHandshake(groups[0][0], groups[0][1], groups)
         if self.worker is None:
             return None
         return SidecarHandshake(self.worker.namespace, self.worker.spec)
@@ -227,7 +273,11 @@ class SidecarConnector(KVConnectorBase_V1):
     @never_raises(None)
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self.worker is not None and isinstance(meta, SidecarConnectorMetadata) and meta.loads:
+        if not isinstance(meta, SidecarConnectorMetadata) or not meta.loads:
+            return
+        if self.hybrid is not None:
+            self.hybrid.load(meta.loads)
+        elif self.worker is not None:
             self.worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -239,7 +289,9 @@ class SidecarConnector(KVConnectorBase_V1):
     @never_raises(None)
     def wait_for_save(self):
         meta = self._connector_metadata
-        if self.worker is not None and isinstance(meta, SidecarConnectorMetadata):
+        if self.hybrid is not None and isinstance(meta, SidecarConnectorMetadata):
+            self.hybrid.save(meta.saves)
+        elif self.worker is not None and isinstance(meta, SidecarConnectorMetadata):
             self.worker.save(meta.saves)  # also when empty: it ends the step's load failures
 
     @never_raises((None, None))
@@ -247,6 +299,18 @@ class SidecarConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None, None
         return self.worker.finished(set(finished_req_ids)) or None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Hybrid models: loads are asynchronous to vLLM, reported done (and failed) here."""
+        if self.hybrid is None:
+            return super().get_transfer_results(finished_req_ids)
+        try:
+            saved, loaded, failed = self.hybrid.transfer_results(set(finished_req_ids))
+        except Exception:
+            log.exception("kv-sidecar get_transfer_results failed")
+            saved, loaded, failed = set(), set(), set()
+        return transfer_results_type()(finished_sending=saved, finished_recving=loaded,
+                                       failed_recving=failed)
 
     @never_raises(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -256,6 +320,8 @@ class SidecarConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.worker is not None:
             self.worker.close()
+        if self.hybrid is not None:
+            self.hybrid.close()
         if self.sched is not None:
             self.sched.close()
 
@@ -274,6 +340,13 @@ class SidecarConnector(KVConnectorBase_V1):
             log.warning("kv-sidecar: %d of %d workers have a namespace (see their log): disabled",
                         len(ranks), expected)
             return
+        if isinstance(self.sched, HybridScheduler):
+            if any(not m.groups or len(m.groups) != len(self.sched.plans) for _, m in ranks):
+                log.warning("kv-sidecar: a worker registered no namespace per KV cache group: disabled")
+                return
+            self.sched.ranks = [[ns for ns, _ in m.groups] for _, m in ranks]
+            self.sched.specs = {ns: spec for _, m in ranks for ns, spec in m.groups}
+            return
         self.sched.specs = {m.namespace: m.spec for _, m in ranks}
 
     @never_raises(None)
@@ -285,17 +358,22 @@ class SidecarConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self.sched is None:
             return 0, False
-        return self.sched.matched(request, num_computed_tokens), False
+        n = self.sched.matched(request, num_computed_tokens)
+        return n, bool(n) and isinstance(self.sched, HybridScheduler)  # hybrid: loads are async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self.sched is None:
             return
-        block_ids = list(blocks.get_block_ids()[0])
+        hybrid = isinstance(self.sched, HybridScheduler)
+        groups = [list(ids) for ids in blocks.get_block_ids()]
+        block_ids = groups if hybrid else groups[0]
         try:
             self.sched.allocated(request, block_ids, num_external_tokens)
         except Exception:
             log.exception("kv-sidecar update_state_after_alloc failed: the request recomputes")
-            if num_external_tokens > 0:  # report every block as failed: vLLM recomputes them
+            if num_external_tokens > 0 and hybrid:
+                self.sched.fail_load(request.request_id)
+            elif num_external_tokens > 0:  # report every block as failed: vLLM recomputes them
                 self.sched.loads.append(Transfer(request.request_id, [], block_ids))
 
     def build_connector_meta(self, scheduler_output) -> SidecarConnectorMetadata:
@@ -304,8 +382,11 @@ class SidecarConnector(KVConnectorBase_V1):
         loads = self.sched.take_loads()
         try:
             manager = self._kv_cache_manager
-            saves = self.sched.saves(scheduler_output.num_scheduled_tokens,
-                                     lambda rid: manager.get_block_ids(rid)[0])
+            if isinstance(self.sched, HybridScheduler):
+                block_ids_of = manager.get_block_ids
+            else:
+                block_ids_of = lambda rid: manager.get_block_ids(rid)[0]  # noqa: E731
+            saves = self.sched.saves(scheduler_output.num_scheduled_tokens, block_ids_of)
         except Exception:
             log.exception("kv-sidecar: planning this step's saves failed (they are skipped)")
             saves = []
@@ -313,13 +394,23 @@ class SidecarConnector(KVConnectorBase_V1):
 
     @never_raises(None)
     def update_connector_output(self, connector_output):
+        failed = getattr(connector_output, "failed_recving", None)
+        if isinstance(self.sched, HybridScheduler) and failed:
+            self.sched.loads_failed(set(failed))
         invalid = getattr(connector_output, "invalid_block_ids", None)
-        if self.sched is not None and invalid:
+        if self.sched is not None and invalid and not isinstance(self.sched, HybridScheduler):
             manager = self._kv_cache_manager
             self.sched.load_failed(set(invalid), lambda rid: manager.get_block_ids(rid)[0])
 
     @never_raises((False, None))
     def request_finished(self, request, block_ids):
+        if self.sched is None:
+            return False, None
+        return self.sched.finished(request), None
+
+    @never_raises((False, None))
+    def request_finished_all_groups(self, request, block_ids):
+        """`SupportsHMA`: the same as `request_finished` (the saves cover every group)."""
         if self.sched is None:
             return False, None
         return self.sched.finished(request), None

@@ -37,15 +37,17 @@ class PageLayout:
 
     @classmethod
     def of(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> "PageLayout":
-        """Views of every layer (in the dict's order, which is the model's layer order)."""
+        """Views of every layer (in the dict's order, which is the model's layer order); a
+        layer given as a list of tensors (state caches) contributes each of them."""
         views, offsets, parts, offset = [], [], [], 0
-        for name, t in kv_caches.items():
-            for v in _block_major(t, num_blocks):
-                u8 = v.flatten(1).view(torch.uint8)
-                views.append(u8)
-                offsets.append(offset)
-                offset += u8.shape[1]
-            parts.append(f"{tuple(t.shape)}:{tuple(t.stride())}:{t.dtype}")
+        for name, layer in kv_caches.items():
+            for t in layer if isinstance(layer, (list, tuple)) else [layer]:
+                for v in _block_major(t, num_blocks):
+                    u8 = v.flatten(1).view(torch.uint8)
+                    views.append(u8)
+                    offsets.append(offset)
+                    offset += u8.shape[1]
+                parts.append(f"{tuple(t.shape)}:{tuple(t.stride())}:{t.dtype}")
         if not views:
             raise ValueError("no KV cache tensors")
         return cls(tuple(views), tuple(offsets), offset, num_blocks, ";".join(parts))
@@ -102,12 +104,14 @@ class EngineScope:
     rank: dict
 
 
-def namespace_spec(scope: EngineScope, layout: PageLayout, share_gid: Optional[int] = None) -> dict:
+def namespace_spec(scope: EngineScope, layout: PageLayout, share_gid: Optional[int] = None,
+                   pool: str = "kv", group: str = "") -> dict:
     """The sidecar namespace spec: equal exactly when pages are interchangeable. KV events
     name its pages by vLLM's block hash (`key_format`); `share_gid` lets engines of other
-    uids in that group share it (docs/security.md, "Tenants")."""
-    digest = hashlib.sha256(layout.describe.encode()).hexdigest()[:16]
-    spec = {"page_bytes": layout.page_bytes, "pool": "kv", "model": scope.model, "dtype": scope.dtype,
+    uids in that group share it (docs/security.md, "Tenants"). A hybrid model's KV cache
+    group adds its pool kind and `group`, a description of its vLLM spec (in the digest)."""
+    digest = hashlib.sha256((layout.describe + (f"|{group}" if group else "")).encode()).hexdigest()[:16]
+    spec = {"page_bytes": layout.page_bytes, "pool": pool, "model": scope.model, "dtype": scope.dtype,
             "page_tokens": scope.block_size, "rank": scope.rank,
             "layout": f"vllm:{scope.backend}:{scope.hashing}:{digest}", "key_format": "vllm"}
     if share_gid is not None:

@@ -43,6 +43,7 @@ class Transfer:
     block_ids: list[int]
     parent: Optional[str] = None                 # KV events: the key before keys[0]
     tokens: Optional[list[list[int]]] = None     # KV events: each key's token ids (saves)
+    group: int = 0                               # the KV cache group (hybrid models)
 
 
 @dataclass
@@ -216,8 +217,12 @@ class SchedulerSide:
             return
         first, last = hit.local // bs, -(-(hit.local + num_external) // bs)
         assert hit.local % bs == 0 and present is not None and last <= present, (hit, num_external)
-        self.loads.append(Transfer(rid, look.keys[first:last], list(block_ids[first:last])))
+        self._queue_load(rid, look.keys, range(first, last), block_ids)
         self.stats["load_blocks"] += last - first
+
+    def _queue_load(self, rid: str, keys: list[str], index: range, block_ids) -> None:
+        """Queue the load of keys[i] into block_ids[i] for i in `index`."""
+        self.loads.append(Transfer(rid, keys[index.start:index.stop], list(block_ids[index.start:index.stop])))
 
     def take_loads(self) -> list[Transfer]:
         loads, self.loads = self.loads, []
@@ -232,30 +237,41 @@ class SchedulerSide:
             t = self.tracked.get(rid)
             if t is None:
                 continue
-            req = t.request
-            end = req.num_computed_tokens + n
-            done = min(end, req.num_tokens) // self.block_size
-            keys: list[str] = []
-            blocks: list[int] = []
-            first = t.stored                   # the block index of keys[0]
-            if done > t.stored:
-                full = block_keys(req.block_hashes, self.ratio, done)
-                if len(full) > t.stored:
-                    ids = block_ids_of(rid)
-                    keys, blocks = full[t.stored:], list(ids[t.stored:len(full)])
-                    t.stored = len(full)
-            tail = t.tail
-            if tail is not None and not tail.saved and end >= tail.end and t.stored >= tail.index:
-                ids = block_ids_of(rid)
-                if tail.index < len(ids):
-                    first = first if keys else tail.index
-                    keys.append(tail.key)
-                    blocks.append(ids[tail.index])
-                    tail.saved = True
+            keys, index, end = self._save_plan(t, n)
             if keys:
-                saves.append(self._with_meta(Transfer(rid, keys, blocks), req, first))
-                t.saving = True
+                transfers = self._save_transfers(t.request, keys, index, end, block_ids_of)
+                saves += transfers
+                t.saving = t.saving or bool(transfers)
         return saves
+
+    def _save_plan(self, t: Tracked, n: int) -> tuple[list[str], list[int], int]:
+        """The keys to save after a step of `n` tokens, their block indices (ascending, one
+        run), and the tokens computed by the end of the step."""
+        req = t.request
+        end = req.num_computed_tokens + n
+        done = min(end, req.num_tokens) // self.block_size
+        keys: list[str] = []
+        index: list[int] = []
+        if done > t.stored:
+            full = block_keys(req.block_hashes, self.ratio, done)
+            if len(full) > t.stored:
+                keys, index = full[t.stored:], list(range(t.stored, len(full)))
+                t.stored = len(full)
+        tail = t.tail
+        if tail is not None and not tail.saved and end >= tail.end and t.stored >= tail.index:
+            keys.append(tail.key)
+            index.append(tail.index)
+            tail.saved = True
+        return keys, index, end
+
+    def _save_transfers(self, req, keys: list[str], index: list[int], end: int,
+                        block_ids_of) -> list[Transfer]:
+        ids = block_ids_of(req.request_id)
+        n = sum(1 for i in index if i < len(ids))
+        if not n:
+            return []
+        t = Transfer(req.request_id, keys[:n], [ids[i] for i in index[:n]])
+        return [self._with_meta(t, req, index[0])]
 
     def _with_meta(self, t: Transfer, req, first: int) -> Transfer:
         """What KV events need (docs/kv-events.md): the parent key and each block's tokens

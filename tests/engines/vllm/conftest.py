@@ -31,8 +31,8 @@ def tiny_model(tmp_path_factory):
 def engines():
     started: list[Engine] = []
 
-    def start(model: str, url: str, token: str | None = None) -> Engine:
-        e = Engine(model, url, token)
+    def start(model: str, url: str, token: str | None = None, **env: str) -> Engine:
+        e = Engine(model, url, token, **env)
         started.append(e)
         return e
     yield start

@@ -9,7 +9,7 @@
             {"op": "reset"}
             {"op": "quit"}
     env:    ENGINE_CONNECTOR sidecar | none | lmcache, ENGINE_EXTRA (JSON extra config),
-            ENGINE_MAX_MODEL_LEN, ENGINE_KV_BYTES, ENGINE_MAX_BATCHED_TOKENS
+            ENGINE_MAX_MODEL_LEN, ENGINE_KV_BYTES, ENGINE_MAX_BATCHED_TOKENS, ENGINE_DTYPE
     stdout: "@@ " + JSON per command ({"ready": ...} first); everything else is vLLM's log.
 `Engine` below is the parent's side: it starts this script and exchanges the lines.
 
@@ -56,7 +56,8 @@ def engine(model: str, url: str, token: str | None):
     batched = os.environ.get("ENGINE_MAX_BATCHED_TOKENS")
     kw = {"max_num_batched_tokens": int(batched)} if batched else {}
     tc = transfer_config(url, token)
-    return LLM(model=model, dtype="float32", max_model_len=max_len, block_size=32, enforce_eager=True,
+    dtype = os.environ.get("ENGINE_DTYPE", "float32")
+    return LLM(model=model, dtype=dtype, max_model_len=max_len, block_size=32, enforce_eager=True,
                enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes, seed=0,
                **({"kv_transfer_config": tc} if tc else {}), **kw)
 

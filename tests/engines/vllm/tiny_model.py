@@ -29,18 +29,9 @@ def build(path: str, seed: int = 0, size: str = "tiny") -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(SENTENCES * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-
+    tokenizer(path)
     torch.manual_seed(seed)
     hidden, layers, heads, kv_heads, head_dim, inter, positions = SIZES[size]
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=inter,
@@ -50,3 +41,18 @@ def build(path: str, seed: int = 0, size: str = "tiny") -> str:
                       eos_token_id=1, tie_word_embeddings=False, torch_dtype="float32")
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+def tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer of 1,024 tokens, written to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
