@@ -270,15 +270,16 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return SidecarHandshake(self.worker.namespace, self.worker.spec)
 
+    @property
+    def _sides(self):
+        """What moves this worker's pages: one side per group (hybrid), or the one side."""
+        return self.hybrid if self.hybrid is not None else self.worker
+
     @never_raises(None)
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, SidecarConnectorMetadata) or not meta.loads:
-            return
-        if self.hybrid is not None:
-            self.hybrid.load(meta.loads)
-        elif self.worker is not None:
-            self.worker.load(meta.loads)
+        if self._sides is not None and isinstance(meta, SidecarConnectorMetadata) and meta.loads:
+            self._sides.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward starts
@@ -289,10 +290,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     @never_raises(None)
     def wait_for_save(self):
         meta = self._connector_metadata
-        if self.hybrid is not None and isinstance(meta, SidecarConnectorMetadata):
-            self.hybrid.save(meta.saves)
-        elif self.worker is not None and isinstance(meta, SidecarConnectorMetadata):
-            self.worker.save(meta.saves)  # also when empty: it ends the step's load failures
+        if self._sides is not None and isinstance(meta, SidecarConnectorMetadata):
+            self._sides.save(meta.saves)  # also when empty: it ends the step's load failures
 
     @never_raises((None, None))
     def get_finished(self, finished_req_ids: set[str]):
@@ -359,34 +358,25 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sched is None:
             return 0, False
         n = self.sched.matched(request, num_computed_tokens)
-        return n, bool(n) and isinstance(self.sched, HybridScheduler)  # hybrid: loads are async
+        return n, bool(n) and self.sched.async_loads
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self.sched is None:
             return
-        hybrid = isinstance(self.sched, HybridScheduler)
-        groups = [list(ids) for ids in blocks.get_block_ids()]
-        block_ids = groups if hybrid else groups[0]
+        block_ids = self.sched.block_ids(blocks.get_block_ids())
         try:
             self.sched.allocated(request, block_ids, num_external_tokens)
         except Exception:
             log.exception("kv-sidecar update_state_after_alloc failed: the request recomputes")
-            if num_external_tokens > 0 and hybrid:
-                self.sched.fail_load(request.request_id)
-            elif num_external_tokens > 0:  # report every block as failed: vLLM recomputes them
-                self.sched.loads.append(Transfer(request.request_id, [], block_ids))
+            if num_external_tokens > 0:
+                self.sched.fail_load(request.request_id, block_ids)
 
     def build_connector_meta(self, scheduler_output) -> SidecarConnectorMetadata:
         if self.sched is None:
             return SidecarConnectorMetadata()
         loads = self.sched.take_loads()
         try:
-            manager = self._kv_cache_manager
-            if isinstance(self.sched, HybridScheduler):
-                block_ids_of = manager.get_block_ids
-            else:
-                block_ids_of = lambda rid: manager.get_block_ids(rid)[0]  # noqa: E731
-            saves = self.sched.saves(scheduler_output.num_scheduled_tokens, block_ids_of)
+            saves = self.sched.saves(scheduler_output.num_scheduled_tokens, self._block_ids_of)
         except Exception:
             log.exception("kv-sidecar: planning this step's saves failed (they are skipped)")
             saves = []
@@ -394,13 +384,18 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     @never_raises(None)
     def update_connector_output(self, connector_output):
+        if self.sched is None:
+            return
         failed = getattr(connector_output, "failed_recving", None)
-        if isinstance(self.sched, HybridScheduler) and failed:
+        if failed:
             self.sched.loads_failed(set(failed))
         invalid = getattr(connector_output, "invalid_block_ids", None)
-        if self.sched is not None and invalid and not isinstance(self.sched, HybridScheduler):
-            manager = self._kv_cache_manager
-            self.sched.load_failed(set(invalid), lambda rid: manager.get_block_ids(rid)[0])
+        if invalid:
+            self.sched.load_failed(set(invalid), self._block_ids_of)
+
+    def _block_ids_of(self, rid: str) -> list:
+        """A request's block ids now, as the scheduler side plans with them."""
+        return self.sched.block_ids(self._kv_cache_manager.get_block_ids(rid))
 
     @never_raises((False, None))
     def request_finished(self, request, block_ids):

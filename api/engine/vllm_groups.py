@@ -112,6 +112,11 @@ class HybridScheduler(SchedulerSide):
     plans: list[GroupPlan] = field(default_factory=list)
     ranks: list[list[str]] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)     # a load failed: no hit on its retry
+    async_loads = True     # Mamba state is copied forward before the forward; failures per request
+
+    def block_ids(self, groups) -> list:
+        """Every group's block ids (`plan.index` picks one)."""
+        return [list(ids) for ids in groups]
 
     @property
     def anchor(self) -> int:
@@ -149,8 +154,8 @@ class HybridScheduler(SchedulerSide):
             self.loads.append(Transfer(rid, [keys[i] for i in pick], [ids[i] for i in pick],
                                        group=plan.index))
 
-    def fail_load(self, rid: str) -> None:
-        """Report the request's load as failed (its plan could not be made)."""
+    def fail_load(self, rid: str, block_ids: list) -> None:
+        """Report the request's load as failed, as a whole (its plan could not be made)."""
         self.loads.append(Transfer(rid, [], [], group=FAILED))
 
     def _save_transfers(self, req, keys: list[str], index: list[int], end: int,
@@ -171,14 +176,12 @@ class HybridScheduler(SchedulerSide):
         return out
 
     def loads_failed(self, rids: set[str]) -> None:
-        """vLLM computes these requests from their start: save every block again."""
-        for rid in rids:
-            self.failed.add(rid)
-            t = self.tracked.get(rid)
-            if t is not None:
-                t.stored = 0
-                if t.tail is not None:
-                    t.tail.saved = False
+        """As `SchedulerSide`'s, and their retry gets no hit (it computes)."""
+        self.failed |= rids
+        super().loads_failed(rids)
+
+    def load_failed(self, invalid: set[int], block_ids_of) -> None:
+        """Not reported for several groups: vLLM takes their failures per request."""
 
     def finished(self, request) -> bool:
         self.failed.discard(request.request_id)
@@ -220,14 +223,13 @@ class HybridWorker:
             self.finishing |= finished_req_ids
             done, gone = set(), set()
             for rid in self.finishing:
-                states = [_save_state(s, rid) for s in self.sides]
+                states = [s.save_state(rid) for s in self.sides]
                 if not any(saving for saving, _ in states):
                     gone.add(rid)            # never saved: the scheduler did not keep it
                 elif not any(busy for _, busy in states):
                     done.add(rid)
             for side in self.sides:
-                with side.lock:
-                    side.saving -= done
+                side.forget_saves(done)
             self.finishing -= done | gone
         return done
 
@@ -242,11 +244,6 @@ class HybridWorker:
     def close(self) -> None:
         for side in self.sides:
             side.close()
-
-
-def _save_state(side: WorkerSide, rid: str) -> tuple[bool, bool]:
-    with side.lock:
-        return rid in side.saving, rid in side.inflight
 
 
 def transfer_results_type() -> Any:

@@ -107,6 +107,11 @@ class SchedulerSide:
     loads: list[Transfer] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0})
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "sidecar-exists"))
+    async_loads = False                 # loads land in the step's forward (hybrid: a step later)
+
+    def block_ids(self, groups) -> list:
+        """The block ids this side plans with, from vLLM's per-group lists: the one group's."""
+        return list(groups[0])
 
     # -- lookups ----------------------------------------------------------------------
     def keys_of(self, request) -> tuple[list[str], bool]:
@@ -224,6 +229,10 @@ class SchedulerSide:
         """Queue the load of keys[i] into block_ids[i] for i in `index`."""
         self.loads.append(Transfer(rid, keys[index.start:index.stop], list(block_ids[index.start:index.stop])))
 
+    def fail_load(self, rid: str, block_ids: list[int]) -> None:
+        """Its load could not be planned: every block is reported failed (vLLM recomputes)."""
+        self.loads.append(Transfer(rid, [], block_ids))
+
     def take_loads(self) -> list[Transfer]:
         loads, self.loads = self.loads, []
         return loads
@@ -299,6 +308,16 @@ class SchedulerSide:
             tail = t.tail
             if tail is not None and tail.index < len(blocks) and blocks[tail.index] in invalid:
                 tail.saved = False
+
+    def loads_failed(self, rids: set[str]) -> None:
+        """Requests whose whole load failed (`failed_recving`): vLLM computes them from their
+        start, so every block is saved again."""
+        for rid in rids:
+            t = self.tracked.get(rid)
+            if t is not None:
+                t.stored = 0
+                if t.tail is not None:
+                    t.tail.saved = False
 
     def finished(self, request) -> bool:
         """Forget the request; True when saves were scheduled (the worker reports them)."""

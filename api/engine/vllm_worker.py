@@ -323,6 +323,16 @@ class WorkerSide:
             self.saving -= done
         return done
 
+    def save_state(self, rid: str) -> tuple[bool, bool]:
+        """(saves were scheduled for `rid`, a set of it is in flight)."""
+        with self.lock:
+            return rid in self.saving, rid in self.inflight
+
+    def forget_saves(self, rids: set[str]) -> None:
+        """Reported done by a caller that reads `save_state` of several sides."""
+        with self.lock:
+            self.saving -= rids
+
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
