@@ -21,9 +21,10 @@ from the index at once, its slot freed when the last pin or the writer lets go.
 
 The joints that follow this pool (`pools/joint.py`) are told of every key published
 (commit) and every key that leaves (eviction, delete); so is its `log`, when someone
-follows the pool (KV events, sidecar/events.py): `(True, key)` published, `(False, key)`
-gone, in order, with `on_log(pool)` called when the log stops being empty (a commit
-with `log=False` is left to its caller, who logs it in its place).
+follows the pool (KV events, sidecar/events.py): `(True, key)` published, the key alone
+gone (evicted or deleted: a page write that evicts logs a string, no tuple), in order,
+with `on_log(pool)` called when the log stops being empty (a commit with `log=False` is
+left to its caller, who logs it in its place).
 
 The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
 event loop only; copies run elsewhere between reserve/pin and commit/unpin).
@@ -104,7 +105,7 @@ class PagePool:
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
         self.joints: list[Joint] = []    # told when a key comes or goes
-        self.log: Optional[list] = None  # (present, key) as keys come and go, when followed
+        self.log: Optional[list] = None  # (True, key) or a gone key, as they come and go
         self.on_log: Optional[Callable[["PagePool"], None]] = None
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
@@ -196,9 +197,9 @@ class PagePool:
         e.state = READY
         self.ready[e.key] = e
         for joint in self.joints:
-            joint.added(e.key)
+            joint.added(self, e.key)
         if log and self.log is not None:
-            self._logged(True, e.key)
+            self._logged((True, e.key))
         self.lru.push_mru(e)
         self._after_release()
         return True
@@ -254,9 +255,9 @@ class PagePool:
         if was_ready:
             del self.ready[key]
             for joint in self.joints:
-                joint.removed(key)
+                joint.removed(self, key)
             if self.log is not None:
-                self._logged(False, key)
+                self._logged(key)
             self.lru.remove(e)
         if e.state == RESERVED or e.pins > 0:
             e.doomed = True
@@ -337,17 +338,20 @@ class PagePool:
         del self.entries[e.key]
         del self.ready[e.key]
         for joint in self.joints:
-            joint.removed(e.key)
-        if self.log is not None:
-            self._logged(False, e.key)
+            joint.removed(self, e.key)
+        log = self.log
+        if log is not None:   # `_logged`, inline: a write that evicts logs a page a time
+            if not log:
+                self.on_log(self)
+            log.append(e.key)
         self.free.append(e.offset)
         self.evictions += 1
         return True
 
-    def _logged(self, present: bool, key: str) -> None:
+    def _logged(self, entry) -> None:
         if not self.log:
             self.on_log(self)
-        self.log.append((present, key))
+        self.log.append(entry)
 
     def _bury(self, e: Entry) -> None:
         del self._doomed_entries[id(e)]

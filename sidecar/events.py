@@ -27,7 +27,9 @@ A store carries `parent_block_hash` and `token_ids` when the set that stored it 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import operator
 import logging
 import threading
 import time
@@ -63,7 +65,7 @@ def hashes(keys: list, key_format: str) -> list:
     """`block_hash` of each key (vLLM's hex keys in one pass when they all are)."""
     if key_format == "vllm":
         try:
-            return [bytes.fromhex(k) for k in keys]
+            return list(map(bytes.fromhex, keys))
         except ValueError:
             pass
     return [block_hash(k, key_format) for k in keys]
@@ -129,7 +131,7 @@ class Publisher:
         """Publish one batch now (on the loop); False when ZMQ refused it (counted)."""
         try:
             self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
-                                    flags=self.zmq.NOBLOCK)
+                                    flags=self.zmq.NOBLOCK, copy=False)   # large: not copied
         except self.zmq.ZMQError:
             return False
         self.ring.append((self.seq, topic, payload))
@@ -163,9 +165,10 @@ class Publisher:
 class Events:
     """Events of one sidecar, collected on the event loop and flushed every GATHER seconds.
 
-    Pools append `(present, key)` to their `log` (pools/page_pool.py); tiers call
-    `tier_changed` from any thread; the store calls `watch` and `dropped_namespace` as
-    namespaces come and go, and `stored_chain` with a set's commits, parent and tokens."""
+    Pools append `(True, key)` or a gone key to their `log` (pools/page_pool.py); the
+    store calls `stored_chain` with a set's commits, parent and tokens (one entry in the
+    same log), and `watch` and `dropped_namespace` as namespaces come and go; tiers call
+    `tier_changed` from any thread."""
 
     def __init__(self, publisher: Publisher, topic: str, fmt: str, loop):
         self.publisher, self.prefix, self.fmt, self.loop = publisher, topic, fmt, loop
@@ -259,24 +262,19 @@ class Events:
         if ns is None or not entries:
             return
         pool.log = []
-        topic = self.topic(ns)
-        gone: list = []                # keys evicted or deleted, in a row
-        for present, key in entries:
-            if not present:
-                gone.append(key)
+        topic, kf = self.topic(ns), ns.spec.key_format
+        for kind, run in itertools.groupby(entries, type):   # grouped in C
+            if kind is str:            # keys evicted or deleted, in a row
+                self._add(topic, removed_event(hashes(list(run), kf), MEDIUM_HOST, self.fmt))
                 continue
-            if gone:
-                self._add(topic, removed_event(hashes(gone, ns.spec.key_format), MEDIUM_HOST, self.fmt))
-                gone = []
-            if present is CHAIN:
-                self._chains(topic, ns, *key)
-            else:                      # stored without a set's parent and tokens
-                self._stored(topic, ns, [key], None, [])
-        if gone:
-            self._add(topic, removed_event(hashes(gone, ns.spec.key_format), MEDIUM_HOST, self.fmt))
+            for present, key in run:
+                if present is CHAIN:   # a set's stores
+                    self.pending.setdefault(topic, []).extend(self._chains(ns, *key))
+                else:                  # (True, key): stored without a set's parent and tokens
+                    self._add(topic, self._stored(ns, [key], None, []))
 
-    def _chains(self, topic: bytes, ns, keys: list, idx: list, parent: Optional[str],
-                tokens: Optional[list]) -> None:
+    def _chains(self, ns, keys: list, idx: list, parent: Optional[str],
+                tokens: Optional[list]) -> list:
         """One BlockStored for each run of consecutive positions in `idx`: its parent is
         the key before it (the set's `parent` before the first), its tokens theirs."""
         runs, start = [], 0
@@ -286,14 +284,14 @@ class Events:
                     runs.append((idx[start], idx[j - 1] + 1))
                     start = j
         runs.append((idx[start], idx[-1] + 1))
-        for a, b in runs:
-            toks = list(itertools.chain.from_iterable(tokens[a:b])) if tokens else []
-            self._stored(topic, ns, keys[a:b], keys[a - 1] if a else parent, toks)
+        return [self._stored(ns, keys[a:b], keys[a - 1] if a else parent,
+                             functools.reduce(operator.iadd, tokens[a:b], []) if tokens else [])
+                for a, b in runs]
 
-    def _stored(self, topic: bytes, ns, run: list, parent: Optional[str], tokens: list) -> None:
+    def _stored(self, ns, run: list, parent: Optional[str], tokens: list) -> Any:
         kf = ns.spec.key_format
-        self._add(topic, stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
-                                      tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt))
+        return stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
+                            tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
 
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
         for ns in self.identities.get(identity, ()):

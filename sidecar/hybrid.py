@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 from itertools import compress
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import orjson
 
+from pools.joint import held_by
 from sidecar.errors import BadRequest, PayloadTooLarge
+from sidecar.joints import joint_bits
 from sidecar.events import set_meta
 from sidecar.peer import Peer
 from sidecar.spec import check_name
@@ -65,11 +67,12 @@ def legal_endpoints(mask: bytes, top: int, window: int) -> bytearray:
     return ok
 
 
-def parse_extra(raw: Any) -> list[ExtraPool]:
+def parse_extra(raw: Any) -> tuple[ExtraPool, ...]:
     """The extra pools of a batch/exists. An engine sends the same few lists again and
-    again: each distinct one (by its JSON bytes) is checked once, then looked up."""
+    again: each distinct one (by its JSON bytes) is checked once, then looked up (the
+    same tuple each time, which `resolve` keeps its plans by)."""
     if raw is None:
-        return []
+        return ()
     if not isinstance(raw, list) or len(raw) > 64:
         raise BadRequest("'extra' must be a list of at most 64 {namespace, policy, window}")
     seen = orjson.dumps(raw)
@@ -79,7 +82,7 @@ def parse_extra(raw: Any) -> list[ExtraPool]:
         if len(_PARSED) >= PARSED_MAX:
             _PARSED.clear()
         _PARSED[seen] = pools
-    return list(pools)
+    return pools
 
 
 PARSED_MAX = 256
@@ -129,19 +132,18 @@ class Presence:
             self.bits = self.store.local_mask(self.name, self.keys[lo:self.lo]) + self.bits
             self.lo = lo
 
-    def last_missing(self, lo: int, hi: int) -> int:
-        """The greatest i in [lo, hi) whose page is missing, -1 when all are present."""
-        self._reach(lo)
-        i = self.bits.rfind(0, lo - self.lo, hi - self.lo)
-        return -1 if i < 0 else i + self.lo
-
-    def last_present(self, hi: int) -> int:
-        """The greatest i < hi whose page is present, -1 when none is."""
+    def last_window(self, p: int, window: int) -> int:
+        """The greatest endpoint q <= p whose `window` pages [q - window, q) are present
+        (pages [0, q) below a window): the last run of `window` ones in `bits` that ends
+        by p, looked for in C, `bits` reaching lower only while none is found."""
         while True:
-            i = self.bits.rfind(1, 0, max(0, hi - self.lo))
-            if i >= 0 or self.lo == 0:
-                return -1 if i < 0 else i + self.lo
-            hi = self.lo
+            self._reach(max(0, p - window))
+            if self.lo == 0:
+                return window_end(self.bits, p, window)
+            i = self.bits.rfind(b"\x01" * window, 0, p - self.lo)
+            if i >= 0:
+                return self.lo + i + window
+            p = min(p, self.lo + window - 1)   # a window ending later lies in [lo, p)
             self._reach(self.lo - 1)
 
     def first_missing(self, p: int) -> int:
@@ -167,44 +169,90 @@ def cap(pool: ExtraPool, seen: Presence, p: int) -> int:
     """The greatest endpoint <= p this pool can restore."""
     if pool.policy == ALL_PAGES:
         return seen.first_missing(p)
-    while p > 0:
-        miss = seen.last_missing(max(0, p - pool.window), p)
-        if miss < 0:
-            return p
-        # every endpoint in (q + 1, p] ends on a missing page or has one in its window
-        p = seen.last_present(miss) + 1
-    return 0
+    return seen.last_window(p, pool.window)
 
 
-async def batch_exists(store: Store, keys: Any, kv: Any, extra: list[ExtraPool],
+def window_end(bits: bytes, p: int, window: int) -> int:
+    """Over the bits of pages [0, ..): the greatest endpoint q <= p whose `window` pages
+    are present (pages [0, q) when q < window)."""
+    i = bits.rfind(b"\x01" * window, 0, p)
+    if i >= 0:
+        return i + window
+    gap = bits.find(0, 0, p)
+    return min(p, window - 1, p if gap < 0 else gap)
+
+
+def bits_cap(pool: ExtraPool, bits: bytes, p: int) -> int:
+    """`cap` over the bits of pages [0, ..)."""
+    if pool.policy == ALL_PAGES:
+        i = bits.find(0, 0, p)
+        return p if i < 0 else i
+    return window_end(bits, p, pool.window)
+
+
+async def batch_exists(store: Store, keys: Any, kv: Any, extra: Sequence[ExtraPool],
                        restorable: bool = False, who: Caller = OPERATOR) -> dict[str, Any]:
     """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all).
     Names are those `who` knows (sidecar/tenancy.py): a pool it reaches under no such
     name holds nothing. The keys are validated once, by the KV look-up; every pool reads
-    that prefix only. Without `restorable` or a remote tier, the KV pool and the
-    all-pages pools are walked once together, through their joint (`sidecar.joints`),
-    made after the first such ask."""
+    that prefix only. Without a remote tier, the KV pool and every extra pool are walked
+    once together, through their joint (`sidecar.joints`), made after the first ask and
+    used once built: with the host pool alone, the rule then runs on its masks in C."""
     if not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace")
-    kv = store.resolve(kv, who)
-    asked = [pool.namespace for pool in extra]
-    extra = [ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra]
-    out = await _batch_exists(store, keys, kv, extra, restorable)
-    out["pools"] = dict(zip(asked, out["pools"]))
+    plan = resolve(store, kv, extra, who)
+    out = await _batch_exists(store, keys, plan, restorable)
+    out["pools"] = dict(zip(plan.asked, out["pools"]))
     return out
 
 
-async def _batch_exists(store: Store, keys: Any, kv: str, extra: list[ExtraPool],
-                        restorable: bool) -> dict[str, Any]:
-    remote = store.tiering.remote
-    whole = [] if restorable or remote else [p.namespace for p in extra if p.policy == ALL_PAGES]
-    joint = store.joint(kv, whole) if whole else None
-    if joint is None:
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the names of a batch/exists mean to its caller: refs (sidecar/tenancy.py),
+    and the bit of each in their joint (`sidecar.joints.joint_bits`): the KV pool's, then
+    the extra pools' in order."""
+    kv: str
+    extra: tuple[ExtraPool, ...]
+    asked: tuple[str, ...]
+    names: list[str]          # the refs of `extra`
+    bits: tuple[int, ...]
+
+
+def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> Plan:
+    """The Plan of `kv` and `extra` for `who`. An engine asks with the same names again
+    and again: a plan is kept by the parsed list (`parse_extra` hands out one tuple per
+    distinct list) until a namespace comes or goes (`Directory.version`)."""
+    key = (id(extra), kv, who)
+    kept = _PLANS.get(key)
+    if kept is not None and kept[0] is extra and kept[1] == store.dir.version:
+        return kept[2]
+    kv = store.resolve(kv, who)
+    refs = tuple(ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra)
+    names = [pool.namespace for pool in refs]
+    plan = Plan(kv, refs, tuple(pool.namespace for pool in extra), names, joint_bits((kv, *names)))
+    if len(_PLANS) >= PARSED_MAX:
+        _PLANS.clear()
+    _PLANS[key] = (extra, store.dir.version, plan)   # `extra` kept: its id names no other list
+    return plan
+
+
+_PLANS: dict[tuple, tuple[Sequence[ExtraPool], int, Plan]] = {}
+
+
+async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -> dict[str, Any]:
+    kv, extra, remote = plan.kv, plan.extra, store.tiering.remote
+    names = [] if remote else plan.names
+    joint = store.joint(kv, names) if names else None
+    if joint is not None and joint.built:   # one walk for the KV pool and every extra pool
+        kv_bit, *bits = plan.bits
+        top, more, masks = store.joint_walk(kv, keys, joint, kv_bit)
+        if not store.tiering.enabled:   # the host pool is all there is: the masks say it all
+            return rule_on_masks((masks, bits), extra, top, restorable)
+        held = run_of(masks, kv_bit, [b for b, p in zip(bits, extra) if p.policy == ALL_PAGES])
+    else:
         (top, more), held = store.local_prefix(kv, keys), 0  # validates the keys past the prefix
-        if whole:  # the request passed its checks: the next one walks their joint
-            store.make_joint(kv, whole)
-    else:  # one walk for the KV pool and every all-pages pool
-        top, more, held = store.joint_prefix(kv, keys, joint)
+        if names and joint is None:  # the request passed its checks: the next ones walk a joint
+            store.make_joint(kv, names)
     if more:
         top = await store.remote_prefix(kv, keys, top)
     if remote and extra:  # one remote look-up per pool, all at once
@@ -220,43 +268,78 @@ async def _batch_exists(store: Store, keys: Any, kv: str, extra: list[ExtraPool]
     return hit_rule(extra, seen, top, restorable)
 
 
-def restores_top(store: Store, extra: list[ExtraPool], keys: list[str], top: int,
+def run_of(masks: bytes, kv_bit: int, bits: list[int]) -> int:
+    """The leading run of `masks` that the KV pool and every pool of `bits` hold."""
+    need = kv_bit
+    for bit in bits:
+        need |= bit
+    end = held_by(masks, need).find(0)
+    return len(masks) if end < 0 else end
+
+
+def rule_on_masks(walked: tuple[bytes, list[int]], extra: Sequence[ExtraPool], top: int,
+                  restorable: bool) -> dict[str, Any]:
+    """The answer from a joint's masks of the whole KV prefix (`walked`: the masks, each
+    extra pool's bit): each pool's pages read in C (`pools.joint.held_by`), no look-up
+    left."""
+    masks, bits = walked
+    held = [held_by(masks, bit) for bit in bits]
+    own = [bits_cap(pool, h, top) for pool, h in zip(extra, held)]
+    if min(own, default=top) == top and not restorable:   # every pool restores it all
+        return {"hit": top, "kv": top, "pools": own}
+    out = {"hit": common_hit(extra, (bits_cap, held), own, top), "kv": top, "pools": own}
+    if restorable:
+        out["restorable"] = common_endpoints(extra, held, top)
+    return out
+
+
+def restores_top(store: Store, extra: Sequence[ExtraPool], keys: list[str], top: int,
                  held: int = 0) -> bool:
     """Whether every pool restores the whole KV prefix (then it is the hit, and each
     pool's own best): the usual answer, one local look-up per pool, the windows first.
-    `held`: a run every all-pages pool is known to hold (their joint's)."""
+    `held`: a run every all-pages pool is known to hold (their joint's); short of the
+    prefix, those pools are asked first, from there (the likelier miss, one look-up)."""
+    alls = [pool.namespace for pool in extra if pool.policy == ALL_PAGES]
+    short = 0 < held < top
+    if short and any(store.local_run(name, keys, top, held) < top for name in alls):
+        return False
     for pool in extra:
         if pool.policy != ALL_PAGES and 0 in store.local_mask(pool.namespace,
                                                               keys[max(0, top - pool.window):top]):
             return False
-    if held >= top:
-        return True
-    for pool in extra:
-        if pool.policy == ALL_PAGES and store.local_run(pool.namespace, keys, top) < top:
-            return False
-    return True
+    return short or held >= top or all(store.local_run(name, keys, top) >= top for name in alls)
 
 
-def hit_rule(extra: list[ExtraPool], seen: list[Presence], top: int,
+def hit_rule(extra: Sequence[ExtraPool], seen: list[Presence], top: int,
              restorable: bool) -> dict[str, Any]:
+    """The answer, each pool's pages as its Presence finds them."""
     own = [cap(pool, s, top) for pool, s in zip(extra, seen)]
-    hit, legal_at = min(own, default=top), list(own)  # legal_at[i]: an endpoint pool i restores
-    while any(p != hit for p in legal_at):  # lower the hit until every pool restores it
-        for i, (pool, s) in enumerate(zip(extra, seen)):
-            if legal_at[i] != hit:
-                hit = legal_at[i] = cap(pool, s, hit)
-    out = {"hit": hit, "kv": top, "pools": own}   # each pool's own best, in `extra`'s order
+    out = {"hit": common_hit(extra, (cap, seen), own, top), "kv": top, "pools": own}
     if restorable:
-        out["restorable"] = common_endpoints(extra, seen, top)
+        out["restorable"] = common_endpoints(extra, [s.all() for s in seen], top)
     return out
 
 
-def common_endpoints(extra: list[ExtraPool], seen: list[Presence], top: int) -> list[int]:
-    """Every endpoint in 1..top that every pool can restore, ascending."""
+def common_hit(extra: Sequence[ExtraPool], caps: tuple[Callable, list], own: list[int], top: int) -> int:
+    """The greatest endpoint <= min(own, top) that every pool restores, from each pool's
+    own best (`own`) and its pages: `caps` is (`cap` or `bits_cap`, each pool's pages),
+    the greatest endpoint <= p a pool restores being `cap(pool, pages, p)`."""
+    cap_of, pages = caps
+    hit = min(own, default=top)
+    while True:   # every endpoint in (low, hit] is one some pool cannot restore
+        low = min([cap_of(pool, seen, hit) for pool, seen in zip(extra, pages)], default=hit)
+        if low == hit:
+            return hit
+        hit = low
+
+
+def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) -> list[int]:
+    """Every endpoint in 1..top that every pool can restore, ascending (`bits`: each
+    pool's pages [0, top))."""
     common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
-    for pool, s in zip(extra, seen):
+    for pool, b in zip(extra, bits):
         window = top if pool.policy == ALL_PAGES else pool.window
-        common &= int.from_bytes(legal_endpoints(s.all(), top, window), "little")
+        common &= int.from_bytes(legal_endpoints(b, top, window), "little")
     return list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
 
 

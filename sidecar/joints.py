@@ -1,34 +1,43 @@
 """The joints batch/exists walks: one per set of pools asked together (a KV namespace and
-its all-pages pools).
+its extra pools).
 
 An engine asks the same pools together again and again. Once a batch/exists naming a
-set has passed its checks, the set gets a joint (`pools.joint`), and later batches walk
-its one index instead of one per pool. A joint over pages already stored is built on the
-event loop, BUILD_CHUNK keys a step with a yield between steps (a few ms a step; the first
-step also copies the smallest pool's key list, some 20-40 ms a million keys, and a step
-in which the joint's dict grows takes tens of ms with millions of keys). Until it is
-built it holds fewer keys than the pools share, never one they do not, so answers stay
-right, only slower. A joint goes with any of its namespaces, and a build cancelled (the
-loop closing) drops its joint.
+set has passed its checks, the set gets a joint (`pools.joint`: which pools hold each
+key, a bit each), and later batches walk its one index instead of one per pool. A joint
+over pages already stored is built on the event loop, BUILD_CHUNK keys a step with a
+yield between steps (a few ms a step; the step that lists a pool's keys takes longer,
+some 10 ms a million keys). Until it is built, batches walk each pool, so answers never
+depend on how far a build got. A joint goes with any of its namespaces, and a build
+cancelled (the loop closing) drops its joint.
 
 What joints cost stays bounded whatever callers ask: one joint per set of names whatever
 the order or which is KV, at most MAX_JOINTS in all, at most PER_POOL over any one pool
-(a page write looks its key up in the other pools of each), at most MAX_POOLS pools each,
-and one build at a time. Past a bound a batch walks the pools as before; no joint is
-evicted, so asking other sets does not make the sidecar build again and again.
+(a page write sets or clears its bit in each), at most MAX_POOLS pools each (a mask is
+one byte), and one build at a time. Past a bound a batch walks the pools as before; no
+joint is evicted, so asking other sets does not make the sidecar build again and again.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Mapping, Optional
 
-from pools.joint import Joint
+from pools.joint import MAX_POOLS, Joint
 
 MAX_JOINTS = 16
 PER_POOL = 4
-MAX_POOLS = 8
 BUILD_CHUNK = 4096
 _ASKED_MAX = 256
+
+
+def joint_names(asked: tuple[str, ...]) -> tuple[str, ...]:
+    """The names of the joint of the namespaces `asked`, in the order of its pools."""
+    return tuple(sorted(set(asked)))
+
+
+def joint_bits(asked: tuple[str, ...]) -> tuple[int, ...]:
+    """The bit (`pools.joint`) of each of the namespaces `asked` in their joint."""
+    names = joint_names(asked)
+    return tuple(1 << names.index(name) for name in asked)
 
 
 class Joints:
@@ -62,7 +71,7 @@ class Joints:
         if names is None:
             if len(self._asked) >= _ASKED_MAX:
                 self._asked.clear()
-            names = self._asked[asked] = tuple(sorted(set(asked)))
+            names = self._asked[asked] = joint_names(asked)
         return names
 
     def _build(self, names: tuple[str, ...], joint: Joint) -> None:

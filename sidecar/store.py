@@ -232,18 +232,16 @@ class Store:
         self.joints.make(kv, others, self.namespaces)
         return self.joints.get(kv, others)
 
-    def joint_prefix(self, name: str, keys: list[str], joint: Joint) -> tuple[int, bool, int]:
-        """`local_prefix(name, keys)`, and `held`: the leading run every pool of `joint`
-        (one of them `name`'s) holds in the host pool. The joint's index is walked instead
-        of the pool's, which is walked too only when its own run goes past `held`."""
+    def joint_walk(self, name: str, keys: list[str], joint: Joint, bit: int) -> tuple[int, bool, bytes]:
+        """`local_prefix(name, keys)`, and the masks (`pools.joint`) of the keys of the
+        leading run `name`'s pool (`bit` in `joint`, built) holds in the host pool: which
+        pools of the joint hold each, in one walk for all of them."""
         ns = self.namespace(name)
         try:
-            held = n = joint.prefix(check_batch(keys))
-            if n < len(keys) and keys[n] in ns.pool.ready:   # the pool holds [0, held) too
-                n += ns.pool.prefix(keys[n:])
+            masks = joint.walk(check_batch(keys), bit)
         except TypeError:  # an unhashable key: the full check below names it
-            held = n = 0
-        return (*self._local_past(ns, keys, n), held)
+            masks = b""
+        return (*self._local_past(ns, keys, len(masks)), masks)
 
     def _local_past(self, ns: Namespace, keys: list[str], n: int) -> tuple[int, bool]:
         """`local_prefix` for a host-pool run of n keys: the local tiers go on from there."""

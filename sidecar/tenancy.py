@@ -87,6 +87,7 @@ class Directory:
 
     by_ref: dict
     by_name: dict
+    version: int = 0    # one more each time a namespace comes or goes
 
     @classmethod
     def empty(cls) -> "Directory":
@@ -95,6 +96,7 @@ class Directory:
     def add(self, ns: "Namespace") -> None:
         self.by_ref[ns.ref] = ns
         self.by_name.setdefault(ns.name, []).append(ns)
+        self.version += 1
 
     def remove(self, ns: "Namespace") -> None:
         del self.by_ref[ns.ref]
@@ -102,6 +104,7 @@ class Directory:
         same.remove(ns)
         if not same:
             del self.by_name[ns.name]
+        self.version += 1
 
     def check_room(self, owner: Optional[int]) -> None:
         """Before a new namespace of `owner`: the caps (429 past either)."""

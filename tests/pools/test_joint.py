@@ -92,6 +92,18 @@ class JointModel(RuleBasedStateMachine):
         if self.joint.built:
             assert got == leading(keys, both)
 
+    @precondition(lambda self: self.joint is not None)
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=8), need=st.integers(1, 7))
+    def walk(self, keys, need):
+        pools = self.joint.pools
+        need &= (1 << len(pools)) - 1
+        truth = [sum(1 << i for i, p in enumerate(pools) if k in p.ready) for k in keys]
+        run = leading(list(range(len(keys))), {i for i, t in enumerate(truth) if need and t & need == need})
+        got = self.joint.walk(keys, need) if need else b""
+        assert len(got) <= run and all(g & ~t == 0 for g, t in zip(got, truth))  # never claims
+        if self.joint.built:
+            assert list(got) == truth[:run]
+
     @invariant()
     def consistent(self):
         for p in self.pools:
@@ -105,6 +117,11 @@ TestJointModel.settings = settings(max_examples=150, stateful_step_count=60, dea
                                    database=None, derandomize=True)
 
 
+def every(joint) -> set:
+    """The keys whose mask has every pool's bit."""
+    return {k for k, m in joint.masks.items() if ord(m) == (1 << len(joint.pools)) - 1}
+
+
 def test_build_runs_a_chunk_a_step_and_pages_change_between_steps():
     a, b = pool("a", 20), pool("b", 20)
     for k in KEYS:
@@ -112,16 +129,20 @@ def test_build_runs_a_chunk_a_step_and_pages_change_between_steps():
             p.commit(p.reserve(k))
     joint = Joint([a, b])
     steps = joint.build(3)
-    assert next(steps) == 3 and len(joint.full) == 3 and not joint.built
-    a.delete(KEYS[0])      # done already: leaves
-    b.delete(KEYS[5])      # not reached yet: never joins
+    assert next(steps) == 3 and set(joint.masks) == set(KEYS[:3]) and not joint.built
+    assert every(joint) == set()           # b's turn has not come
+    a.delete(KEYS[0])      # done already: a's bit leaves
+    a.delete(KEYS[4])      # listed, not reached yet: a's bit never set
+    b.delete(KEYS[5])      # b's keys not listed yet: b's bit never set
     c = a.reserve("new")
     a.commit(c)
-    b.commit(b.reserve("new"))   # both hold it: joins at once
-    assert "new" in joint.full and KEYS[0] not in joint.full
+    b.commit(b.reserve("new"))   # both hold it: both bits at once
+    assert "new" in every(joint) and KEYS[0] not in joint.masks
+    assert joint.walk(["new"], 0b11) == b"\x03"
     list(steps)
     assert joint.built
-    assert set(joint.full) == set(KEYS[1:5] + KEYS[6:] + ["new"])
+    assert every(joint) == set(KEYS[1:4] + KEYS[6:] + ["new"])
+    assert [ord(joint.masks[KEYS[i]]) for i in (0, 4, 5)] == [0b10, 0b10, 0b01]
     joint.invariants()
 
 
@@ -135,6 +156,29 @@ def test_a_page_evicted_from_one_pool_leaves_the_joint():
     assert joint.prefix(KEYS[:2]) == 2
     a.commit(a.reserve(KEYS[2]))   # a is full: evicts k0
     assert joint.prefix(KEYS[:2]) == 0 and a.evictions == 1
+    assert joint.walk(KEYS[:3], joint.bit(b)) == b"\x02\x03"   # b holds k0, k1; a only k1
+    joint.invariants()
+
+
+def test_a_walk_reads_each_pools_pages_and_stops_where_the_asked_pool_does():
+    """The masks of the run the asked pool holds, in one pass past a few probes, whatever
+    where the run ends (first key, last key, in between, a key no pool holds, a key only
+    another pool holds)."""
+    a, b = pool("a", 10), pool("b", 10)
+    joint = Joint([a, b])
+    list(joint.build(8))
+    for k in KEYS[:6]:
+        a.commit(a.reserve(k))
+    for k in KEYS[2:4] + KEYS[7:9]:
+        b.commit(b.reserve(k))
+    bit_a, bit_b = joint.bit(a), joint.bit(b)
+    assert joint.walk(KEYS, bit_a) == bytes([1, 1, 3, 3, 1, 1])
+    assert joint.walk(KEYS[:6], bit_a) == bytes([1, 1, 3, 3, 1, 1])     # the whole list
+    assert joint.walk(KEYS[6:], bit_a) == b""                            # not the first key
+    assert joint.walk(KEYS[:3] + ["none"] + KEYS[3:6], bit_a) == bytes([1, 1, 3])
+    assert joint.walk(KEYS[:2] + KEYS[7:8] + KEYS[2:6], bit_a) == bytes([1, 1])   # b's only
+    assert joint.walk(KEYS[2:4] + KEYS[:2], bit_b) == bytes([3, 3])
+    assert joint.walk(KEYS[2:4], bit_a | bit_b) == bytes([3, 3]) and joint.prefix(KEYS[2:]) == 2
     joint.invariants()
 
 
@@ -144,9 +188,11 @@ def test_close_and_detach_empty_it():
     for p in (a, b):
         p.commit(p.reserve("k"))
     list(joint.build(8))
-    assert joint.full == {"k": None}
+    assert joint.masks == {"k": "\x03"}
     a.close()
-    assert joint.full == {}
+    assert joint.masks == {"k": "\x02"}
+    b.close()
+    assert joint.masks == {}
     joint.detach()
     assert a.joints == b.joints == [] and joint.pools == ()
     joint.invariants()
@@ -158,9 +204,13 @@ def test_invariants_name_a_joint_that_claims_too_much_or_too_little():
     b.commit(b.reserve("k"))
     joint = Joint([a, b])
     list(joint.build(8))
-    joint.full["other"] = None
-    with pytest.raises(PoolInvariantError, match="not in every pool"):
+    joint.masks["other"] = "\x01"
+    with pytest.raises(PoolInvariantError, match="'other' not in a"):
         joint.invariants()
-    joint.full.clear()
-    with pytest.raises(PoolInvariantError, match="common keys missing"):
+    joint.masks["other"] = "\x00"
+    with pytest.raises(PoolInvariantError, match="mask 0"):
+        joint.invariants()
+    del joint.masks["other"]
+    joint.masks["k"] = "\x01"
+    with pytest.raises(PoolInvariantError, match="keys of b missing"):
         joint.invariants()

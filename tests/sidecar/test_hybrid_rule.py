@@ -82,15 +82,18 @@ def store():
     arena.close()
 
 
-def answers(store, keys, extra):
-    """The answer with `restorable`, after checking that the answer without it (which
-    may take the whole-prefix shortcut, `restores_top`) says the same: asked twice, as
-    the first ask makes the joint of the all-pages pools and the second walks it."""
+def answers(store, keys, extra, fresh=True):
+    """The answer with `restorable`, after checking that every way to it says the same:
+    each pool walked (before the joint: the first ask makes it) and the joint's masks
+    (the asks after), each with `restorable` and without it (which may take a
+    whole-prefix shortcut). `fresh=False`: keep the joint there is."""
     got = asyncio.run(batch_exists(store, keys, "kv", extra, restorable=True))
-    for _ in range(2):
-        short = asyncio.run(batch_exists(store, keys, "kv", extra))
-        assert short == {k: got[k] for k in ("hit", "kv", "pools")}
-        assert list(short["pools"]) == list(got["pools"])
+    if fresh:
+        store.joints.drop("kv")
+    for ask in (False, True, False):
+        again = asyncio.run(batch_exists(store, keys, "kv", extra, restorable=ask))
+        assert again == (got if ask else {k: got[k] for k in ("hit", "kv", "pools")})
+        assert list(again["pools"]) == list(got["pools"])
     return got
 
 
@@ -206,20 +209,20 @@ def test_long_prefixes_match_brute_force(store, density):
 
 
 def test_parse_extra_checks_each_distinct_list_once_and_stays_bounded(monkeypatch):
-    """The parsed lists are kept by their JSON bytes: the same list parses to equal pools,
-    a bad list raises every time (never kept), and the memo never grows past its bound."""
+    """The parsed lists are kept by their JSON bytes: the same list parses to the same
+    tuple (nothing a caller can change), a bad list raises every time (never kept), and
+    the memo never grows past its bound."""
     monkeypatch.setattr(hybrid, "_PARSED", {})
     raw = [{"namespace": "mamba", "policy": "trailing_pages", "window": 1}, {"namespace": "idx"}]
     first = hybrid.parse_extra(raw)
-    first.append("mutated by a caller")
-    assert hybrid.parse_extra(raw) == [hybrid.ExtraPool("mamba", "trailing_pages", 1),
-                                       hybrid.ExtraPool("idx", "all_pages", 1)]
+    assert hybrid.parse_extra([dict(item) for item in raw]) is first
+    assert first == (hybrid.ExtraPool("mamba", "trailing_pages", 1), hybrid.ExtraPool("idx", "all_pages", 1))
     assert len(hybrid._PARSED) == 1
     bad = [{"namespace": "mamba", "window": True}]
     for _ in range(2):
         with pytest.raises(BadRequest):
             hybrid.parse_extra(bad)
-    assert hybrid.parse_extra([{"namespace": "mamba", "window": 1}]) == [hybrid.ExtraPool("mamba")]
+    assert hybrid.parse_extra([{"namespace": "mamba", "window": 1}]) == (hybrid.ExtraPool("mamba"),)
     for i in range(hybrid.PARSED_MAX + 5):
         hybrid.parse_extra([{"namespace": f"n{i}"}])
     assert 0 < len(hybrid._PARSED) <= hybrid.PARSED_MAX
@@ -260,10 +263,9 @@ def test_the_whole_prefix_shortcut_answers_as_the_rule(store, monkeypatch, holes
 
 
 def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
-    """The first ask makes the joint of the KV pool and the all-pages pools; pages then
-    come and go in every pool, one at a time (the KV pool holding pages the joint lacks
-    included), and each answer without `restorable` (through the joint) equals the rule's
-    and the brute force's."""
+    """The first ask makes the joint of the KV pool and the extra pools; pages then come
+    and go in every pool, one at a time, and each answer through the joint's masks (with
+    `restorable` and without) equals the brute force's."""
     rng = random.Random("joint")
     keys = [f"{i:064x}" for i in range(40)]
     spec = {"idx": ("all_pages", 1), "idx2": ("all_pages", 1), "mamba": ("trailing_pages", 1),
@@ -274,8 +276,9 @@ def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
         for name, p in present.items():
             fill(store, name, p, keys)
         assert answers(store, keys, extra)["hit"] == 40
-        joint = store.joints.by_names[("idx", "idx2", "kv")]
-        assert joint.built and len(joint.full) == 40
+        joint_names = ("idx", "idx2", "kv", "mamba", "swa")
+        joint = store.joints.by_names[joint_names]
+        assert joint.built and len(joint.masks) == 40 and set(joint.masks.values()) == {"\x1f"}
         for _ in range(150):
             name, i = rng.choice(list(present)), rng.randrange(40)
             pool = store.namespace(name).pool
@@ -284,7 +287,8 @@ def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
             else:
                 pool.commit(pool.reserve(keys[i]))
             present[name][i] = not present[name][i]
-            got = answers(store, keys, extra)
+            got = answers(store, keys, extra, fresh=False)
+            assert store.joints.by_names[joint_names] is joint
             joint.invariants()
             kv, hit, own, common = reference(present["kv"], [(present[n], *spec[n]) for n in spec])
             assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \

@@ -66,6 +66,7 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
             got = asyncio.run(batch_exists(store, KEYS, "kv", extra, restorable=True))
             short = asyncio.run(batch_exists(store, KEYS, "kv", extra))
             walked = asyncio.run(batch_exists(store, KEYS, "kv", extra))  # through the joint made
+            again = asyncio.run(batch_exists(store, KEYS, "kv", extra, restorable=True))
         finally:
             for name in list(store.namespaces):
                 tier.drop(store.delete_namespace(name).identity)
@@ -75,3 +76,4 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
         assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \
             (ref_kv, hit, own, common), trial
         assert short == walked == {"hit": hit, "kv": ref_kv, "pools": got["pools"]}, trial
+        assert again == got, trial
