@@ -29,12 +29,17 @@ NONE = "\x00"     # the mask of a key no pool holds
 _TABLES: dict[int, bytes] = {}    # need -> its `held_by` table
 
 
+def table(need: int) -> bytes:
+    """The `bytes.translate` table of `need`: 1 for each mask holding every bit of it."""
+    made = _TABLES.get(need)
+    if made is None:
+        made = _TABLES[need] = bytes(int(m & need == need) for m in range(256))
+    return made
+
+
 def held_by(masks: bytes, need: int) -> bytes:
     """One byte a mask: 1 where it holds every bit of `need` (a translate in C)."""
-    table = _TABLES.get(need)
-    if table is None:
-        table = _TABLES[need] = bytes(int(m & need == need) for m in range(256))
-    return masks.translate(table)
+    return masks.translate(table(need))
 
 
 class Joint:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import orjson
 
-from pools.joint import held_by
+from pools.joint import held_by, table
 from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.joints import joint_bits
 from sidecar.events import set_meta
@@ -216,6 +216,7 @@ class Plan:
     asked: tuple[str, ...]
     names: list[str]          # the refs of `extra`
     bits: tuple[int, ...]
+    tables: tuple[bytes, ...]   # each extra pool's `pools.joint.table`
 
 
 def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> Plan:
@@ -229,7 +230,8 @@ def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> P
     kv = store.resolve(kv, who)
     refs = tuple(ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra)
     names = [pool.namespace for pool in refs]
-    plan = Plan(kv, refs, tuple(pool.namespace for pool in extra), names, joint_bits((kv, *names)))
+    bits = joint_bits((kv, *names))
+    plan = Plan(kv, refs, tuple(pool.namespace for pool in extra), names, bits, tuple(map(table, bits[1:])))
     if len(_PLANS) >= PARSED_MAX:
         _PLANS.clear()
     _PLANS[key] = (extra, store.dir.version, plan)   # `extra` kept: its id names no other list
@@ -244,11 +246,10 @@ async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -
     names = [] if remote else plan.names
     joint = store.joint(kv, names) if names else None
     if joint is not None and joint.built:   # one walk for the KV pool and every extra pool
-        kv_bit, *bits = plan.bits
-        top, more, masks = store.joint_walk(kv, keys, joint, kv_bit)
+        top, more, masks = store.joint_walk(kv, keys, joint, plan.bits[0])
         if not store.tiering.enabled:   # the host pool is all there is: the masks say it all
-            return rule_on_masks((masks, bits), extra, top, restorable)
-        held = run_of(masks, kv_bit, [b for b, p in zip(bits, extra) if p.policy == ALL_PAGES])
+            return rule_on_masks((masks, plan.tables), extra, top, restorable)
+        held = run_of(masks, plan.bits, extra)
     else:
         (top, more), held = store.local_prefix(kv, keys), 0  # validates the keys past the prefix
         if names and joint is None:  # the request passed its checks: the next ones walk a joint
@@ -268,11 +269,13 @@ async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -
     return hit_rule(extra, seen, top, restorable)
 
 
-def run_of(masks: bytes, kv_bit: int, bits: list[int]) -> int:
-    """The leading run of `masks` that the KV pool and every pool of `bits` hold."""
-    need = kv_bit
-    for bit in bits:
-        need |= bit
+def run_of(masks: bytes, bits: tuple[int, ...], extra: Sequence[ExtraPool]) -> int:
+    """The leading run of `masks` that the KV pool and every all-pages pool hold (`bits`:
+    the KV pool's, then each extra pool's)."""
+    need = bits[0]
+    for bit, pool in zip(bits[1:], extra):
+        if pool.policy == ALL_PAGES:
+            need |= bit
     end = held_by(masks, need).find(0)
     return len(masks) if end < 0 else end
 
@@ -280,10 +283,9 @@ def run_of(masks: bytes, kv_bit: int, bits: list[int]) -> int:
 def rule_on_masks(walked: tuple[bytes, list[int]], extra: Sequence[ExtraPool], top: int,
                   restorable: bool) -> dict[str, Any]:
     """The answer from a joint's masks of the whole KV prefix (`walked`: the masks, each
-    extra pool's bit): each pool's pages read in C (`pools.joint.held_by`), no look-up
-    left."""
-    masks, bits = walked
-    held = [held_by(masks, bit) for bit in bits]
+    extra pool's `pools.joint.table`): each pool's pages read in C, no look-up left."""
+    masks, tables = walked
+    held = [masks.translate(table) for table in tables]
     own = [bits_cap(pool, h, top) for pool, h in zip(extra, held)]
     if min(own, default=top) == top and not restorable:   # every pool restores it all
         return {"hit": top, "kv": top, "pools": own}
@@ -325,12 +327,13 @@ def common_hit(extra: Sequence[ExtraPool], caps: tuple[Callable, list], own: lis
     own best (`own`) and its pages: `caps` is (`cap` or `bits_cap`, each pool's pages),
     the greatest endpoint <= p a pool restores being `cap(pool, pages, p)`."""
     cap_of, pages = caps
-    hit = min(own, default=top)
-    while True:   # every endpoint in (low, hit] is one some pool cannot restore
-        low = min([cap_of(pool, seen, hit) for pool, seen in zip(extra, pages)], default=hit)
-        if low == hit:
-            return hit
+    hit = min(own, default=top)   # a pool whose own best it is restores it
+    low = min([o if o == hit else cap_of(pool, seen, hit) for pool, seen, o in zip(extra, pages, own)],
+              default=hit)
+    while low != hit:   # every endpoint in (low, hit] is one some pool cannot restore
         hit = low
+        low = min([cap_of(pool, seen, hit) for pool, seen in zip(extra, pages)], default=hit)
+    return hit
 
 
 def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) -> list[int]:
