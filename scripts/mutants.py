@@ -238,6 +238,12 @@ MUTANTS = [
       "        if pool.policy == ALL_PAGES:\n            need |= bit\n",
       "        if pool.policy == ALL_PAGES:\n            pass\n",
       ("tests/sidecar/test_lookup_tiers.py",)),
+    M("hybrid: a trailing window taken as sent (2**64 pages)", "sidecar/hybrid.py",
+      "policy, min(window, MAX_BATCH)))", "policy, window))",
+      ("tests/sidecar/test_hybrid_rule.py::test_a_window_past_any_prefix_is_the_prefix_and_never_built",)),
+    M("hybrid: a plan kept for another store", "sidecar/hybrid.py",
+      "kept[0] is extra and kept[1] is store.dir and", "kept[0] is extra and",
+      ("tests/sidecar/test_hybrid_rule.py::test_a_plan_is_kept_for_its_own_store_only",)),
     M("hybrid: only the first batch item validated", "sidecar/hybrid.py",
       "        _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)\n",
       "        _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer) \\\n"

@@ -30,6 +30,7 @@ import orjson
 from pools.joint import held_by, table
 from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.joints import joint_bits
+from sidecar.keys import MAX_BATCH
 from sidecar.events import set_meta
 from sidecar.peer import Peer
 from sidecar.spec import check_name
@@ -102,7 +103,9 @@ def _parse_extra(raw: list) -> tuple[ExtraPool, ...]:
         window = item.get("window", 1)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise BadRequest(f"extra[{i}].window must be an integer >= 1")
-        out.append(ExtraPool(check_name(item["namespace"]), policy, window))
+        # a window past any prefix (MAX_BATCH keys) means the prefix, [0, p): the same
+        # answers, and never a window-sized bytes to build
+        out.append(ExtraPool(check_name(item["namespace"]), policy, min(window, MAX_BATCH)))
     return tuple(out)
 
 
@@ -222,11 +225,12 @@ class Plan:
 def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> Plan:
     """The Plan of `kv` and `extra` for `who`. An engine asks with the same names again
     and again: a plan is kept by the parsed list (`parse_extra` hands out one tuple per
-    distinct list) until a namespace comes or goes (`Directory.version`)."""
+    distinct list) until a namespace comes or goes (`Directory.version`, of this store's
+    own Directory)."""
     key = (id(extra), kv, who)
     kept = _PLANS.get(key)
-    if kept is not None and kept[0] is extra and kept[1] == store.dir.version:
-        return kept[2]
+    if kept is not None and kept[0] is extra and kept[1] is store.dir and kept[2] == store.dir.version:
+        return kept[3]
     kv = store.resolve(kv, who)
     refs = tuple(ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra)
     names = [pool.namespace for pool in refs]
@@ -234,11 +238,11 @@ def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> P
     plan = Plan(kv, refs, tuple(pool.namespace for pool in extra), names, bits, tuple(map(table, bits[1:])))
     if len(_PLANS) >= PARSED_MAX:
         _PLANS.clear()
-    _PLANS[key] = (extra, store.dir.version, plan)   # `extra` kept: its id names no other list
+    _PLANS[key] = (extra, store.dir, store.dir.version, plan)   # `extra` kept: its id names no other list
     return plan
 
 
-_PLANS: dict[tuple, tuple[Sequence[ExtraPool], int, Plan]] = {}
+_PLANS: dict[tuple, tuple] = {}   # (id(extra), kv, who) -> (extra, its Directory, version, Plan)
 
 
 async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -> dict[str, Any]:

@@ -114,6 +114,9 @@ def test_hit_rules_on_partial_pools(client):
     missing = {"namespace": "nope", "policy": "all_pages"}
     got = client.batch_exists(keys, "m-kv", [missing, mamba])
     assert got["hit"] == 0 and got["pools"] == {"nope": 0, names["mamba"]: 5}
+    for _ in range(2):   # a window of 2**64 - 1 pages is the whole prefix (the joint's masks too)
+        huge = {"namespace": names["mamba"], "policy": "trailing_pages", "window": 2**64 - 1}
+        assert client.batch_exists(keys, "m-kv", [huge]) == {"hit": 0, "kv": 5, "pools": {names["mamba"]: 0}}
 
 
 def test_batch_get_of_the_hit_loads_exactly_its_pages(client, server):

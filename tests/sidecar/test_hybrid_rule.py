@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 from pools import Arena, HostPool
 from sidecar import hybrid
-from sidecar.errors import BadRequest
+from sidecar.errors import BadRequest, SidecarError
 from sidecar.hybrid import ExtraPool, Presence, batch_exists, legal_endpoints
 from sidecar.spec import parse_spec
 from sidecar.buffers import Sources
 from sidecar.store import Store
+from sidecar.tenancy import MISSING, OPERATOR
 
 KEYS = [f"{i:064x}" for i in range(12)]
 
@@ -297,3 +298,46 @@ def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
         for name in list(store.namespaces):
             store.delete_namespace(name)
     assert store.joints.by_names == {}
+
+
+def test_a_window_past_any_prefix_is_the_prefix_and_never_built(store):
+    """A trailing window of 2**64 - 1 pages (JSON allows it) answers as a window of the
+    whole prefix, walking each pool and through the joint's masks alike, without making
+    anything window-sized (the parsed window is at most MAX_BATCH)."""
+    keys = [f"{i:064x}" for i in range(12)]
+    huge = hybrid.parse_extra([{"namespace": "m", "policy": "trailing_pages", "window": 2**64 - 1}])
+    assert huge == (ExtraPool("m", "trailing_pages", hybrid.MAX_BATCH),)
+    try:
+        fill(store, "kv", [True] * 12, keys)
+        fill(store, "m", [True] * 5 + [False] + [True] * 6, keys)
+        got = [asyncio.run(batch_exists(store, keys, "kv", huge, restorable=r)) for r in (True, False, True, False)]
+        assert store.joints.by_names[("kv", "m")].built
+    finally:
+        for name in list(store.namespaces):
+            store.delete_namespace(name)
+    kv, hit, own, common = reference([True] * 12, [([True] * 5 + [False] + [True] * 6, "trailing_pages", 12)])
+    assert (kv, hit, own, common) == (12, 5, [5], [1, 2, 3, 4, 5])
+    for answer in got:
+        assert (answer["kv"], answer["hit"], list(answer["pools"].values())) == (kv, hit, own)
+    assert got[0]["restorable"] == got[2]["restorable"] == common
+
+
+def test_a_plan_is_kept_for_its_own_store_only():
+    """Two stores at the same Directory version: a plan one of them made is not the other's
+    (each names its own refs)."""
+    stores = []
+    for owner_pool in ("kv", "other"):
+        arena = Arena(1 << 20)
+        s = Store(HostPool(arena, 64 << 10), None, Sources(["/dev/shm"]))
+        s.put_namespace(owner_pool, parse_spec({"page_bytes": 512}))
+        stores.append((s, arena))
+    try:
+        extra = hybrid.parse_extra([{"namespace": "other"}])
+        first = hybrid.resolve(stores[0][0], "kv", extra, OPERATOR)
+        assert first.extra[0].namespace == MISSING
+        assert stores[0][0].dir.version == stores[1][0].dir.version
+        with pytest.raises(SidecarError):   # the second store has no "kv": 404, not the first's plan
+            hybrid.resolve(stores[1][0], "kv", extra, OPERATOR)
+    finally:
+        for _, arena in stores:
+            arena.close()
