@@ -7,8 +7,8 @@
     mamba.ready  {   k1       k4 }
     masks        {k0: 011  k1: 111  k2: 001  k3: 011  k4: 100}    (bits: mamba idx kv)
 
-    walk([k0 k1 k2 k3 k5], need=kv)     = 03 07 01 03    (bytes; stops at k5: no kv)
-    prefix([k0 k1 k3 k2], every pool)   = 0              prefix of kv + idx = 2
+    walk([k0 k1 k2 k3 k5], need=kv)       = 03 07 01 03    (bytes; stops at k5: no kv)
+    walk([k0 k1 k3 k2], need=kv + idx)    = 03 07 03       (stops at k2: no idx)
 
 The pools keep it current (`PagePool.joints`): a page published in a pool sets its bit,
 a page that leaves clears it, and a key with no bit left leaves `masks`. Pages already
@@ -83,10 +83,6 @@ class Joint:
         read = found.encode("latin-1")
         end = held_by(read, need).find(0)
         return read if end < 0 else read[:end]
-
-    def prefix(self, keys: list[str]) -> int:
-        """Length of the leading run of keys that every pool holds READY."""
-        return len(self.walk(keys, (1 << len(self.pools)) - 1))
 
     def added(self, pool: PagePool, key: str) -> None:
         """`pool` published `key`."""

@@ -339,11 +339,8 @@ class PagePool:
         del self.ready[e.key]
         for joint in self.joints:
             joint.removed(self, e.key)
-        log = self.log
-        if log is not None:   # `_logged`, inline: a write that evicts logs a page a time
-            if not log:
-                self.on_log(self)
-            log.append(e.key)
+        if self.log is not None:
+            self._logged(e.key)
         self.free.append(e.offset)
         self.evictions += 1
         return True

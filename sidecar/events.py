@@ -269,12 +269,12 @@ class Events:
                 continue
             for present, key in run:
                 if present is CHAIN:   # a set's stores
-                    self.pending.setdefault(topic, []).extend(self._chains(ns, *key))
+                    self._chains(topic, ns, *key)
                 else:                  # (True, key): stored without a set's parent and tokens
-                    self._add(topic, self._stored(ns, [key], None, []))
+                    self._stored(topic, ns, [key], None, [])
 
-    def _chains(self, ns, keys: list, idx: list, parent: Optional[str],
-                tokens: Optional[list]) -> list:
+    def _chains(self, topic: bytes, ns, keys: list, idx: list, parent: Optional[str],
+                tokens: Optional[list]) -> None:
         """One BlockStored for each run of consecutive positions in `idx`: its parent is
         the key before it (the set's `parent` before the first), its tokens theirs."""
         runs, start = [], 0
@@ -284,14 +284,14 @@ class Events:
                     runs.append((idx[start], idx[j - 1] + 1))
                     start = j
         runs.append((idx[start], idx[-1] + 1))
-        return [self._stored(ns, keys[a:b], keys[a - 1] if a else parent,
-                             functools.reduce(operator.iadd, tokens[a:b], []) if tokens else [])
-                for a, b in runs]
+        for a, b in runs:
+            toks = functools.reduce(operator.iadd, tokens[a:b], []) if tokens else []   # C extends
+            self._stored(topic, ns, keys[a:b], keys[a - 1] if a else parent, toks)
 
-    def _stored(self, ns, run: list, parent: Optional[str], tokens: list) -> Any:
+    def _stored(self, topic: bytes, ns, run: list, parent: Optional[str], tokens: list) -> None:
         kf = ns.spec.key_format
-        return stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
-                            tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
+        self._add(topic, stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
+                                      tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt))
 
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
         for ns in self.identities.get(identity, ()):

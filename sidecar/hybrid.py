@@ -289,7 +289,7 @@ def rule_on_masks(walked: tuple[bytes, list[int]], extra: Sequence[ExtraPool], t
     """The answer from a joint's masks of the whole KV prefix (`walked`: the masks, each
     extra pool's `pools.joint.table`): each pool's pages read in C, no look-up left."""
     masks, tables = walked
-    held = [masks.translate(table) for table in tables]
+    held = [masks.translate(t) for t in tables]
     own = [bits_cap(pool, h, top) for pool, h in zip(extra, held)]
     if min(own, default=top) == top and not restorable:   # every pool restores it all
         return {"hit": top, "kv": top, "pools": own}

@@ -23,6 +23,11 @@ def common(pools) -> set:
     return set(pools[0].ready).intersection(*(p.ready for p in pools[1:]))
 
 
+def common_run(joint, keys) -> int:
+    """The leading run of keys every pool of `joint` holds, as the joint walks it."""
+    return len(joint.walk(keys, (1 << len(joint.pools)) - 1))
+
+
 def leading(keys, held) -> int:
     n = 0
     while n < len(keys) and keys[n] in held:
@@ -87,7 +92,7 @@ class JointModel(RuleBasedStateMachine):
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=8))
     def prefix(self, keys):
         both = common(self.joint.pools)
-        got = self.joint.prefix(keys)
+        got = common_run(self.joint, keys)
         assert got <= leading(keys, both)  # never claims a key some pool lacks
         if self.joint.built:
             assert got == leading(keys, both)
@@ -153,9 +158,9 @@ def test_a_page_evicted_from_one_pool_leaves_the_joint():
     for k in KEYS[:2]:
         for p in (a, b):
             p.commit(p.reserve(k))
-    assert joint.prefix(KEYS[:2]) == 2
+    assert common_run(joint, KEYS[:2]) == 2
     a.commit(a.reserve(KEYS[2]))   # a is full: evicts k0
-    assert joint.prefix(KEYS[:2]) == 0 and a.evictions == 1
+    assert common_run(joint, KEYS[:2]) == 0 and a.evictions == 1
     assert joint.walk(KEYS[:3], joint.bit(b)) == b"\x02\x03"   # b holds k0, k1; a only k1
     joint.invariants()
 
@@ -178,7 +183,7 @@ def test_a_walk_reads_each_pools_pages_and_stops_where_the_asked_pool_does():
     assert joint.walk(KEYS[:3] + ["none"] + KEYS[3:6], bit_a) == bytes([1, 1, 3])
     assert joint.walk(KEYS[:2] + KEYS[7:8] + KEYS[2:6], bit_a) == bytes([1, 1])   # b's only
     assert joint.walk(KEYS[2:4] + KEYS[:2], bit_b) == bytes([3, 3])
-    assert joint.walk(KEYS[2:4], bit_a | bit_b) == bytes([3, 3]) and joint.prefix(KEYS[2:]) == 2
+    assert joint.walk(KEYS[2:4], bit_a | bit_b) == bytes([3, 3]) and common_run(joint, KEYS[2:]) == 2
     joint.invariants()
 
 
