@@ -295,6 +295,15 @@ MUTANTS = [
       "                self.tier_changed(ns.identity, tier.held_keys(ns.identity), medium_of(tier), True)",
       "                pass",
       ("tests/api/test_kv_events.py::test_a_namespace_made_after_a_restart_announces_its_tier_pages",)),
+    M("events: the replay ring bounded by batches only", "sidecar/events.py",
+      "len(ring) > self.keep or self.ring_bytes > self.keep_bytes", "len(ring) > self.keep",
+      ("tests/sidecar/test_events_ring.py",)),
+    M("events: a batch's bytes not given back when it leaves the ring", "sidecar/events.py",
+      "            self.ring_bytes -= len(ring.popleft()[2])", "            ring.popleft()",
+      ("tests/sidecar/test_events_ring.py",)),
+    M("events: batches sent on every loop turn, not every gather", "sidecar/events.py",
+      "            self.loop.call_later(self.gather, self.flush)", "            self.loop.call_soon(self.flush)",
+      ("tests/api/test_kv_events.py::test_a_batch_gathers_the_loop_turns_of_its_gather",)),
 ]
 
 

@@ -62,6 +62,10 @@ _FLAGS = [
     ("--kv-events-format", "kv_events_format", "map (vLLM's tagged structs, default) or array (positional)"),
     ("--kv-events-topic", "kv_events_topic", "topic prefix (default kv-sidecar@<hostname>)"),
     ("--kv-events-buffer", "kv_events_buffer", "event batches kept for replay (10000)"),
+    ("--kv-events-buffer-bytes", "kv_events_buffer_bytes", "bytes of event batches kept for replay "
+                                                           "at most (256MiB)"),
+    ("--kv-events-gather", "kv_events_gather", "seconds a batch gathers events before it is sent "
+                                               "(default 0.02)"),
     # lent memory (issue 26): stuck copies, idle lenders, address space
     ("--copy-deadline", "copy_deadline", "seconds a set/get waits for its copy; past it its pages "
                                          "answer false and the buffer is marked bad (default 30)"),

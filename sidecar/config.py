@@ -107,6 +107,8 @@ class Config:
     kv_events_format: str = "map"         # "map" (vLLM's tagged structs) or "array" (positional)
     kv_events_topic: str = ""             # topic prefix (default kv-sidecar@<hostname>)
     kv_events_buffer: int = 10_000        # batches kept for replay
+    kv_events_buffer_bytes: int = 256 * 2**20   # and their bytes at most
+    kv_events_gather: float = 0.02        # s a batch gathers events before it is sent
     # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
     copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad
     lend_idle_timeout: float = 5.0        # s an fd socket connection holding no lease may idle
@@ -131,6 +133,10 @@ class Config:
             raise ValueError(f"socket must be an absolute path of at most 100 bytes, got {self.socket!r}")
         if self.kv_events_format not in ("map", "array"):
             raise ValueError(f"kv events format must be map or array, got {self.kv_events_format!r}")
+        if min(self.kv_events_buffer, self.kv_events_buffer_bytes) < 0:
+            raise ValueError("kv events buffer and buffer bytes must be >= 0")
+        if not 0 < self.kv_events_gather <= 1:
+            raise ValueError(f"kv events gather must be in (0, 1] seconds, got {self.kv_events_gather!r}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket mode must be an octal mode like 0660, got {self.socket_mode:o}")
         if min(self.max_connections, self.max_connections_per_uid, self.max_head, self.max_header_fields) < 1:
@@ -149,12 +155,12 @@ class Config:
 
 
 _SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body",
-          "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid"}
+          "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid", "kv_events_buffer_bytes"}
 _BOOLS = {"file_tier"}
 _INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections",
          "kv_events_buffer", "max_connections_per_uid", "max_header_fields"}
 _FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout", "auth_timeout", "body_timeout",
-           "write_timeout", "copy_deadline", "lend_idle_timeout"}
+           "write_timeout", "copy_deadline", "lend_idle_timeout", "kv_events_gather"}
 _OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master",
              "kv_events", "kv_events_replay")
 

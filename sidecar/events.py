@@ -2,7 +2,7 @@
 
     page pools (commit, evict, delete)  --log--+
     tiers (written, evicted, deleted; any      |   Events (the loop): one batch a topic
-      thread, in the order they happen)  ------+-> every GATHER seconds, encoded here
+      thread, in the order they happen)  ------+-> every `gather` s (20 ms), encoded here
     namespaces (made, dropped)           ------+        |
                                                          v  (on the loop; refused: counted)
                                           PUB  [topic, seq (8-byte big-endian), payload]
@@ -42,8 +42,6 @@ MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
 FORMATS = ("map", "array")
 _LIST, _INT = {list}, {int}
 CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
-GATHER = 0.005   # seconds a batch gathers events (several loop turns) before it is sent:
-                 # a set stores and evicts in two turns, and each send costs ~20 us of ZMQ
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -111,13 +109,14 @@ class Publisher:
     high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
     the replay thread that owns the ROUTER socket and reads the ring."""
 
-    def __init__(self, endpoint: str, replay: Optional[str], keep: int):
+    def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int = 256 << 20):
         import zmq   # the `events` extra: imported only when events are on
         self.zmq, self.ctx = zmq, zmq.Context.instance()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(100_000)
         self.pub.bind(endpoint)
-        self.ring: collections.deque = collections.deque(maxlen=keep)
+        self.ring: collections.deque = collections.deque()   # (seq, topic, payload), oldest first
+        self.keep, self.keep_bytes, self.ring_bytes = keep, keep_bytes, 0
         self.seq = 0
         self.router, self.thread, self.running = None, None, True
         if replay:
@@ -131,12 +130,22 @@ class Publisher:
         """Publish one batch now (on the loop); False when ZMQ refused it (counted)."""
         try:
             self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
-                                    flags=self.zmq.NOBLOCK, copy=False)   # large: not copied
+                                    flags=self.zmq.NOBLOCK)   # copied: at 20 ms batches as cheap
+                                                              # as zero-copy, with no gc thread
         except self.zmq.ZMQError:
             return False
-        self.ring.append((self.seq, topic, payload))
+        self._keep(topic, payload)
         self.seq += 1
         return True
+
+    def _keep(self, topic: bytes, payload: bytes) -> None:
+        """The batch joins the replay ring, which then drops its oldest batches until it
+        holds at most `keep` batches and `keep_bytes` bytes of payload."""
+        ring = self.ring
+        ring.append((self.seq, topic, payload))
+        self.ring_bytes += len(payload)
+        while ring and (len(ring) > self.keep or self.ring_bytes > self.keep_bytes):
+            self.ring_bytes -= len(ring.popleft()[2])
 
     def _serve_replay(self) -> None:
         while self.running:
@@ -163,15 +172,18 @@ class Publisher:
 
 
 class Events:
-    """Events of one sidecar, collected on the event loop and flushed every GATHER seconds.
+    """Events of one sidecar, collected on the event loop and flushed every `gather` seconds
+    (a batch costs ZMQ some 45 us of CPU, its I/O thread's wake-up and send included, so
+    batches of 20 ms rather than of each loop turn).
 
     Pools append `(True, key)` or a gone key to their `log` (pools/page_pool.py); the
     store calls `stored_chain` with a set's commits, parent and tokens (one entry in the
     same log), and `watch` and `dropped_namespace` as namespaces come and go; tiers call
     `tier_changed` from any thread."""
 
-    def __init__(self, publisher: Publisher, topic: str, fmt: str, loop):
+    def __init__(self, publisher: Publisher, topic: str, fmt: str, loop, gather: float = 0.02):
         self.publisher, self.prefix, self.fmt, self.loop = publisher, topic, fmt, loop
+        self.gather = gather
         self.by_pool: dict = {}        # pool -> its namespace
         self.dirty: set = set()        # pools with a log to flush
         self.pending: dict[bytes, list] = {}   # topic -> this turn's events, in order
@@ -233,7 +245,7 @@ class Events:
     def _schedule(self) -> None:
         if not self.scheduled:
             self.scheduled = True
-            self.loop.call_later(GATHER, self.flush)
+            self.loop.call_later(self.gather, self.flush)
 
     def _add(self, topic: bytes, event: Any) -> None:
         self.pending.setdefault(topic, []).append(event)
@@ -313,9 +325,10 @@ def start(config, loop, tiers: list) -> Events:
     """The publisher (its thread) and the collector for `config`, tiers wired to it."""
     import socket
     replay = config.kv_events_replay or _next_port(config.kv_events)
-    events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer),
+    events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer,
+                              config.kv_events_buffer_bytes),
                     config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
-                    config.kv_events_format, loop)
+                    config.kv_events_format, loop, config.kv_events_gather)
     for tier in tiers:
         tier.listener = lambda ident, keys, present, m=medium_of(tier): \
             events.tier_changed(ident, keys, m, present)

@@ -237,6 +237,44 @@ def _probe_seen(srv, sub: Subscriber) -> bool:
     return "t@probe" in sub.model
 
 
+def test_batches_go_out_by_themselves_every_gather(make_server):
+    """No flush is called here: the loop's timer sends what `--kv-events-gather` gathered."""
+    port, replay = endpoints()
+    srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}",
+                      kv_events_topic="t", kv_events_gather=0.01)
+    wait_for(lambda: srv.ctx.ready)
+    assert srv.ctx.events.gather == 0.01
+    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    c = srv.client()
+    c.put_namespace("kv", PAGE, key_format="vllm")
+    keys = iter(f"{i:064x}" for i in range(10_000))
+    try:
+        def seen() -> bool:    # a SUB misses what went before it joined: store until one is seen
+            c.put_page("kv", next(keys), b"p" * PAGE)
+            return bool(sub.model.get("t@kv", {}).get("CPU_PINNED"))
+        wait_for(seen)
+        assert sub.model["t@kv"]["CPU_PINNED"] <= truth(srv, ["kv"])["t@kv"]["CPU_PINNED"]
+    finally:
+        sub.close()
+
+
+def test_a_batch_gathers_the_loop_turns_of_its_gather(make_server):
+    """Two sets, two loop turns, one batch: nothing goes out before `--kv-events-gather`
+    (1 s here) has passed since the first event, then both go in batch 0."""
+    port, replay = endpoints()
+    srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}",
+                      kv_events_topic="t", kv_events_gather=1.0)
+    wait_for(lambda: srv.ctx.ready)
+    c, events = srv.client(), srv.ctx.events
+    c.put_namespace("kv", PAGE, key_format="vllm")
+    keys = [f"{i:064x}" for i in (1, 2)]
+    for k in keys:
+        c.put_page("kv", k, b"p" * PAGE)
+    assert srv.on_loop(lambda: (events.publisher.seq, events.scheduled)) == (0, True)
+    wait_for(lambda: srv.on_loop(lambda: events.publisher.seq) == 1)
+    assert replayed(replay) == {"t@kv": {"CPU_PINNED": {bytes.fromhex(k) for k in keys}}}
+
+
 def test_parents_and_tokens_are_checked(make_server):
     srv = make_server()
     c = srv.client()
