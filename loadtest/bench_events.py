@@ -1,8 +1,8 @@
 """What KV events cost (issue 31): the same traffic against a sidecar with `--kv-events`
 (and a subscriber draining it) and one without, interleaved, in one run.
 
-    python -m loadtest.bench_events [--pairs 3] [--rounds 7] [--n 600] [--page-kib 4]
-                                    [--gather 0.02] [--json]
+    python -m loadtest.bench_events [--pairs 4] [--rounds 7] [--n 600] [--page-kib 4]
+                                    [--pool-pages 8192] [--gather 0.02] [--control] [--json]
 
     exists 1,000 keys (500 present)      no event: the cost of the hooks being there
     set 64 x 4 KiB, new keys each time   64 BlockStored a request, and BlockRemoved as the
@@ -14,16 +14,18 @@ nanoseconds, not 10 ms ticks), medians of the rounds, and the ratio on / off (ta
 0.95x): the median of the rounds' ratios, each round's two sidecars run back to back.
 Rounds go to `--pairs` pairs of sidecars, each pair fresh processes: two processes of
 the same code differ by a few per cent on this kind of machine (memory layout, which core),
-and one pair would take that for the cost of events.
+and one pair would take that for the cost of events. `--control` runs the same pairs with
+events off on both sides too: the ratio two equal sidecars show, the run's noise floor.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
-import threading
 import time
+from typing import Optional
 
 import orjson
 
@@ -36,16 +38,13 @@ TARGET = 0.95
 PAGES = 64
 
 
-def drain(endpoint: str, stop: threading.Event) -> None:
-    """A subscriber that takes every event (a PUB with no subscriber costs less)."""
-    import zmq
-    sock = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)
-    while not stop.is_set():
-        if sock.poll(50):
-            sock.recv_multipart()
-    sock.close(linger=0)
+def drain(endpoint: str) -> subprocess.Popen:
+    """A subscriber that takes every event (a PUB with no subscriber costs less), in a
+    process of its own, as a router is: not a thread beside the client's (its GIL)."""
+    code = ("import sys, zmq\ns = zmq.Context.instance().socket(zmq.SUB)\n"
+            "s.setsockopt(zmq.SUBSCRIBE, b'')\ns.connect(sys.argv[1])\n"
+            "while True:\n    s.recv_multipart()\n")
+    return subprocess.Popen([sys.executable, "-c", code, endpoint])
 
 
 def posts(url: str, path: str, bodies: list[bytes]) -> float:
@@ -106,16 +105,22 @@ def one(sidecar, bid: str, exists: bytes, r: int, n: int) -> dict:
     return out
 
 
-def pair(rows: dict, rounds: int, n: int, page: int, gather: float) -> None:
+def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], slots: int = 8192,
+         on_first: bool = True) -> None:
     """One pair of fresh sidecars, `rounds` rounds each, alternating which goes first;
-    each round's figures appended to `rows`."""
-    port, pool = free_port(), f"{8192 * page >> 20}MiB"
-    on = start_sidecar("--host-pool", pool, "--no-file-tier", "--kv-events", f"tcp://127.0.0.1:{port}",
-                       "--kv-events-gather", str(gather))
-    off = start_sidecar("--host-pool", pool, "--no-file-tier")
-    stop = threading.Event()
-    sub = threading.Thread(target=drain, args=(f"tcp://127.0.0.1:{port}", stop), daemon=True)
-    sub.start()
+    each round's figures appended to `rows`. `gather` None: the control, "on" without
+    events too (what two equal sidecars differ by). `on_first`: which one starts first
+    (the first started ran some 3% slower in a control run here: pairs alternate it)."""
+    port, pool = free_port(), f"{slots * page >> 10}KiB"
+    evented = () if gather is None else \
+        ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-gather", str(gather))
+    if on_first:
+        on = start_sidecar("--host-pool", pool, "--no-file-tier", *evented)
+        off = start_sidecar("--host-pool", pool, "--no-file-tier")
+    else:
+        off = start_sidecar("--host-pool", pool, "--no-file-tier")
+        on = start_sidecar("--host-pool", pool, "--no-file-tier", *evented)
+    sub = drain(f"tcp://127.0.0.1:{port}")
     try:
         setups = {"on": setup(on, page), "off": setup(off, page)}
         for r in range(rounds):
@@ -123,43 +128,54 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: float) -> None:
                 bid, exists, _ = setups[name]
                 rows[name].append(one(proc, bid, exists, r, n))
     finally:
-        stop.set()
+        sub.kill()
+        sub.wait()
         on.stop()
         off.stop()
 
 
-def run(rounds: int, n: int, page: int = 4096, pairs: int = 1, gather: float = 0.02) -> dict:
-    """`page`: bytes a page; the host pool holds 8,192 of them, so sets evict as they go."""
+def run(rounds: int, n: int, page: int = 4096, pairs: int = 1, gather: Optional[float] = 0.02,
+        slots: int = 8192) -> dict:
+    """`page`: bytes a page; the host pool holds `slots` of them, so sets evict as they go.
+    Besides the medians of every round, the CPU ratio of each pair (`cpu_by_pair`)."""
     rows: dict = {"on": [], "off": []}
-    for _ in range(pairs):
-        pair(rows, rounds, n, page, gather)
+    for i in range(pairs):
+        pair(rows, rounds, n, page, gather, slots, on_first=i % 2 == 0)
     med = statistics.median
     res = {}
     for what in ("exists", "set"):
         a, b = [x[what] for x in rows["on"]], [x[what] for x in rows["off"]]
+        cpu = [div(y[1], x[1]) for x, y in zip(a, b)]
         res[what] = {"on_rps": med(x[0] for x in a), "off_rps": med(x[0] for x in b),
                      "on_cpu_us": med(x[1] for x in a) * 1e6, "off_cpu_us": med(x[1] for x in b) * 1e6,
-                     "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b)),
-                     "cpu_ratio": med(div(y[1], x[1]) for x, y in zip(a, b))}
+                     "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b)), "cpu_ratio": med(cpu),
+                     "cpu_by_pair": [med(cpu[i:i + rounds]) for i in range(0, len(cpu), rounds)]}
     return res
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pairs", type=int, default=3, help="pairs of fresh sidecars")
+    p.add_argument("--pairs", type=int, default=4, help="pairs of fresh sidecars (which starts first alternates)")
     p.add_argument("--rounds", type=int, default=7, help="rounds a pair")
     p.add_argument("--n", type=int, default=600)
     p.add_argument("--page-kib", type=int, default=4, help="page size (4 KiB: the bookkeeping alone)")
     p.add_argument("--gather", type=float, default=0.02, help="--kv-events-gather of the sidecar with events")
+    p.add_argument("--pool-pages", type=int, default=8192, help="host pool size in pages")
+    p.add_argument("--control", action="store_true",
+                   help="also run the pairs with events off on both sides: the noise floor")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    res = run(args.rounds, args.n, args.page_kib << 10, args.pairs, args.gather)
-    for what, r in res.items():
-        print(f"{what}: events on {r['on_rps']:.0f} req/s, {r['on_cpu_us']:.0f} us CPU vs off "
-              f"{r['off_rps']:.0f} req/s, {r['off_cpu_us']:.0f} us CPU -> req/s {r['rps_ratio']:.2f}x, "
-              f"CPU {r['cpu_ratio']:.2f}x (off CPU / on; target >= {TARGET}x)")
+    out = {"events": run(args.rounds, args.n, args.page_kib << 10, args.pairs, args.gather, args.pool_pages)}
+    if args.control:
+        out["control"] = run(args.rounds, args.n, args.page_kib << 10, args.pairs, None, args.pool_pages)
+    for name, res in out.items():
+        for what, r in res.items():
+            print(f"{name} {what}: on {r['on_rps']:.0f} req/s, {r['on_cpu_us']:.0f} us CPU vs off "
+                  f"{r['off_rps']:.0f} req/s, {r['off_cpu_us']:.0f} us CPU -> req/s {r['rps_ratio']:.2f}x, "
+                  f"CPU {r['cpu_ratio']:.2f}x (pairs {' '.join(f'{x:.2f}' for x in r['cpu_by_pair'])}; "
+                  f"off CPU / on; target >= {TARGET}x)")
     if args.json:
-        print(orjson.dumps(res).decode())
+        print(orjson.dumps(out).decode())
     return 0
 
 

@@ -37,7 +37,9 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
            "write_queue": {**_queue(store), "cancelled": tiering.writer.cancelled if tiering.writer else 0},
            "namespaces": spaces}
     if store.events is not None:
-        out["events"] = {"published": store.events.published, "dropped": store.events.dropped}
+        pub = store.events.publisher
+        out["events"] = {"published": store.events.published, "dropped": store.events.dropped,
+                         "replay_batches": len(pub.ring), "replay_bytes": pub.ring_bytes}
     return out
 
 

@@ -273,6 +273,9 @@ def test_a_batch_gathers_the_loop_turns_of_its_gather(make_server):
     assert srv.on_loop(lambda: (events.publisher.seq, events.scheduled)) == (0, True)
     wait_for(lambda: srv.on_loop(lambda: events.publisher.seq) == 1)
     assert replayed(replay) == {"t@kv": {"CPU_PINNED": {bytes.fromhex(k) for k in keys}}}
+    stats = c.request("GET", "/v1/stats")[1]["events"]
+    assert stats["published"] == stats["replay_batches"] == 1 and stats["dropped"] == 0
+    assert stats["replay_bytes"] == len(srv.on_loop(lambda: events.publisher.ring[0][2])) > 0
 
 
 def test_parents_and_tokens_are_checked(make_server):
