@@ -20,7 +20,6 @@ events off on both sides too: the ratio two equal sidecars show, the run's noise
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import orjson
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.bench import _connect, _read_response, div, exists_keys
+from loadtest.bench import _connect, _read_response, div, exists_keys, task_cpu_seconds
 from loadtest.procs import free_port, start_sidecar
 
 TARGET = 0.95
@@ -81,27 +80,14 @@ def setup(sidecar, page: int = 4096) -> tuple[str, bytes, tuple]:
     return bid, exists, (c, buf)
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of the process's threads (schedstat, nanoseconds). The sidecar's threads
-    live as long as it does, so none is lost between two readings."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):   # a thread that just ended
-            pass
-    return total / 1e9
-
-
 def one(sidecar, bid: str, exists: bytes, r: int, n: int) -> dict:
     """(req/s, CPU s a request) of exists and of set, one round on one sidecar."""
     out = {}
     for what, path, bodies in (("exists", "/v1/namespaces/ev-exists/exists", [exists] * n),
                                ("set", "/v1/namespaces/ev/set", set_bodies(bid, r, n))):
-        cpu = cpu_seconds(sidecar.proc.pid)
+        cpu = task_cpu_seconds(sidecar.proc.pid)
         secs = posts(sidecar.socket_url, path, bodies)
-        out[what] = (n / secs, (cpu_seconds(sidecar.proc.pid) - cpu) / n)
+        out[what] = (n / secs, (task_cpu_seconds(sidecar.proc.pid) - cpu) / n)
     return out
 
 
@@ -114,12 +100,10 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
     port, pool = free_port(), f"{slots * page >> 10}KiB"
     evented = () if gather is None else \
         ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-gather", str(gather))
-    if on_first:
-        on = start_sidecar("--host-pool", pool, "--no-file-tier", *evented)
-        off = start_sidecar("--host-pool", pool, "--no-file-tier")
-    else:
-        off = start_sidecar("--host-pool", pool, "--no-file-tier")
-        on = start_sidecar("--host-pool", pool, "--no-file-tier", *evented)
+    flags = {"on": evented, "off": ()}
+    started = {name: start_sidecar("--host-pool", pool, "--no-file-tier", *flags[name])
+               for name in (("on", "off") if on_first else ("off", "on"))}
+    on, off = started["on"], started["off"]
     sub = drain(f"tcp://127.0.0.1:{port}")
     try:
         setups = {"on": setup(on, page), "off": setup(off, page)}

@@ -109,7 +109,7 @@ class Publisher:
     high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
     the replay thread that owns the ROUTER socket and reads the ring."""
 
-    def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int = 256 << 20):
+    def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int):
         import zmq   # the `events` extra: imported only when events are on
         self.zmq, self.ctx = zmq, zmq.Context.instance()
         self.pub = self.ctx.socket(zmq.PUB)
@@ -181,7 +181,7 @@ class Events:
     same log), and `watch` and `dropped_namespace` as namespaces come and go; tiers call
     `tier_changed` from any thread."""
 
-    def __init__(self, publisher: Publisher, topic: str, fmt: str, loop, gather: float = 0.02):
+    def __init__(self, publisher: Publisher, topic: str, fmt: str, loop, gather: float):
         self.publisher, self.prefix, self.fmt, self.loop = publisher, topic, fmt, loop
         self.gather = gather
         self.by_pool: dict = {}        # pool -> its namespace

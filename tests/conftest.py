@@ -257,6 +257,24 @@ class Gate:
         self.released.set()
 
 
+def replay_frames(endpoint: str) -> list[tuple[bytes, bytes, bytes]]:
+    """Ask a KV events replay socket (sidecar/events.py) for every batch it keeps, from
+    seq 0: [(topic, seq, payload)], up to its end marker."""
+    import zmq   # the `events` extra
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart((b"", (0).to_bytes(8, "big")))
+    out = []
+    while True:
+        assert sock.poll(10_000)
+        _, topic, seq, payload = sock.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        out.append((topic, seq, payload))
+    sock.close(linger=0)
+    return out
+
+
 def wait_for(cond, timeout: float = 30.0) -> None:
     """Poll `cond` (state another process or thread owns) until true or `timeout`."""
     deadline = time.time() + timeout

@@ -14,7 +14,7 @@ import pytest
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import free_port
 from sidecar.events import block_hash
-from tests.conftest import wait_for
+from tests.conftest import replay_frames, wait_for
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -186,17 +186,9 @@ def test_a_set_with_a_key_present_before_stores_two_chains(evented):
 
 def replayed(port: int) -> dict:
     """Ask the replay socket for everything from seq 0; the model it rebuilds."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    sock.send_multipart((b"", (0).to_bytes(8, "big")))
-    model = {}
-    while True:
-        assert sock.poll(10_000)
-        _, topic, seq, payload = sock.recv_multipart()
-        if seq == (-1).to_bytes(8, "big", signed=True):
-            break
+    model: dict = {}
+    for topic, _, payload in replay_frames(f"tcp://127.0.0.1:{port}"):
         apply(model, topic, payload)
-    sock.close(linger=0)
     return model
 
 

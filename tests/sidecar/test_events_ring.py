@@ -5,24 +5,10 @@ from __future__ import annotations
 import pytest
 
 from loadtest.procs import free_port
+from tests.conftest import replay_frames
 
 zmq = pytest.importorskip("zmq")
-from sidecar.events import END_SEQ, Publisher  # noqa: E402  (the `events` extra)
-
-
-def replay_all(endpoint: str) -> list[int]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(endpoint)
-    sock.send_multipart((b"", (0).to_bytes(8, "big")))
-    seqs = []
-    while True:
-        assert sock.poll(10_000)
-        _, _, seq, _ = sock.recv_multipart()
-        if seq == END_SEQ:
-            break
-        seqs.append(int.from_bytes(seq, "big"))
-    sock.close(linger=0)
-    return seqs
+from sidecar.events import Publisher  # noqa: E402  (the `events` extra)
 
 
 @pytest.mark.parametrize("keep,keep_bytes,sizes,kept", [
@@ -40,7 +26,7 @@ def test_the_ring_keeps_the_newest_batches_within_both_bounds(keep, keep_bytes, 
             assert pub.send(b"t@ns", b"x" * n)
         assert [seq for seq, _, _ in pub.ring] == kept
         assert pub.ring_bytes == sum(len(p) for _, _, p in pub.ring) <= keep_bytes
-        assert replay_all(replay) == kept
+        assert [int.from_bytes(seq, "big") for _, seq, _ in replay_frames(replay)] == kept
         assert pub.seq == len(sizes)
     finally:
         pub.close()
