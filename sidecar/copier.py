@@ -50,7 +50,8 @@ class _Move:
         self.left -= 1
         if self.left:
             return
-        self.buf.release_ref()
+        self.jobs = []   # each job's `done` is this move's method: the cycle ends here, and
+        self.buf.release_ref()   # the request's objects go by reference count, not the GC
         ok = not (self.failed or self.abandoned)
         self.settle(ok)
         if not self.finished.done():

@@ -193,3 +193,31 @@ def test_an_owners_jobs_start_in_order_and_queued_ones_can_be_dropped():
     assert not dropped_running and dropped_queued
     assert order == [1, 2]
     assert ended == [(3, "dropped"), (1, "ended"), (2, "ended")] and busy == 0
+
+
+def test_a_finished_copy_leaves_no_cycle_for_the_gc():
+    """A move and its jobs point at each other (a job's `done` is the move's method) until
+    the last job ends: then the cycle is cut, and a request's objects (its settle closure,
+    its keys, tokens and reservations) go by reference count, not at the next GC pass
+    (which took ~15% of a set's CPU when every set's objects waited for it)."""
+    import gc
+
+    from sidecar.copier import _Move
+
+    async def main():
+        copier = Copier(threads=2, parallel=2)
+        m = HeldMapping()
+        m.release.set()
+        for _ in range(3):
+            assert await copier.copy(buffer(m), [(0, 0), (PAGE, 1), (2 * PAGE, 2)], True, Settle())
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        asyncio.run(main())
+        gc.collect()
+        assert [o for o in gc.garbage if isinstance(o, _Move)] == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
