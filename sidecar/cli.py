@@ -63,7 +63,7 @@ _FLAGS = [
     ("--kv-events-topic", "kv_events_topic", "topic prefix (default kv-sidecar@<hostname>)"),
     ("--kv-events-buffer", "kv_events_buffer", "event batches kept for replay (10000)"),
     ("--kv-events-buffer-bytes", "kv_events_buffer_bytes", "bytes of event batches kept for replay "
-                                                           "at most (256MiB)"),
+                                                           "at most: resident from the start (256MiB)"),
     ("--kv-events-gather", "kv_events_gather", "seconds a batch gathers events before it is sent "
                                                "(default 0.02)"),
     # lent memory (issue 26): stuck copies, idle lenders, address space

@@ -107,7 +107,7 @@ class Config:
     kv_events_format: str = "map"         # "map" (vLLM's tagged structs) or "array" (positional)
     kv_events_topic: str = ""             # topic prefix (default kv-sidecar@<hostname>)
     kv_events_buffer: int = 10_000        # batches kept for replay
-    kv_events_buffer_bytes: int = 256 * 2**20   # and their bytes at most
+    kv_events_buffer_bytes: int = 256 * 2**20   # and their bytes at most (a mapping, resident)
     kv_events_gather: float = 0.02        # s a batch gathers events before it is sent
     # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
     copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad

@@ -1,6 +1,7 @@
 """KV events (`--kv-events ENDPOINT`): what the sidecar holds, for cache-aware routers.
 
-    page pools (commit, evict, delete)  --log--+
+    page pools (commit, evict, delete;  --log--+
+      a set's stores encoded at its commit)    |
     tiers (written, evicted, deleted; any      |   Events (the loop): one batch a topic
       thread, in the order they happen)  ------+-> every `gather` s (20 ms), encoded here
     namespaces (made, dropped)           ------+        |
@@ -33,9 +34,10 @@ import operator
 import logging
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from sidecar.errors import BadRequest
+from sidecar.replay_ring import ReplayRing
 
 log = logging.getLogger("kv_sidecar.events")
 MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
@@ -115,8 +117,7 @@ class Publisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(100_000)
         self.pub.bind(endpoint)
-        self.ring: collections.deque = collections.deque()   # (seq, topic, payload), oldest first
-        self.keep, self.keep_bytes, self.ring_bytes = keep, keep_bytes, 0
+        self.ring = ReplayRing(keep, keep_bytes)
         self.seq = 0
         self.router, self.thread, self.running = None, None, True
         if replay:
@@ -126,26 +127,18 @@ class Publisher:
                                            daemon=True)
             self.thread.start()
 
-    def send(self, topic: bytes, payload: bytes) -> bool:
-        """Publish one batch now (on the loop); False when ZMQ refused it (counted)."""
+    def send(self, topic: bytes, payload) -> bool:
+        """Publish one batch now (on the loop); False when ZMQ refused it (counted).
+        `payload` (bytes-like) is copied by both ZMQ and the ring: the caller may reuse it."""
         try:
             self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
                                     flags=self.zmq.NOBLOCK)   # copied: at 20 ms batches as cheap
                                                               # as zero-copy, with no gc thread
         except self.zmq.ZMQError:
             return False
-        self._keep(topic, payload)
+        self.ring.add(self.seq, topic, payload)
         self.seq += 1
         return True
-
-    def _keep(self, topic: bytes, payload: bytes) -> None:
-        """The batch joins the replay ring, which then drops its oldest batches until it
-        holds at most `keep` batches and `keep_bytes` bytes of payload."""
-        ring = self.ring
-        ring.append((self.seq, topic, payload))
-        self.ring_bytes += len(payload)
-        while ring and (len(ring) > self.keep or self.ring_bytes > self.keep_bytes):
-            self.ring_bytes -= len(ring.popleft()[2])
 
     def _serve_replay(self) -> None:
         while self.running:
@@ -157,10 +150,8 @@ class Publisher:
         if len(frames) != 3 or len(frames[2]) != 8:
             return
         client, _, start = frames
-        first = int.from_bytes(start, "big")
-        for seq, topic, payload in list(self.ring):   # (a copy: the loop appends meanwhile)
-            if seq >= first:
-                self.router.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")):
+            self.router.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
         self.router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
@@ -169,6 +160,7 @@ class Publisher:
             self.thread.join(5)
             self.router.close(linger=0)
         self.pub.close(linger=0)
+        self.ring.close()
 
 
 class Events:
@@ -193,7 +185,9 @@ class Events:
         self.dropped = 0               # batches ZMQ refused
         self.published = 0
         import msgspec   # the `events` extra
-        self.encode = msgspec.msgpack.Encoder().encode
+        self.encoder = msgspec.msgpack.Encoder()
+        self.encode, self.raw = self.encoder.encode, msgspec.Raw
+        self.buf = bytearray()         # each batch encoded here (no allocation a batch)
 
     # -- what the store tells -------------------------------------------------------
     def topic(self, ns) -> bytes:
@@ -225,12 +219,17 @@ class Events:
     def stored_chain(self, pool, keys: list, idx: list, parent: Optional[str],
                      tokens: Optional[list]) -> None:
         """A set's commits as one log entry (the pool logged none of them): `idx`, the
-        positions in `keys` committed, ascending; the set's `parent` and `tokens`."""
-        if not idx or pool.log is None:
+        positions in `keys` committed, ascending; the set's `parent` and `tokens`. Its
+        events are built and encoded now, the set's keys and tokens still in cache, and
+        the entry keeps their bytes alone: a set's lists kept for a gather cost more
+        (docs/kv-events.md, Cost)."""
+        ns = self.by_pool.get(pool)
+        if not idx or ns is None or pool.log is None:
             return
         if not pool.log:
             self._logged(pool)
-        pool.log.append((CHAIN, (keys, idx, parent, tokens)))
+        encode, raw = self.encode, self.raw
+        pool.log.append((CHAIN, [raw(encode(e)) for e in self._chains(ns, keys, idx, parent, tokens)]))
 
     def tier_changed(self, identity: str, keys: list, medium: str, present: bool) -> None:
         """From any thread, in the order the tier changed its index."""
@@ -261,9 +260,10 @@ class Events:
             self._drain_tier(*self.tier_log.popleft())
         if not self.pending:
             return
-        ts, encode = time.time(), self.encode
+        ts, buf, encode_into = time.time(), self.buf, self.encoder.encode_into
         for topic, events in self.pending.items():
-            if self.publisher.send(topic, encode([ts, events])):
+            encode_into([ts, events], buf)   # into the same buffer each time: ZMQ and the
+            if self.publisher.send(topic, buf):   # ring copy it before the next batch
                 self.published += 1
             else:
                 self.dropped += 1
@@ -280,13 +280,14 @@ class Events:
                 self._add(topic, removed_event(hashes(list(run), kf), MEDIUM_HOST, self.fmt))
                 continue
             for present, key in run:
-                if present is CHAIN:   # a set's stores
-                    self._chains(topic, ns, *key)
+                if present is CHAIN:   # a set's stores, encoded at its commit
+                    for event in key:
+                        self._add(topic, event)
                 else:                  # (True, key): stored without a set's parent and tokens
-                    self._stored(topic, ns, [key], None, [])
+                    self._add(topic, self._stored(ns, [key], None, []))
 
-    def _chains(self, topic: bytes, ns, keys: list, idx: list, parent: Optional[str],
-                tokens: Optional[list]) -> None:
+    def _chains(self, ns, keys: list, idx: list, parent: Optional[str],
+                tokens: Optional[list]) -> Iterator[Any]:
         """One BlockStored for each run of consecutive positions in `idx`: its parent is
         the key before it (the set's `parent` before the first), its tokens theirs."""
         runs, start = [], 0
@@ -298,12 +299,12 @@ class Events:
         runs.append((idx[start], idx[-1] + 1))
         for a, b in runs:
             toks = functools.reduce(operator.iadd, tokens[a:b], []) if tokens else []   # C extends
-            self._stored(topic, ns, keys[a:b], keys[a - 1] if a else parent, toks)
+            yield self._stored(ns, keys[a:b], keys[a - 1] if a else parent, toks)
 
-    def _stored(self, topic: bytes, ns, run: list, parent: Optional[str], tokens: list) -> None:
+    def _stored(self, ns, run: list, parent: Optional[str], tokens: list) -> Any:
         kf = ns.spec.key_format
-        self._add(topic, stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
-                                      tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt))
+        return stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
+                            tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
 
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
         for ns in self.identities.get(identity, ()):

@@ -39,7 +39,7 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
     if store.events is not None:
         pub = store.events.publisher
         out["events"] = {"published": store.events.published, "dropped": store.events.dropped,
-                         "replay_batches": len(pub.ring), "replay_bytes": pub.ring_bytes}
+                         "replay_batches": len(pub.ring), "replay_bytes": pub.ring.bytes}
     return out
 
 

@@ -145,7 +145,7 @@ def test_a_stored_chain_carries_its_parent_and_tokens(evented):
     bid = buf.register(c, "kv", 3, page_first_chunks(PAGE))
     seen = []
     real = srv.ctx.events.publisher.send
-    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append((topic, payload)),
+    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append((topic, bytes(payload))),
                                                             real(topic, payload))[1]
     keys = ["aa" * 32, "bb" * 32, "cc" * 32]
     c.request("POST", "/v1/namespaces/kv/set", {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2],
@@ -171,7 +171,7 @@ def test_a_set_with_a_key_present_before_stores_two_chains(evented):
     settled(srv, sub)
     seen = []
     real = srv.ctx.events.publisher.send
-    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append(payload), real(topic, payload))[1]
+    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append(bytes(payload)), real(topic, payload))[1]
     c.request("POST", "/v1/namespaces/kv/set", {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2, 3],
                                                 "parent": "99" * 32, "tokens": [[1], [2], [3], [4]]})
     settled(srv, sub)
@@ -267,7 +267,7 @@ def test_a_batch_gathers_the_loop_turns_of_its_gather(make_server):
     assert replayed(replay) == {"t@kv": {"CPU_PINNED": {bytes.fromhex(k) for k in keys}}}
     stats = c.request("GET", "/v1/stats")[1]["events"]
     assert stats["published"] == stats["replay_batches"] == 1 and stats["dropped"] == 0
-    assert stats["replay_bytes"] == len(srv.on_loop(lambda: events.publisher.ring[0][2])) > 0
+    assert stats["replay_bytes"] == len(srv.on_loop(lambda: next(events.publisher.ring.since(0))[2])) > 0
 
 
 def test_parents_and_tokens_are_checked(make_server):

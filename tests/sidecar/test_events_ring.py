@@ -24,8 +24,8 @@ def test_the_ring_keeps_the_newest_batches_within_both_bounds(keep, keep_bytes, 
     try:
         for n in sizes:
             assert pub.send(b"t@ns", b"x" * n)
-        assert [seq for seq, _, _ in pub.ring] == kept
-        assert pub.ring_bytes == sum(len(p) for _, _, p in pub.ring) <= keep_bytes
+        assert pub.ring.seqs() == kept
+        assert pub.ring.bytes == sum(len(p) for _, _, p in pub.ring.since(0)) <= keep_bytes
         assert [int.from_bytes(seq, "big") for _, seq, _ in replay_frames(replay)] == kept
         assert pub.seq == len(sizes)
     finally:
