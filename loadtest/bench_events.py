@@ -2,7 +2,8 @@
 (and a subscriber draining it) and one without, interleaved, in one run.
 
     python -m loadtest.bench_events [--pairs 4] [--rounds 7] [--n 600] [--page-kib 4]
-                                    [--pool-pages 8192] [--gather 0.02] [--control] [--json]
+                                    [--pool-pages 8192] [--gather 0.02] [--buffer-mib 32]
+                                    [--no-fill] [--control] [--json]
 
     exists 1,000 keys (500 present)      no event: the cost of the hooks being there
     set 64 x 4 KiB, new keys each time   64 BlockStored a request, and BlockRemoved as the
@@ -16,6 +17,12 @@ Rounds go to `--pairs` pairs of sidecars, each pair fresh processes: two process
 the same code differ by a few per cent on this kind of machine (memory layout, which core),
 and one pair would take that for the cost of events. `--control` runs the same pairs with
 events off on both sides too: the ratio two equal sidecars show, the run's noise floor.
+
+Steady state: before its rounds, a pair takes sets until the evented sidecar's replay ring
+is full and dropping its oldest batches (`/v1/stats` events: published > replay_batches),
+its twin the same sets: a sidecar runs for days, its ring full. The ring is `--buffer-mib`
+(the sidecar's --kv-events-buffer-bytes; 32 MiB fills in some 3,500 sets, the default 256
+MiB in 28,000). `--no-fill` measures fresh sidecars instead.
 """
 from __future__ import annotations
 
@@ -91,15 +98,30 @@ def one(sidecar, bid: str, exists: bytes, r: int, n: int) -> dict:
     return out
 
 
+def fill(on, off, setups: dict, n: int, ring: bool) -> int:
+    """Sets to both sidecars of a pair, `n` at a time, until `on`'s replay ring has dropped
+    a batch (`ring`; else one round); the rounds' keys are not these. Sets sent to each."""
+    sent = 0
+    while True:
+        for name, proc in (("on", on), ("off", off)):
+            posts(proc.socket_url, "/v1/namespaces/ev/set", set_bodies(setups[name][0], 10_000 + sent // n, n))
+        sent += n
+        events = SidecarClient(on.url).stats().get("events", {})
+        if not ring or events.get("published", 0) > events.get("replay_batches", 0):
+            return sent
+
+
 def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], slots: int = 8192,
-         on_first: bool = True) -> None:
+         on_first: bool = True, ring: Optional[int] = 32 << 20) -> None:
     """One pair of fresh sidecars, `rounds` rounds each, alternating which goes first;
     each round's figures appended to `rows`. `gather` None: the control, "on" without
     events too (what two equal sidecars differ by). `on_first`: which one starts first
-    (the first started ran some 3% slower in a control run here: pairs alternate it)."""
+    (the first started ran some 3% slower in a control run here: pairs alternate it).
+    `ring`: the evented one's replay ring in bytes, filled before the rounds; None: fresh."""
     port, pool = free_port(), f"{slots * page >> 10}KiB"
     evented = () if gather is None else \
-        ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-gather", str(gather))
+        ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-gather", str(gather),
+         "--kv-events-buffer-bytes", str(ring or 256 << 20))
     flags = {"on": evented, "off": ()}
     started = {name: start_sidecar("--host-pool", pool, "--no-file-tier", *flags[name])
                for name in (("on", "off") if on_first else ("off", "on"))}
@@ -107,6 +129,8 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
     sub = drain(f"tcp://127.0.0.1:{port}")
     try:
         setups = {"on": setup(on, page), "off": setup(off, page)}
+        if ring is not None:
+            fill(on, off, setups, n, gather is not None)
         for r in range(rounds):
             for name, proc in (("on", on), ("off", off)) if r % 2 else (("off", off), ("on", on)):
                 bid, exists, _ = setups[name]
@@ -119,12 +143,13 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
 
 
 def run(rounds: int, n: int, page: int = 4096, pairs: int = 1, gather: Optional[float] = 0.02,
-        slots: int = 8192) -> dict:
+        slots: int = 8192, ring: Optional[int] = 32 << 20) -> dict:
     """`page`: bytes a page; the host pool holds `slots` of them, so sets evict as they go.
-    Besides the medians of every round, the CPU ratio of each pair (`cpu_by_pair`)."""
+    `ring`: see `pair`. Besides the medians of every round, the CPU ratio of each pair
+    (`cpu_by_pair`)."""
     rows: dict = {"on": [], "off": []}
     for i in range(pairs):
-        pair(rows, rounds, n, page, gather, slots, on_first=i % 2 == 0)
+        pair(rows, rounds, n, page, gather, slots, on_first=i % 2 == 0, ring=ring)
     med = statistics.median
     res = {}
     for what in ("exists", "set"):
@@ -145,13 +170,18 @@ def main(argv=None) -> int:
     p.add_argument("--page-kib", type=int, default=4, help="page size (4 KiB: the bookkeeping alone)")
     p.add_argument("--gather", type=float, default=0.02, help="--kv-events-gather of the sidecar with events")
     p.add_argument("--pool-pages", type=int, default=8192, help="host pool size in pages")
+    p.add_argument("--buffer-mib", type=int, default=32,
+                   help="the evented sidecar's replay ring (--kv-events-buffer-bytes), filled first")
+    p.add_argument("--no-fill", action="store_true",
+                   help="fresh sidecars: no sets before the rounds (the ring then 256 MiB, empty)")
     p.add_argument("--control", action="store_true",
                    help="also run the pairs with events off on both sides: the noise floor")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    out = {"events": run(args.rounds, args.n, args.page_kib << 10, args.pairs, args.gather, args.pool_pages)}
+    ring = None if args.no_fill else args.buffer_mib << 20
+    out = {"events": run(args.rounds, args.n, args.page_kib << 10, args.pairs, args.gather, args.pool_pages, ring)}
     if args.control:
-        out["control"] = run(args.rounds, args.n, args.page_kib << 10, args.pairs, None, args.pool_pages)
+        out["control"] = run(args.rounds, args.n, args.page_kib << 10, args.pairs, None, args.pool_pages, ring)
     for name, res in out.items():
         for what, r in res.items():
             print(f"{name} {what}: on {r['on_rps']:.0f} req/s, {r['on_cpu_us']:.0f} us CPU vs off "
