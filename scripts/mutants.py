@@ -283,6 +283,9 @@ MUTANTS = [
     M("copier: a finished move keeps its cycle with its jobs (every request's objects wait for the GC)",
       "sidecar/copier.py", "        self.jobs = []   # each job", "        pass   # each job",
       ("tests/sidecar/test_copier.py::test_a_finished_copy_leaves_no_cycle_for_the_gc",)),
+    M("lanes: a call's ended job keeps its cycle with the answer", "sidecar/lanes.py",
+      "                job.done = None   # the answer holds", "                pass   # the answer holds",
+      ("tests/sidecar/test_copier.py::test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc",)),
     M("events: an eviction not published", "sidecar/events.py",
       "                self._add(topic, removed_event(hashes(list(run), kf), MEDIUM_HOST, self.fmt))\n"
       "                continue\n",

@@ -92,6 +92,7 @@ class Lanes:
             if answer.done():
                 late(job)
             else:
+                job.done = None   # the answer holds the job: no cycle back through this closure
                 answer.set_result(job)
         job = self.submit(owner, fn, done)
         timer = loop.call_later(deadline, lambda: answer.done() or answer.set_result(None))

@@ -221,3 +221,28 @@ def test_a_finished_copy_leaves_no_cycle_for_the_gc():
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc():
+    """`Lanes.call`'s answer holds the ended job, whose `done` closure held the answer:
+    the closure is let go when it answers (a registration's objects then go at once)."""
+    import gc
+
+    from sidecar.lanes import Job
+
+    async def main():
+        lanes = Lanes("t", 2, 1)
+        for i in range(3):
+            job = await lanes.call(1000, lambda: i, 10, lambda job: None)
+            assert job.result == i and job.error is None
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        asyncio.run(main())
+        gc.collect()
+        assert [o for o in gc.garbage if isinstance(o, Job)] == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
