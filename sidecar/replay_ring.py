@@ -14,7 +14,7 @@ before it go (nothing older may be replayed past a gap).
 
 Why a mapping and not the payloads as bytes objects: a ring of 256 MiB of bytes in the
 malloc heap spreads the sidecar's own allocations over memory gone cold, and a set slowed
-with it (docs/kv-events.md, Cost). Pages of the mapping are taken as first written.
+with it (docs/kv-events.md, Cost). The mapping's pages are taken when it is made (`FLAGS`).
 
 The loop writes (`add`) and the replay thread reads (`since`) under one lock, held for one
 batch's copy at most, so a replay never holds the loop up for longer than that.

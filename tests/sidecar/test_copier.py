@@ -195,13 +195,28 @@ def test_an_owners_jobs_start_in_order_and_queued_ones_can_be_dropped():
     assert ended == [(3, "dropped"), (1, "ended"), (2, "ended")] and busy == 0
 
 
+def cyclic_garbage(main, kind: type) -> list:
+    """The objects of `kind` that running `main()` left for the cyclic GC (it stays off
+    meanwhile: what reference counting frees never reaches `gc.garbage`)."""
+    import gc
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        asyncio.run(main())
+        gc.collect()
+        return [o for o in gc.garbage if isinstance(o, kind)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 def test_a_finished_copy_leaves_no_cycle_for_the_gc():
     """A move and its jobs point at each other (a job's `done` is the move's method) until
     the last job ends: then the cycle is cut, and a request's objects (its settle closure,
     its keys, tokens and reservations) go by reference count, not at the next GC pass
     (which took ~15% of a set's CPU when every set's objects waited for it)."""
-    import gc
-
     from sidecar.copier import _Move
 
     async def main():
@@ -210,24 +225,12 @@ def test_a_finished_copy_leaves_no_cycle_for_the_gc():
         m.release.set()
         for _ in range(3):
             assert await copier.copy(buffer(m), [(0, 0), (PAGE, 1), (2 * PAGE, 2)], True, Settle())
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        asyncio.run(main())
-        gc.collect()
-        assert [o for o in gc.garbage if isinstance(o, _Move)] == []
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+    assert cyclic_garbage(main, _Move) == []
 
 
 def test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc():
     """`Lanes.call`'s answer holds the ended job, whose `done` closure held the answer:
     the closure is let go when it answers (a registration's objects then go at once)."""
-    import gc
-
     from sidecar.lanes import Job
 
     async def main():
@@ -235,14 +238,4 @@ def test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc():
         for i in range(3):
             job = await lanes.call(1000, lambda: i, 10, lambda job: None)
             assert job.result == i and job.error is None
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        asyncio.run(main())
-        gc.collect()
-        assert [o for o in gc.garbage if isinstance(o, Job)] == []
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+    assert cyclic_garbage(main, Job) == []
