@@ -339,8 +339,11 @@ class PagePool:
         del self.ready[e.key]
         for joint in self.joints:
             joint.removed(self, e.key)
-        if self.log is not None:
-            self._logged(e.key)
+        log = self.log
+        if log is not None:            # `_logged`, inline: every page a set evicts comes here
+            if not log:
+                self.on_log(self)
+            log.append(e.key)
         self.free.append(e.offset)
         self.evictions += 1
         return True
