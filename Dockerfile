@@ -4,7 +4,7 @@
 # memory needs no --pid=host or --ipc=host. CUDA IPC still needs the GPUs and --pid=host.
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml setup.py constraints.txt README.md ./
 COPY pools ./pools
 COPY sidecar ./sidecar
 COPY api ./api
@@ -13,7 +13,12 @@ COPY loadtest ./loadtest
 # No torch: the server needs none (it is the `engine` extra, for engine processes); the events
 # extra (pyzmq, msgspec) serves --kv-events
 ARG EXTRAS=gpu,events
-RUN pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
+# gcc for KV events' packer (sidecar/_evpack.c; optional: without it events pack in Python,
+# slower), removed once it is built
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
+ && python -I -c "import sidecar._evpack" \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --home /data kv \
  && mkdir -p /data /run/kv-sidecar && chown kv:kv /data /run/kv-sidecar \
  && chmod 0750 /run/kv-sidecar

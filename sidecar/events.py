@@ -39,12 +39,18 @@ from typing import Any, Iterator, Optional
 from sidecar.errors import BadRequest
 from sidecar.replay_ring import ReplayRing
 
+try:   # C (sidecar/_evpack.c), built at install where a compiler is: the same bytes, sooner
+    from sidecar import _evpack
+except ImportError:   # pragma: no cover - a build without a compiler
+    _evpack = None
+
 log = logging.getLogger("kv_sidecar.events")
 MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
 FORMATS = ("map", "array")
 _LIST, _INT = {list}, {int}
 CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+TOKENS = "'tokens' must hold one list of token ids (integers) per key"
 
 
 def block_hash(key: str, key_format: str) -> Any:
@@ -71,6 +77,27 @@ def hashes(keys: list, key_format: str) -> list:
     return [block_hash(k, key_format) for k in keys]
 
 
+def hash_array(keys: list, a: int, b: int, key_format: str, raw: Any) -> Any:
+    """The block hashes of `keys[a:b]` for an event: vLLM's hex keys as their msgpack
+    array, encoded already (`raw(bytes)`, spliced by msgspec), where the packer is built;
+    else `hashes`, the same bytes once encoded."""
+    if key_format == "vllm" and _evpack is not None:
+        out = _evpack.hex_array(keys, a, b)
+        if out is not None:
+            return raw(out)
+    return hashes(keys[a:b], key_format)
+
+
+def token_array(tokens: list, a: int, b: int, raw: Any) -> Any:
+    """The token ids of `tokens[a:b]` (one list a page) as one flat list for an event:
+    packed already where the packer is built, else the list (C extends)."""
+    if _evpack is not None:
+        out = _evpack.flat_ints(tokens, a, b)
+        if out is not None:
+            return raw(out)
+    return functools.reduce(operator.iadd, tokens[a:b], [])
+
+
 def encode_event(kind: str, fields: dict, fmt: str) -> Any:
     """One event as `fmt` lays it out (the module docstring)."""
     if fmt == "map":
@@ -78,32 +105,53 @@ def encode_event(kind: str, fields: dict, fmt: str) -> Any:
     return [kind, *fields.values()]
 
 
-def stored_event(hashes: list, parent: Any, tokens: list, block_size: int, medium: str,
+def stored_event(hashes: Any, parent: Any, tokens: Any, block_size: int, medium: str,
                  fmt: str) -> Any:
-    return encode_event("BlockStored", {"block_hashes": hashes, "parent_block_hash": parent,
-                                        "token_ids": tokens, "block_size": block_size,
-                                        "lora_id": None, "medium": medium, "lora_name": None}, fmt)
+    if fmt == "map":
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                "token_ids": tokens, "block_size": block_size, "lora_id": None,
+                "medium": medium, "lora_name": None}
+    return ["BlockStored", hashes, parent, tokens, block_size, None, medium, None]
 
 
-def removed_event(hashes: list, medium: str, fmt: str) -> Any:
-    return encode_event("BlockRemoved", {"block_hashes": hashes, "medium": medium}, fmt)
+def removed_event(hashes: Any, medium: str, fmt: str) -> Any:
+    if fmt == "map":
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+    return ["BlockRemoved", hashes, medium]
+
+
+def runs_of(idx: list) -> list:
+    """The runs of consecutive positions in `idx` (ascending, not empty), as (a, b): a..b-1."""
+    runs, start = [], 0
+    if idx[-1] - idx[0] + 1 != len(idx):    # a gap: keys present before, or refused
+        for j in range(1, len(idx)):
+            if idx[j] != idx[j - 1] + 1:
+                runs.append((idx[start], idx[j - 1] + 1))
+                start = j
+    runs.append((idx[start], idx[-1] + 1))
+    return runs
 
 
 def set_meta(body: dict) -> Optional[tuple]:
     """A set's optional `parent` (the key before its first) and `tokens` (token ids, one
-    list per key) for KV events (docs/kv-events.md); None when it gives neither."""
+    list per key) for KV events (docs/kv-events.md), as (parent, tokens, packed); None
+    when it gives neither. `packed`: the tokens as one event's array, where the packer is
+    built: it checks their types as it packs them, in one C pass while they are in
+    cache, and a set that stores all its keys sends these bytes (else None)."""
     parent, tokens = body.get("parent"), body.get("tokens")
     if parent is None and tokens is None:
         return None
     if parent is not None and not (isinstance(parent, str) and 0 < len(parent) <= 128):
         raise BadRequest("'parent' must be the key before the first one")
-    keys = body.get("keys")
-    if tokens is not None and not (isinstance(tokens, list) and isinstance(keys, list)
-                                   and len(tokens) == len(keys)
-                                   and set(map(type, tokens)) <= _LIST   # C loops, no bools
+    packed, keys = None, body.get("keys")
+    if tokens is not None:
+        if not (isinstance(tokens, list) and isinstance(keys, list) and len(tokens) == len(keys)):
+            raise BadRequest(TOKENS)
+        packed = _evpack.flat_ints(tokens, 0, len(tokens)) if _evpack is not None else None
+        if packed is None and not (set(map(type, tokens)) <= _LIST   # C loops, no bools
                                    and set(map(type, itertools.chain.from_iterable(tokens))) <= _INT):
-        raise BadRequest("'tokens' must hold one list of token ids (integers) per key")
-    return parent, tokens
+            raise BadRequest(TOKENS)
+    return parent, tokens, packed
 
 
 class Publisher:
@@ -216,20 +264,19 @@ class Events:
             same.remove(ns)
         self._add(self.topic(ns), encode_event("AllBlocksCleared", {}, self.fmt))
 
-    def stored_chain(self, pool, keys: list, idx: list, parent: Optional[str],
-                     tokens: Optional[list]) -> None:
+    def stored_chain(self, pool, keys: list, idx: Optional[list], meta: tuple) -> None:
         """A set's commits as one log entry (the pool logged none of them): `idx`, the
-        positions in `keys` committed, ascending; the set's `parent` and `tokens`. Its
-        events are built and encoded now, the set's keys and tokens still in cache, and
-        the entry keeps their bytes alone: a set's lists kept for a gather cost more
-        (docs/kv-events.md, Cost)."""
+        positions in `keys` committed, ascending (None: all of them); `meta`, the set's
+        `set_meta`. Its events are built and encoded now, the set's keys and tokens still
+        in cache, and the entry keeps their bytes alone: a set's lists kept for a gather
+        cost more (docs/kv-events.md, Cost)."""
         ns = self.by_pool.get(pool)
-        if not idx or ns is None or pool.log is None:
+        if ns is None or pool.log is None or (idx is not None and not idx):
             return
         if not pool.log:
             self._logged(pool)
         encode, raw = self.encode, self.raw
-        pool.log.append((CHAIN, [raw(encode(e)) for e in self._chains(ns, keys, idx, parent, tokens)]))
+        pool.log.append((CHAIN, [raw(encode(e)) for e in self._chains(ns, keys, idx, *meta)]))
 
     def tier_changed(self, identity: str, keys: list, medium: str, present: bool) -> None:
         """From any thread, in the order the tier changed its index."""
@@ -277,7 +324,8 @@ class Events:
         topic, kf = self.topic(ns), ns.spec.key_format
         for kind, run in itertools.groupby(entries, type):   # grouped in C
             if kind is str:            # keys evicted or deleted, in a row
-                self._add(topic, removed_event(hashes(list(run), kf), MEDIUM_HOST, self.fmt))
+                gone = list(run)
+                self._add(topic, removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))
                 continue
             for present, key in run:
                 if present is CHAIN:   # a set's stores, encoded at its commit
@@ -286,20 +334,18 @@ class Events:
                 else:                  # (True, key): stored without a set's parent and tokens
                     self._add(topic, self._stored(ns, [key], None, []))
 
-    def _chains(self, ns, keys: list, idx: list, parent: Optional[str],
-                tokens: Optional[list]) -> Iterator[Any]:
-        """One BlockStored for each run of consecutive positions in `idx`: its parent is
-        the key before it (the set's `parent` before the first), its tokens theirs."""
-        runs, start = [], 0
-        if idx[-1] - idx[0] + 1 != len(idx):    # a gap: keys present before, or refused
-            for j in range(1, len(idx)):
-                if idx[j] != idx[j - 1] + 1:
-                    runs.append((idx[start], idx[j - 1] + 1))
-                    start = j
-        runs.append((idx[start], idx[-1] + 1))
-        for a, b in runs:
-            toks = functools.reduce(operator.iadd, tokens[a:b], []) if tokens else []   # C extends
-            yield self._stored(ns, keys[a:b], keys[a - 1] if a else parent, toks)
+    def _chains(self, ns, keys: list, idx: Optional[list], parent: Optional[str],
+                tokens: Optional[list], packed: Optional[bytes]) -> Iterator[Any]:
+        """One BlockStored for each run of consecutive positions in `idx` (None: all of
+        `keys`, with the tokens `packed` already where they are): its parent is the key
+        before it (the set's `parent` before the first), its tokens theirs."""
+        kf, raw = ns.spec.key_format, self.raw
+        for a, b in [(0, len(keys))] if idx is None else runs_of(idx):
+            up = keys[a - 1] if a else parent
+            toks = (raw(packed) if idx is None and packed is not None else token_array(tokens, a, b, raw)) \
+                if tokens else []
+            yield stored_event(hash_array(keys, a, b, kf, raw), None if up is None else block_hash(up, kf),
+                               toks, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
 
     def _stored(self, ns, run: list, parent: Optional[str], tokens: list) -> Any:
         kf = ns.spec.key_format

@@ -356,7 +356,7 @@ class Item:
     keys: list
     buffer_id: Any
     slots: Any
-    meta: Optional[tuple] = None      # KV events: (parent, tokens), `events.set_meta`
+    meta: Optional[tuple] = None      # KV events: `events.set_meta`
 
 
 def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,

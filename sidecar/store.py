@@ -340,7 +340,8 @@ class Store:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
         Under write_through a page is True only once it is pinned on the writer's queue
         (in the loop turn of its commit); with `durable`, only once every tier has it.
-        `meta`: (parent key, token ids per key) for the KV events of the pages stored."""
+        `meta`: `events.set_meta` (parent key, token ids per key) for the KV events of the
+        pages stored."""
         ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
         stored, todo, repeats = await self._reserve_all(ns, keys)
         try:
@@ -363,8 +364,9 @@ class Store:
                         committed.append(e)
                 else:
                     ns.pool.abort(e)
-            if chain:
-                self.events.stored_chain(ns.pool, keys, [i for i, _ in todo if stored[i]], *meta)
+            if chain and committed:   # (all of `keys` stored, the common case: no positions)
+                self.events.stored_chain(ns.pool, keys, None if len(committed) == len(keys)
+                                         else [i for i, _ in todo if stored[i]], meta)
             queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits) \
                 if credits else []
             futures.update(zip((e.key for e in committed), queued))
