@@ -92,3 +92,18 @@ def test_an_event_is_the_same_with_or_without_the_packer(monkeypatch):
     assert stored[1][0] == bytes.fromhex(keys[1]) and stored[1][-1] == bytes.fromhex(keys[43])
     assert "not-hex" in stored[1] and stored[3] == sum(tokens[1:44], [])
     assert removed[1] == [bytes.fromhex(k) for k in keys[:40]]
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_sets_token_ids_are_checked_with_or_without_the_packer(monkeypatch, built):
+    if not built:
+        monkeypatch.setattr(events, "_evpack", None)
+    elif packer is None:
+        pytest.skip("sidecar/_evpack.c not built")
+    tokens = [[1, 2], [3, 2**40]]
+    parent, got, packed = events.set_meta({"keys": ["a", "b"], "parent": "z", "tokens": tokens})
+    assert (parent, got) == ("z", tokens) and packed == (encode([1, 2, 3, 2**40]) if built else None)
+    for bad in ([[1], [True]], [[1], [1.0]], [[1], (2,)], [[1], ["2"]], [[1]]):
+        with pytest.raises(events.BadRequest):
+            events.set_meta({"keys": ["a", "b"], "tokens": bad})
+    assert events.set_meta({"keys": ["a"], "tokens": [[2**64 - 1]]})[2] is None   # past int64: Python's
