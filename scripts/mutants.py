@@ -287,7 +287,7 @@ MUTANTS = [
       "                job.done = None   # the answer holds", "                pass   # the answer holds",
       ("tests/sidecar/test_copier.py::test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc",)),
     M("events: an eviction not published", "sidecar/events.py",
-      "                self._add(topic, removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))\n"
+      "                out.append(removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))\n"
       "                continue\n",
       "                continue\n",
       ("tests/api/test_kv_events.py::test_a_subscriber_holds_what_the_sidecar_holds",)),

@@ -267,16 +267,18 @@ class Events:
     def stored_chain(self, pool, keys: list, idx: Optional[list], meta: tuple) -> None:
         """A set's commits as one log entry (the pool logged none of them): `idx`, the
         positions in `keys` committed, ascending (None: all of them); `meta`, the set's
-        `set_meta`. Its events are built and encoded now, the set's keys and tokens still
-        in cache, and the entry keeps their bytes alone: a set's lists kept for a gather
-        cost more (docs/kv-events.md, Cost)."""
+        `set_meta`. Its events are built now, their arrays packed while the set's keys and
+        tokens are in cache (the flush encodes them into its batch; without the packer,
+        encoded now: a set's lists kept for a gather cost more, docs/kv-events.md, Cost)."""
         ns = self.by_pool.get(pool)
         if ns is None or pool.log is None or (idx is not None and not idx):
             return
         if not pool.log:
             self._logged(pool)
-        encode, raw = self.encode, self.raw
-        pool.log.append((CHAIN, [raw(encode(e)) for e in self._chains(ns, keys, idx, *meta)]))
+        chains = list(self._chains(ns, keys, idx, *meta))
+        if _evpack is None:
+            chains = [self.raw(self.encode(e)) for e in chains]
+        pool.log.append((CHAIN, chains))
 
     def tier_changed(self, identity: str, keys: list, medium: str, present: bool) -> None:
         """From any thread, in the order the tier changed its index."""
@@ -322,17 +324,17 @@ class Events:
             return
         pool.log = []
         topic, kf = self.topic(ns), ns.spec.key_format
+        out = self.pending.setdefault(topic, [])
         for kind, run in itertools.groupby(entries, type):   # grouped in C
             if kind is str:            # keys evicted or deleted, in a row
                 gone = list(run)
-                self._add(topic, removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))
+                out.append(removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))
                 continue
             for present, key in run:
-                if present is CHAIN:   # a set's stores, encoded at its commit
-                    for event in key:
-                        self._add(topic, event)
+                if present is CHAIN:   # a set's stores, built at its commit
+                    out.extend(key)
                 else:                  # (True, key): stored without a set's parent and tokens
-                    self._add(topic, self._stored(ns, [key], None, []))
+                    out.append(self._stored(ns, [key], None, []))
 
     def _chains(self, ns, keys: list, idx: Optional[list], parent: Optional[str],
                 tokens: Optional[list], packed: Optional[bytes]) -> Iterator[Any]:
