@@ -107,17 +107,13 @@ def encode_event(kind: str, fields: dict, fmt: str) -> Any:
 
 def stored_event(hashes: Any, parent: Any, tokens: Any, block_size: int, medium: str,
                  fmt: str) -> Any:
-    if fmt == "map":
-        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                "token_ids": tokens, "block_size": block_size, "lora_id": None,
-                "medium": medium, "lora_name": None}
-    return ["BlockStored", hashes, parent, tokens, block_size, None, medium, None]
+    return encode_event("BlockStored", {"block_hashes": hashes, "parent_block_hash": parent,
+                                        "token_ids": tokens, "block_size": block_size,
+                                        "lora_id": None, "medium": medium, "lora_name": None}, fmt)
 
 
 def removed_event(hashes: Any, medium: str, fmt: str) -> Any:
-    if fmt == "map":
-        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
-    return ["BlockRemoved", hashes, medium]
+    return encode_event("BlockRemoved", {"block_hashes": hashes, "medium": medium}, fmt)
 
 
 def runs_of(idx: list) -> list:
@@ -266,12 +262,13 @@ class Events:
 
     def stored_chain(self, pool, keys: list, idx: Optional[list], meta: tuple) -> None:
         """A set's commits as one log entry (the pool logged none of them): `idx`, the
-        positions in `keys` committed, ascending (None: all of them); `meta`, the set's
-        `set_meta`. Its events are built now, their arrays packed while the set's keys and
-        tokens are in cache (the flush encodes them into its batch; without the packer,
-        encoded now: a set's lists kept for a gather cost more, docs/kv-events.md, Cost)."""
+        positions in `keys` committed, ascending, at least one (None: all of them; the store
+        calls only when a page was committed); `meta`, the set's `set_meta`. Its events are
+        built now, their arrays packed while the set's keys and tokens are in cache (the
+        flush encodes them into its batch; without the packer, encoded now: a set's lists
+        kept for a gather cost more, docs/kv-events.md, Cost)."""
         ns = self.by_pool.get(pool)
-        if ns is None or pool.log is None or (idx is not None and not idx):
+        if ns is None or pool.log is None:
             return
         if not pool.log:
             self._logged(pool)
@@ -344,8 +341,10 @@ class Events:
         kf, raw = ns.spec.key_format, self.raw
         for a, b in [(0, len(keys))] if idx is None else runs_of(idx):
             up = keys[a - 1] if a else parent
-            toks = (raw(packed) if idx is None and packed is not None else token_array(tokens, a, b, raw)) \
-                if tokens else []
+            if idx is None and packed is not None:   # the whole set: its ids packed at parse
+                toks = raw(packed)
+            else:
+                toks = token_array(tokens, a, b, raw) if tokens else []
             yield stored_event(hash_array(keys, a, b, kf, raw), None if up is None else block_hash(up, kf),
                                toks, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
 
