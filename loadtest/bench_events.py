@@ -120,7 +120,8 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
     `ring`: the evented one's replay ring in bytes, filled before the rounds; None: fresh."""
     port, pool = free_port(), f"{slots * page >> 10}KiB"
     evented = () if gather is None else \
-        ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-gather", str(gather),
+        ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{free_port()}",
+         "--kv-events-gather", str(gather),   # (the replay port: port + 1 may be another's)
          "--kv-events-buffer-bytes", str(ring or 256 << 20))
     flags = {"on": evented, "off": ()}
     started = {name: start_sidecar("--host-pool", pool, "--no-file-tier", *flags[name])
