@@ -1,7 +1,9 @@
 """Start the sidecar and the bare baseline as separate processes on loopback ports."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,9 +53,17 @@ class Proc:
                 self.proc.kill()
 
 
+_sockets: list[str] = []   # this process's directory of socket paths, made on first use
+
+
 def socket_path() -> str:
-    """A fresh engine socket path (short: sun_path holds 108 bytes)."""
-    return os.path.join(tempfile.mkdtemp(prefix="kvs-"), "s.sock")
+    """A fresh engine socket path (short: sun_path holds 108 bytes), in a directory of this
+    process's that goes when it exits (a test run starts hundreds of sidecars)."""
+    if not _sockets:   # others may pass through it (each socket's own directory is 0700)
+        _sockets.append(tempfile.mkdtemp(prefix="kvs-"))
+        os.chmod(_sockets[0], 0o755)
+        atexit.register(shutil.rmtree, _sockets[0], True)
+    return os.path.join(tempfile.mkdtemp(dir=_sockets[0]), "s.sock")
 
 
 def start_sidecar(*args: str) -> Proc:

@@ -53,6 +53,19 @@ def hermetic(monkeypatch):
     shutil.rmtree(top, ignore_errors=True)
 
 
+@pytest.fixture
+def scratch():
+    """`tempfile.mkdtemp` (same arguments) whose directories go after the test."""
+    made: list[str] = []
+
+    def make(**kw) -> str:
+        made.append(tempfile.mkdtemp(**kw))
+        return made[-1]
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _has_cuda() -> bool:
     """Whether a CUDA device is usable. Only "no CUDA here" answers False: our own cuda_ipc
     module must import (a broken import is an error, never a skip), and cuda_available()

@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -103,9 +104,9 @@ def test_tcp_callers_cannot_register_memory(open_server):
     assert status == 403
 
 
-def test_pid_fd_form_is_gone_and_echoes_nothing(open_server):
+def test_pid_fd_form_is_gone_and_echoes_nothing(open_server, scratch):
     c = open_server.client()
-    log = open(os.path.join(tempfile.mkdtemp(), "app.log"), "w")
+    log = open(os.path.join(scratch(), "app.log"), "w")
     status, raw = c.request("POST", "/v1/namespaces/victim/buffers",
                             {"transport": "shm", "pid": os.getpid(), "fd": log.fileno(),
                              "size": PAGE, "slots": 1, "chunks": page_first_chunks(PAGE)},
@@ -152,8 +153,8 @@ def _register_path(url: str, path: str) -> int:
 
 
 @root_only
-def test_other_users_file_cannot_be_registered(open_server):
-    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvs-")
+def test_other_users_file_cannot_be_registered(open_server, scratch):
+    d = scratch(dir="/dev/shm", prefix="kvs-")
     os.chmod(d, 0o755)
     target = victim_file(d, 0o600)
     assert as_nobody(_register_path, open_server.socket_url, target) == 403
@@ -217,12 +218,13 @@ def _symlink_race(url: str, outside: str, seconds: float) -> dict:
             codes[exc.status] = codes.get(exc.status, 0) + 1
     stop.set()
     t.join()
+    shutil.rmtree(base, ignore_errors=True)
     return {"codes": codes, "swaps": swaps[0]}
 
 
 @root_only
-def test_symlink_swap_race_never_leaves_the_shm_dir(open_server):
-    outside = tempfile.mkdtemp(prefix="kvs-outside-")
+def test_symlink_swap_race_never_leaves_the_shm_dir(open_server, scratch):
+    outside = scratch(prefix="kvs-outside-")
     os.chmod(outside, 0o755)
     target = victim_file(outside, 0o644)
     got = as_nobody(_symlink_race, open_server.socket_url, outside, 3.0)
@@ -252,9 +254,9 @@ def test_unsealable_memfd_truncated_answers_false(open_server):
     open_server.invariants()
 
 
-def test_shm_file_truncated_answers_false(open_server):
+def test_shm_file_truncated_answers_false(open_server, scratch):
     c = open_server.client()
-    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvs-")
+    d = scratch(dir="/dev/shm", prefix="kvs-")
     path = victim_file(d, 0o600)
     bid = c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE), path=path)
     os.truncate(path, 0)
@@ -327,7 +329,7 @@ def test_page_files_are_private(make_server, tmp_path):
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
 
 
-def test_sockets_have_the_configured_mode_and_refuse_a_second_sidecar(make_server):
+def test_sockets_have_the_configured_mode_and_refuse_a_second_sidecar(make_server, scratch):
     srv = make_server()
     for path in (srv.config.socket, srv.config.socket + ".fds"):
         st = os.stat(path)
@@ -335,7 +337,7 @@ def test_sockets_have_the_configured_mode_and_refuse_a_second_sidecar(make_serve
     from sidecar.peer import bind_unix
     with pytest.raises(RuntimeError, match="listening"):
         bind_unix(srv.config.socket, 0o660)
-    stale = os.path.join(tempfile.mkdtemp(prefix="kvs-"), "stale.sock")
+    stale = os.path.join(scratch(prefix="kvs-"), "stale.sock")
     s = socket.socket(socket.AF_UNIX)
     s.bind(stale)
     s.close()                      # a socket file nobody listens on: replaced
@@ -346,9 +348,9 @@ def test_sockets_have_the_configured_mode_and_refuse_a_second_sidecar(make_serve
         bind_unix(plain, 0o600)
 
 
-def test_lent_fds_must_be_read_write_and_not_append(open_server):
+def test_lent_fds_must_be_read_write_and_not_append(open_server, scratch):
     c = open_server.client()
-    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvs-")
+    d = scratch(dir="/dev/shm", prefix="kvs-")
     path = victim_file(d, 0o600)
     for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_APPEND, os.O_PATH):
         fd = os.open(path, flags)
@@ -373,8 +375,8 @@ def test_leases_per_user_are_capped(open_server, monkeypatch):
     c.lend_fd(buf.fd)
 
 
-def test_a_dead_engines_path_buffer_is_reaped(open_server):
-    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvs-")
+def test_a_dead_engines_path_buffer_is_reaped(open_server, scratch):
+    d = scratch(dir="/dev/shm", prefix="kvs-")
     path = victim_file(d, 0o600)
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
