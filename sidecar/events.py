@@ -308,8 +308,15 @@ class Events:
             return
         ts, buf, encode_into = time.time(), self.buf, self.encoder.encode_into
         for topic, events in self.pending.items():
-            encode_into([ts, events], buf)   # into the same buffer each time: ZMQ and the
-            if self.publisher.send(topic, buf):   # ring copy it before the next batch
+            try:   # into the same buffer each time: ZMQ and the ring copy it before the next
+                encode_into([ts, events], buf)
+            except (TypeError, ValueError, OverflowError):
+                # no event is known to do this; one that did costs its topic's batch
+                # (counted), not the other topics' batches nor every flush after it
+                log.exception("kv events: a batch of %r could not be encoded: dropped", topic)
+                self.dropped += 1
+                continue
+            if self.publisher.send(topic, buf):
                 self.published += 1
             else:
                 self.dropped += 1

@@ -137,6 +137,26 @@ def test_a_subscriber_holds_what_the_sidecar_holds(evented):
     srv.invariants()
 
 
+def test_a_batch_that_cannot_be_encoded_is_counted_and_the_rest_go_on(evented):
+    """A fault injected on purpose (no input is known to make one): an event msgspec cannot
+    encode costs its topic's batch, counted, and no other batch nor any later flush."""
+    srv, sub, _ = evented
+    c = srv.client()
+    c.put_namespace("kv", PAGE, key_format="vllm")
+    wait_for(lambda: _probe_seen(srv, sub))   # the subscriber has joined
+    events = srv.ctx.events
+    srv.on_loop(lambda: events.pending.setdefault(b"t@bad", []).append(object()))
+    c.put_page("kv", "ab" * 32, b"p" * PAGE)
+    srv.on_loop(events.flush)
+    assert srv.on_loop(lambda: (events.dropped, len(events.pending))) == (1, 0)
+    c.put_page("kv", "cd" * 32, b"p" * PAGE)
+    assert c.request("POST", "/v1/flush")[1]["pending"] == 0   # the file tier has both too
+    settled(srv, sub)
+    held = truth(srv, ["kv"])
+    assert model_of(sub, ["kv"]) == held and len(held["t@kv"]["CPU_PINNED"]) == 2
+    assert c.stats()["events"]["dropped"] == 1
+
+
 def test_a_stored_chain_carries_its_parent_and_tokens(evented):
     srv, sub, _ = evented
     c = srv.client(timeout=30)
