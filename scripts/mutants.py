@@ -292,7 +292,7 @@ MUTANTS = [
       "                continue\n",
       ("tests/api/test_kv_events.py::test_a_subscriber_holds_what_the_sidecar_holds",)),
     M("events: a chain's parent left out", "sidecar/events.py",
-      "None if up is None else block_hash(up, kf)", "None",
+      "None if parent is None else block_hash(parent, kf)", "None",
       ("tests/api/test_kv_events.py::test_a_stored_chain_carries_its_parent_and_tokens",)),
     M("events: a set's chain not cut where a key was stored before", "sidecar/events.py",
       "    if idx[-1] - idx[0] + 1 != len(idx):", "    if False:",

@@ -338,7 +338,7 @@ class Events:
                 if present is CHAIN:   # a set's stores, built at its commit
                     out.extend(key)
                 else:                  # (True, key): stored without a set's parent and tokens
-                    out.append(self._stored(ns, [key], None, []))
+                    out.append(self._stored(ns, hashes([key], kf), None, []))
 
     def _chains(self, ns, keys: list, idx: Optional[list], parent: Optional[str],
                 tokens: Optional[list], packed: Optional[bytes]) -> Iterator[Any]:
@@ -352,12 +352,12 @@ class Events:
                 toks = raw(packed)
             else:
                 toks = token_array(tokens, a, b, raw) if tokens else []
-            yield stored_event(hash_array(keys, a, b, kf, raw), None if up is None else block_hash(up, kf),
-                               toks, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
+            yield self._stored(ns, hash_array(keys, a, b, kf, raw), up, toks)
 
-    def _stored(self, ns, run: list, parent: Optional[str], tokens: list) -> Any:
+    def _stored(self, ns, block_hashes: Any, parent: Optional[str], tokens: Any) -> Any:
+        """The host pool's BlockStored of `block_hashes` (made already), after key `parent`."""
         kf = ns.spec.key_format
-        return stored_event(hashes(run, kf), None if parent is None else block_hash(parent, kf),
+        return stored_event(block_hashes, None if parent is None else block_hash(parent, kf),
                             tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
 
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
