@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
@@ -53,17 +54,20 @@ class Proc:
                 self.proc.kill()
 
 
-_sockets: list[str] = []   # this process's directory of socket paths, made on first use
+@functools.cache
+def _socket_dir() -> str:
+    """This process's directory of socket paths, made on first use and removed at its exit;
+    others may pass through it (each socket's own directory is 0700)."""
+    top = tempfile.mkdtemp(prefix="kvs-")
+    os.chmod(top, 0o755)
+    atexit.register(shutil.rmtree, top, True)
+    return top
 
 
 def socket_path() -> str:
-    """A fresh engine socket path (short: sun_path holds 108 bytes), in a directory of this
-    process's that goes when it exits (a test run starts hundreds of sidecars)."""
-    if not _sockets:   # others may pass through it (each socket's own directory is 0700)
-        _sockets.append(tempfile.mkdtemp(prefix="kvs-"))
-        os.chmod(_sockets[0], 0o755)
-        atexit.register(shutil.rmtree, _sockets[0], True)
-    return os.path.join(tempfile.mkdtemp(dir=_sockets[0]), "s.sock")
+    """A fresh engine socket path (short: sun_path holds 108 bytes), in `_socket_dir`
+    (a test run starts hundreds of sidecars: none leaves a directory behind)."""
+    return os.path.join(tempfile.mkdtemp(dir=_socket_dir()), "s.sock")
 
 
 def start_sidecar(*args: str) -> Proc:
