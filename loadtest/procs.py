@@ -17,10 +17,20 @@ from api.engine.client import SidecarClient, SidecarError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_GIVEN: set[int] = set()   # ports free_port handed out, in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before by this process: the kernel may give a
+    released port again at once, and a server started on the last one may not have bound
+    it yet (a benchmark's replay socket and its sidecar's HTTP port got the same one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class Proc:
