@@ -1,14 +1,19 @@
 """What KV events cost (issue 31): the same traffic against a sidecar with `--kv-events`
 (and a subscriber draining it) and one without, interleaved, in one run.
 
-    python -m loadtest.bench_events [--pairs 4] [--rounds 7] [--n 600] [--page-kib 4]
-                                    [--pool-pages 8192] [--gather 0.02] [--buffer-mib 32]
+    python -m loadtest.bench_events [--pairs 4] [--rounds 7] [--n 300] [--page-kib 192]
+                                    [--pool-pages 2048] [--gather 0.02] [--buffer-mib 32]
                                     [--no-fill] [--control] [--json]
 
     exists 1,000 keys (500 present)      no event: the cost of the hooks being there
-    set 64 x 4 KiB, new keys each time   64 BlockStored a request, and BlockRemoved as the
-                                         host pool (8,192 pages) evicts (with tokens and a
+    set 64 x 192 KiB, new keys each      64 BlockStored a request, and BlockRemoved as the
+      time                               host pool (2,048 pages) evicts (with tokens and a
                                          parent)
+
+Pages of 192 KiB by default: a 16-token page of the smallest model an engine here would
+serve (Qwen2.5-0.5B, 12 KiB of KV a token; Llama-3-8B's is 2 MiB). `--page-kib 4
+--pool-pages 8192 --n 600` is the stress: pages with no bytes to speak of, the event
+work against nothing but the set's bookkeeping (docs/kv-events.md, Cost).
 
 Each figure: req/s and server CPU per request (every thread's, from schedstat: in
 nanoseconds, not 10 ms ticks), medians of the rounds, and the ratio on / off (target >=
@@ -41,7 +46,9 @@ from loadtest.bench import _connect, _read_response, div, exists_keys, task_cpu_
 from loadtest.procs import free_port, start_sidecar
 
 TARGET = 0.95
-PAGES = 64
+PAGES = 64           # a set's pages
+PAGE_KIB = 192       # a page (the stress: 4)
+POOL_PAGES = 2048    # the host pool, in pages: sets evict as they go
 
 
 def drain(endpoint: str) -> subprocess.Popen:
@@ -77,7 +84,7 @@ def set_bodies(bid: str, round_: int, n: int) -> list[bytes]:
     return out
 
 
-def setup(sidecar, page: int = 4096) -> tuple[str, bytes, tuple]:
+def setup(sidecar, page: int = PAGE_KIB << 10) -> tuple[str, bytes, tuple]:
     """(buffer id, the exists body, what must stay alive: the client lent the buffer)."""
     c = SidecarClient(sidecar.socket_url)
     c.put_namespace("ev", page, key_format="vllm", page_tokens=16)
@@ -111,7 +118,7 @@ def fill(on, off, setups: dict, n: int, ring: bool) -> int:
             return sent
 
 
-def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], slots: int = 8192,
+def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], slots: int = POOL_PAGES,
          on_first: bool = True, ring: Optional[int] = 32 << 20) -> None:
     """One pair of fresh sidecars, `rounds` rounds each, alternating which goes first;
     each round's figures appended to `rows`. `gather` None: the control, "on" without
@@ -143,8 +150,8 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
         off.stop()
 
 
-def run(rounds: int, n: int, page: int = 4096, pairs: int = 1, gather: Optional[float] = 0.02,
-        slots: int = 8192, ring: Optional[int] = 32 << 20) -> dict:
+def run(rounds: int, n: int, page: int = PAGE_KIB << 10, pairs: int = 1, gather: Optional[float] = 0.02,
+        slots: int = POOL_PAGES, ring: Optional[int] = 32 << 20) -> dict:
     """`page`: bytes a page; the host pool holds `slots` of them, so sets evict as they go.
     `ring`: see `pair`. Besides the medians of every round, the CPU ratio of each pair
     (`cpu_by_pair`)."""
@@ -167,10 +174,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=4, help="pairs of fresh sidecars (which starts first alternates)")
     p.add_argument("--rounds", type=int, default=7, help="rounds a pair")
-    p.add_argument("--n", type=int, default=600)
-    p.add_argument("--page-kib", type=int, default=4, help="page size (4 KiB: the bookkeeping alone)")
+    p.add_argument("--n", type=int, default=300, help="sets a round")
+    p.add_argument("--page-kib", type=int, default=PAGE_KIB, help="page size (4 KiB: the bookkeeping alone)")
     p.add_argument("--gather", type=float, default=0.02, help="--kv-events-gather of the sidecar with events")
-    p.add_argument("--pool-pages", type=int, default=8192, help="host pool size in pages")
+    p.add_argument("--pool-pages", type=int, default=POOL_PAGES, help="host pool size in pages")
     p.add_argument("--buffer-mib", type=int, default=32,
                    help="the evented sidecar's replay ring (--kv-events-buffer-bytes), filled first")
     p.add_argument("--no-fill", action="store_true",

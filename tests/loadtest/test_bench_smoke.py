@@ -36,6 +36,6 @@ def test_bench_socket_reaches_the_engine_sockets_namespaces_over_tcp():
 @pytest.mark.slow
 def test_bench_events_runs_both_sidecars():
     from loadtest import bench_events
-    res = bench_events.run(1, 20, ring=1 << 20)   # the fill: until a 1 MiB ring wraps
+    res = bench_events.run(1, 20, 4096, ring=1 << 20)   # the fill: until a 1 MiB ring wraps
     assert res["set"]["on_rps"] > 0 and res["set"]["off_rps"] > 0
     assert res["exists"]["on_rps"] > 0 and res["exists"]["rps_ratio"] > 0   # CPU: 10 ms ticks
