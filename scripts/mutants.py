@@ -327,6 +327,18 @@ MUTANTS = [
     M("events: batches sent on every loop turn, not every gather", "sidecar/events.py",
       "            self.loop.call_later(self.gather, self.flush)", "            self.loop.call_soon(self.flush)",
       ("tests/api/test_kv_events.py::test_a_batch_gathers_the_loop_turns_of_its_gather",)),
+    M("events: a subscriber that does not read holds batches up to vLLM's hwm", "sidecar/publisher.py",
+      "        self.pub.set_hwm(limits.hwm)", "        self.pub.set_hwm(100_000)",
+      ("tests/sidecar/test_publisher.py",)),
+    M("events: a replay queued to its client all at once", "sidecar/publisher.py",
+      "        router.setsockopt(zmq.SNDHWM, limits.replay_hwm)", "        pass",
+      ("tests/sidecar/test_publisher.py",)),
+    M("events: a replay client that answers no PING is never dropped", "sidecar/publisher.py",
+      "        router.setsockopt(zmq.HEARTBEAT_IVL, limits.heartbeat[0])", "        pass",
+      ("tests/sidecar/test_publisher.py",)),
+    M("events: a replay not paced", "sidecar/publisher.py",
+      "            time.sleep(max(0.0, due - time.monotonic()))", "            pass",
+      ("tests/sidecar/test_publisher.py",)),
 ]
 
 

@@ -66,6 +66,8 @@ _FLAGS = [
                                                            "at most: resident from the start (256MiB)"),
     ("--kv-events-gather", "kv_events_gather", "seconds a batch gathers events before it is sent "
                                                "(default 0.02)"),
+    ("--kv-events-hwm", "kv_events_hwm", "batches queued to a subscriber that does not read, then "
+                                         "dropped for it (1000; shared by all such subscribers)"),
     # lent memory (issue 26): stuck copies, idle lenders, address space
     ("--copy-deadline", "copy_deadline", "seconds a set/get waits for its copy; past it its pages "
                                          "answer false and the buffer is marked bad (default 30)"),

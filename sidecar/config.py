@@ -109,6 +109,7 @@ class Config:
     kv_events_buffer: int = 10_000        # batches kept for replay
     kv_events_buffer_bytes: int = 256 * 2**20   # and their bytes at most (a mapping, resident)
     kv_events_gather: float = 0.02        # s a batch gathers events before it is sent
+    kv_events_hwm: int = 1000             # batches queued to a subscriber, then dropped for it
     # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
     copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad
     lend_idle_timeout: float = 5.0        # s an fd socket connection holding no lease may idle
@@ -135,6 +136,9 @@ class Config:
             raise ValueError(f"kv events format must be map or array, got {self.kv_events_format!r}")
         if min(self.kv_events_buffer, self.kv_events_buffer_bytes) < 0:
             raise ValueError("kv events buffer and buffer bytes must be >= 0")
+        if self.kv_events_hwm < 32:   # ZMQ learns of a subscriber's reads in steps: below
+            # this it dropped batches for one that kept up (docs/kv-events.md, Limits)
+            raise ValueError(f"kv events hwm must be >= 32 batches, got {self.kv_events_hwm!r}")
         if not 0 < self.kv_events_gather <= 1:
             raise ValueError(f"kv events gather must be in (0, 1] seconds, got {self.kv_events_gather!r}")
         if not 0 <= self.socket_mode <= 0o777:
@@ -158,7 +162,7 @@ _SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body
           "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid", "kv_events_buffer_bytes"}
 _BOOLS = {"file_tier"}
 _INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections",
-         "kv_events_buffer", "max_connections_per_uid", "max_header_fields"}
+         "kv_events_buffer", "kv_events_hwm", "max_connections_per_uid", "max_header_fields"}
 _FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout", "auth_timeout", "body_timeout",
            "write_timeout", "copy_deadline", "lend_idle_timeout", "kv_events_gather"}
 _OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master",

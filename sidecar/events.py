@@ -32,12 +32,11 @@ import functools
 import itertools
 import operator
 import logging
-import threading
 import time
 from typing import Any, Iterator, Optional
 
 from sidecar.errors import BadRequest
-from sidecar.replay_ring import ReplayRing
+from sidecar.publisher import Limits, Publisher
 
 try:   # C (sidecar/_evpack.c), built at install where a compiler is: the same bytes, sooner
     from sidecar import _evpack
@@ -49,7 +48,6 @@ MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
 FORMATS = ("map", "array")
 _LIST, _INT = {list}, {int}
 CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOKENS = "'tokens' must hold one list of token ids (integers) per key"
 
 
@@ -148,63 +146,6 @@ def set_meta(body: dict) -> Optional[tuple]:
                                    and set(map(type, itertools.chain.from_iterable(tokens))) <= _INT):
             raise BadRequest(TOKENS)
     return parent, tokens, packed
-
-
-class Publisher:
-    """The PUB socket (sent on the event loop: a PUB never blocks, it drops past its
-    high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
-    the replay thread that owns the ROUTER socket and reads the ring."""
-
-    def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int):
-        import zmq   # the `events` extra: imported only when events are on
-        self.zmq, self.ctx = zmq, zmq.Context.instance()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.set_hwm(100_000)
-        self.pub.bind(endpoint)
-        self.ring = ReplayRing(keep, keep_bytes)
-        self.seq = 0
-        self.router, self.thread, self.running = None, None, True
-        if replay:
-            self.router = self.ctx.socket(zmq.ROUTER)
-            self.router.bind(replay)
-            self.thread = threading.Thread(target=self._serve_replay, name="kv-events-replay",
-                                           daemon=True)
-            self.thread.start()
-
-    def send(self, topic: bytes, payload) -> bool:
-        """Publish one batch now (on the loop); False when ZMQ refused it (counted).
-        `payload` (bytes-like) is copied by both ZMQ and the ring: the caller may reuse it."""
-        try:
-            self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
-                                    flags=self.zmq.NOBLOCK)   # copied: at 20 ms batches as cheap
-                                                              # as zero-copy, with no gc thread
-        except self.zmq.ZMQError:
-            return False
-        self.ring.add(self.seq, topic, payload)
-        self.seq += 1
-        return True
-
-    def _serve_replay(self) -> None:
-        while self.running:
-            if self.router.poll(100):
-                self._replay()
-
-    def _replay(self) -> None:
-        frames = self.router.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            return
-        client, _, start = frames
-        for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")):
-            self.router.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-        self.router.send_multipart((client, b"", b"", END_SEQ, b""))
-
-    def close(self) -> None:
-        self.running = False
-        if self.thread is not None:
-            self.thread.join(5)
-            self.router.close(linger=0)
-        self.pub.close(linger=0)
-        self.ring.close()
 
 
 class Events:
@@ -381,7 +322,7 @@ def start(config, loop, tiers: list) -> Events:
     import socket
     replay = config.kv_events_replay or _next_port(config.kv_events)
     events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer,
-                              config.kv_events_buffer_bytes),
+                              config.kv_events_buffer_bytes, Limits(hwm=config.kv_events_hwm)),
                     config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
                     config.kv_events_format, loop, config.kv_events_gather)
     for tier in tiers:

@@ -1,5 +1,5 @@
 """The replay ring of KV events: the newest batches, for subscribers that ask to replay
-from a sequence number (sidecar/events.py `Publisher`).
+from a sequence number (sidecar/publisher.py).
 
 Payloads live in one anonymous mapping of `size` bytes, written round; an index (oldest
 first) says where each is:

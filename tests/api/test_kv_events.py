@@ -287,6 +287,7 @@ def test_a_batch_gathers_the_loop_turns_of_its_gather(make_server):
     assert replayed(replay) == {"t@kv": {"CPU_PINNED": {bytes.fromhex(k) for k in keys}}}
     stats = c.request("GET", "/v1/stats")[1]["events"]
     assert stats["published"] == stats["replay_batches"] == 1 and stats["dropped"] == 0
+    assert (stats["replays"], stats["replays_given_up"]) == (1, 0)
     assert stats["replay_bytes"] == len(srv.on_loop(lambda: next(events.publisher.ring.since(0))[2])) > 0
 
 

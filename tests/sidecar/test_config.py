@@ -64,11 +64,13 @@ def test_socket_and_token_file(tmp_path):
         load(None, env={"SIDECAR_SOCKET": "relative.sock"})
 
 
-def test_kv_events_gather_and_replay_bytes():
-    cfg = load(None, env={"SIDECAR_KV_EVENTS_GATHER": "0.05", "SIDECAR_KV_EVENTS_BUFFER_BYTES": "1MiB"})
-    assert (cfg.kv_events_gather, cfg.kv_events_buffer_bytes) == (0.05, 2**20)
+def test_kv_events_gather_replay_bytes_and_hwm():
+    cfg = load(None, env={"SIDECAR_KV_EVENTS_GATHER": "0.05", "SIDECAR_KV_EVENTS_BUFFER_BYTES": "1MiB",
+                          "SIDECAR_KV_EVENTS_HWM": "64"})
+    assert (cfg.kv_events_gather, cfg.kv_events_buffer_bytes, cfg.kv_events_hwm) == (0.05, 2**20, 64)
     assert (Config().kv_events_gather, Config().kv_events_buffer_bytes) == (0.02, 256 * 2**20)
+    assert Config().kv_events_hwm == 1000
     for bad in ({"kv_events_gather": 0}, {"kv_events_gather": 1.5}, {"kv_events_buffer": -1},
-                {"kv_events_buffer_bytes": -1}):
+                {"kv_events_buffer_bytes": -1}, {"kv_events_hwm": 31}):
         with pytest.raises(ValueError):
             Config(**bad)

@@ -1,4 +1,4 @@
-"""The replay ring of KV events (sidecar/events.py `Publisher`): bounded by batches and by
+"""The replay ring of KV events (sidecar/publisher.py): bounded by batches and by
 bytes, the oldest dropped first; what it keeps is what the replay socket serves."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from loadtest.procs import free_port
 from tests.conftest import replay_frames
 
 zmq = pytest.importorskip("zmq")
-from sidecar.events import Publisher  # noqa: E402  (the `events` extra)
+from sidecar.publisher import Publisher  # noqa: E402  (the `events` extra)
 
 
 @pytest.mark.parametrize("keep,keep_bytes,sizes,kept", [

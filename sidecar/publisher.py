@@ -1,0 +1,148 @@
+"""The sockets of KV events (sidecar/events.py collects and encodes them): the PUB that
+sends every batch, the replay ring, and the thread that serves replays from it.
+
+    loop:           send(topic, payload) -> PUB  [topic, seq, payload]   (never blocks)
+                                        -> ring (the newest batches, replay_ring.py)
+    replay thread:  ROUTER [id, b"", seq] -> [id, b"", topic, seq, payload] for each kept
+                    batch from seq on, then [id, b"", b"", -1, b""]
+
+What a subscriber that does not read can cost the sidecar (any local process can connect;
+a router may hang with its connection open), bounded:
+
+- PUB: ZMQ queues each subscriber's batches until its high-water mark (`hwm` batches),
+  then drops them for that subscriber (it sees the gap in `seq` and replays). The queued
+  batches are shared by every subscriber behind (ZMQ counts references), so memory is at
+  most `hwm` batches however many there are. vLLM's publisher keeps 100,000: tens of GB
+  of this sidecar's batches for one subscriber that stopped (docs/kv-events.md, Limits).
+- ROUTER: a replay is copied out of the ring batch by batch, `replay_hwm` batches queued
+  to its client at most; past that the thread waits for the client to read, `stall`
+  seconds at most, then gives the replay up (counted). ZMTP heartbeats drop a client
+  that answers no PING within `heartbeat`'s timeout, and with it what was queued to it
+  (counted with the clients that left: `replay_disconnects`).
+  Replays go one at a time, at `rate` bytes a second at most: the thread's copies take
+  the GIL from the event loop.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from sidecar.replay_ring import ReplayRing
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one subscriber or replay client may hold of the sidecar (module docstring)."""
+    hwm: int = 1000                    # batches queued to one subscriber, then dropped for it
+    replay_hwm: int = 16               # batches queued to one replay client, then wait for it
+    stall: float = 5.0                 # s a replay waits for its client to read, then gives up
+    rate: float = 128 * 2**20          # bytes a second a replay sends at most
+    heartbeat: tuple[int, int] = (1000, 10_000)   # ms: the replay socket's PING interval, timeout
+
+
+class Publisher:
+    """The PUB socket (sent on the event loop: a PUB never blocks, it drops past its
+    high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
+    the replay thread that owns the ROUTER socket and reads the ring."""
+
+    def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int,
+                 limits: Limits = Limits()):
+        import zmq   # the `events` extra: imported only when events are on
+        self.zmq, self.ctx, self.limits = zmq, zmq.Context.instance(), limits
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.set_hwm(limits.hwm)
+        self.pub.bind(endpoint)
+        self.ring = ReplayRing(keep, keep_bytes)
+        self.seq = 0
+        self.replays = self.replays_given_up = self.replay_disconnects = 0
+        self.router, self.thread, self.running = None, None, True
+        if replay:
+            self.router = self._router(replay)
+            self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.thread = threading.Thread(target=self._serve_replay, name="kv-events-replay",
+                                           daemon=True)
+            self.thread.start()
+
+    def _router(self, endpoint: str):
+        zmq, limits = self.zmq, self.limits
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.SNDHWM, limits.replay_hwm)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue or a gone client: an error
+        router.setsockopt(zmq.HEARTBEAT_IVL, limits.heartbeat[0])
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, limits.heartbeat[1])
+        router.bind(endpoint)
+        return router
+
+    def send(self, topic: bytes, payload) -> bool:
+        """Publish one batch now (on the loop); False when ZMQ refused it (counted).
+        `payload` (bytes-like) is copied by both ZMQ and the ring: the caller may reuse it."""
+        try:
+            self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
+                                    flags=self.zmq.NOBLOCK)   # copied: at 20 ms batches as cheap
+                                                              # as zero-copy, with no gc thread
+        except self.zmq.ZMQError:
+            return False
+        self.ring.add(self.seq, topic, payload)
+        self.seq += 1
+        return True
+
+    def _serve_replay(self) -> None:
+        """The thread: requests, and the clients that went (or were dropped: no PONG)."""
+        poller = self.zmq.Poller()
+        poller.register(self.router, self.zmq.POLLIN)
+        poller.register(self.monitor, self.zmq.POLLIN)
+        while self.running:
+            for sock, _ in poller.poll(100):
+                if sock is self.router:
+                    self._replay()
+                else:
+                    self.monitor.recv_multipart()   # [event id + value, endpoint]
+                    self.replay_disconnects += 1
+
+    def _replay(self) -> None:
+        """One request: every kept batch from its seq on, paced, then the end marker;
+        given up (counted) when the client does not read or is gone."""
+        frames = self.router.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return
+        client, _, start = frames
+        self.replays += 1
+        due = time.monotonic()
+        for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")):
+            if not self._reply(client, (topic, seq.to_bytes(8, "big"), payload)):
+                self.replays_given_up += 1
+                return
+            due += len(payload) / self.limits.rate
+            time.sleep(max(0.0, due - time.monotonic()))   # (and the GIL to the loop)
+        if not self._reply(client, (b"", END_SEQ, b"")):
+            self.replays_given_up += 1
+
+    def _reply(self, client: bytes, frames: tuple) -> bool:
+        """One message to `client`, waiting while its queue is full: False once it is gone,
+        or has read nothing for `stall` seconds, or the publisher closes."""
+        deadline = time.monotonic() + self.limits.stall
+        while self.running:
+            try:
+                self.router.send_multipart((client, b"", *frames), flags=self.zmq.NOBLOCK)
+                return True
+            except self.zmq.Again:     # its queue is full: it has not read
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+            except self.zmq.ZMQError:  # EHOSTUNREACH: gone (or never there)
+                return False
+        return False
+
+    def close(self) -> None:
+        self.running = False
+        if self.thread is not None:
+            self.thread.join(5)
+            self.router.disable_monitor()
+            self.monitor.close(linger=0)
+            self.router.close(linger=0)
+        self.pub.close(linger=0)
+        self.ring.close()
