@@ -6,8 +6,8 @@ sends every batch, the replay ring, and the thread that serves replays from it.
     replay thread:  ROUTER [id, b"", seq] -> [id, b"", topic, seq, payload] for each kept
                     batch from seq on, then [id, b"", b"", -1, b""]
 
-What a subscriber that does not read can cost the sidecar (any local process can connect;
-a router may hang with its connection open), bounded:
+What a subscriber or replay client that does not read can cost the sidecar (a router
+may hang with its connection open), bounded:
 
 - PUB: ZMQ queues each subscriber's batches until its high-water mark (`hwm` batches),
   then drops them for that subscriber (it sees the gap in `seq` and replays). The queued
@@ -15,12 +15,16 @@ a router may hang with its connection open), bounded:
   most `hwm` batches however many there are. vLLM's publisher keeps 100,000: tens of GB
   of this sidecar's batches for one subscriber that stopped (docs/kv-events.md, Limits).
 - ROUTER: a replay is copied out of the ring batch by batch, `replay_hwm` batches queued
-  to its client at most; past that the thread waits for the client to read, `stall`
-  seconds at most, then gives the replay up (counted). ZMTP heartbeats drop a client
-  that answers no PING within `heartbeat`'s timeout, and with it what was queued to it
-  (counted with the clients that left: `replay_disconnects`).
-  Replays go one at a time, at `rate` bytes a second at most: the thread's copies take
-  the GIL from the event loop.
+  to its client at most, one replay at a time, at `rate` bytes a second at most (the
+  thread's copies take the GIL from the event loop). A client that keeps the thread
+  waiting `stall` seconds in all is given up (counted): one that reads slowly holds it no
+  longer than one that reads nothing. What was queued to a client given up stays queued
+  until it disconnects: `replay_hwm` batches.
+
+Not bounded: what a hostile process that speaks ZMTP itself can send (a message whose
+parts never end is kept whole). The endpoints are
+for routers the operator trusts: on a node shared with untrusted users, bind them to
+`ipc://` paths in a directory only the routers' group can enter (docs/kv-events.md).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Optional
 from sidecar.replay_ring import ReplayRing
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_SUBSCRIPTION = 4096   # bytes of a subscription message (a topic prefix) at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +44,8 @@ class Limits:
     """What one subscriber or replay client may hold of the sidecar (module docstring)."""
     hwm: int = 1000                    # batches queued to one subscriber, then dropped for it
     replay_hwm: int = 16               # batches queued to one replay client, then wait for it
-    stall: float = 5.0                 # s a replay waits for its client to read, then gives up
+    stall: float = 5.0                 # s a replay waits for its client in all, then gives up
     rate: float = 128 * 2**20          # bytes a second a replay sends at most
-    heartbeat: tuple[int, int] = (1000, 10_000)   # ms: the replay socket's PING interval, timeout
 
 
 class Publisher:
@@ -55,14 +59,14 @@ class Publisher:
         self.zmq, self.ctx, self.limits = zmq, zmq.Context.instance(), limits
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(limits.hwm)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)   # what a subscriber sends
         self.pub.bind(endpoint)
         self.ring = ReplayRing(keep, keep_bytes)
         self.seq = 0
-        self.replays = self.replays_given_up = self.replay_disconnects = 0
+        self.replays = self.replays_given_up = 0
         self.router, self.thread, self.running = None, None, True
         if replay:
             self.router = self._router(replay)
-            self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self.thread = threading.Thread(target=self._serve_replay, name="kv-events-replay",
                                            daemon=True)
             self.thread.start()
@@ -71,9 +75,8 @@ class Publisher:
         zmq, limits = self.zmq, self.limits
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.SNDHWM, limits.replay_hwm)
+        router.setsockopt(zmq.MAXMSGSIZE, 64)            # a request is 8 bytes
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue or a gone client: an error
-        router.setsockopt(zmq.HEARTBEAT_IVL, limits.heartbeat[0])
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, limits.heartbeat[1])
         router.bind(endpoint)
         return router
 
@@ -91,58 +94,52 @@ class Publisher:
         return True
 
     def _serve_replay(self) -> None:
-        """The thread: requests, and the clients that went (or were dropped: no PONG)."""
-        poller = self.zmq.Poller()
-        poller.register(self.router, self.zmq.POLLIN)
-        poller.register(self.monitor, self.zmq.POLLIN)
         while self.running:
-            for sock, _ in poller.poll(100):
-                if sock is self.router:
-                    self._replay()
-                else:
-                    self.monitor.recv_multipart()   # [event id + value, endpoint]
-                    self.replay_disconnects += 1
+            if self.router.poll(100):
+                self._replay()
 
     def _replay(self) -> None:
         """One request: every kept batch from its seq on, paced, then the end marker;
-        given up (counted) when the client does not read or is gone."""
+        given up (counted) when the client is gone or kept the thread waiting `stall`
+        seconds in all (one that reads slowly holds it no longer than one that reads
+        nothing: ZMQ frees queue slots in steps, so no single wait need be long)."""
         frames = self.router.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             return
         client, _, start = frames
         self.replays += 1
-        due = time.monotonic()
+        due, left = time.monotonic(), self.limits.stall
         for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")):
-            if not self._reply(client, (topic, seq.to_bytes(8, "big"), payload)):
+            left = self._reply(client, (topic, seq.to_bytes(8, "big"), payload), left)
+            if left is None:
                 self.replays_given_up += 1
                 return
             due += len(payload) / self.limits.rate
             time.sleep(max(0.0, due - time.monotonic()))   # (and the GIL to the loop)
-        if not self._reply(client, (b"", END_SEQ, b"")):
+        if self._reply(client, (b"", END_SEQ, b""), left) is None:
             self.replays_given_up += 1
 
-    def _reply(self, client: bytes, frames: tuple) -> bool:
-        """One message to `client`, waiting while its queue is full: False once it is gone,
-        or has read nothing for `stall` seconds, or the publisher closes."""
-        deadline = time.monotonic() + self.limits.stall
+    def _reply(self, client: bytes, frames: tuple, left: float) -> Optional[float]:
+        """One message to `client`, waiting while its queue is full, `left` seconds at
+        most: what is left of them, or None once it is gone, or they ran out, or the
+        publisher closes."""
+        t = time.monotonic()
         while self.running:
             try:
                 self.router.send_multipart((client, b"", *frames), flags=self.zmq.NOBLOCK)
-                return True
+                return left - (time.monotonic() - t)
             except self.zmq.Again:     # its queue is full: it has not read
-                if time.monotonic() > deadline:
-                    return False
+                if time.monotonic() - t > left:
+                    return None
                 time.sleep(0.005)
             except self.zmq.ZMQError:  # EHOSTUNREACH: gone (or never there)
-                return False
-        return False
+                return None
+        return None
 
     def close(self) -> None:
         self.running = False
         if self.thread is not None:
             self.thread.join(5)
-            self.router.disable_monitor()
-            self.monitor.close(linger=0)
             self.router.close(linger=0)
         self.pub.close(linger=0)
         self.ring.close()

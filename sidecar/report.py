@@ -40,8 +40,7 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
         pub = store.events.publisher
         out["events"] = {"published": store.events.published, "dropped": store.events.dropped,
                          "replay_batches": len(pub.ring), "replay_bytes": pub.ring.bytes,
-                         "replays": pub.replays, "replays_given_up": pub.replays_given_up,
-                         "replay_disconnects": pub.replay_disconnects}
+                         "replays": pub.replays, "replays_given_up": pub.replays_given_up}
     return out
 
 
