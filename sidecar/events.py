@@ -36,6 +36,7 @@ import time
 from typing import Any, Iterator, Optional
 
 from sidecar.errors import BadRequest
+from sidecar.peer import bind_unix
 from sidecar.publisher import Limits, Publisher
 
 try:   # C (sidecar/_evpack.c), built at install where a compiler is: the same bytes, sooner
@@ -321,8 +322,9 @@ def start(config, loop, tiers: list) -> Events:
     """The publisher (its thread) and the collector for `config`, tiers wired to it."""
     import socket
     replay = config.kv_events_replay or _next_port(config.kv_events)
+    unix = functools.partial(bind_unix, mode=config.socket_mode, group=config.socket_group)
     events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer,
-                              config.kv_events_buffer_bytes, Limits(hwm=config.kv_events_hwm)),
+                              config.kv_events_buffer_bytes, Limits(hwm=config.kv_events_hwm), unix),
                     config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
                     config.kv_events_format, loop, config.kv_events_gather)
     for tier in tiers:

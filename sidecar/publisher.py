@@ -21,17 +21,20 @@ may hang with its connection open), bounded:
   longer than one that reads nothing. What was queued to a client given up stays queued
   until it disconnects: `replay_hwm` batches.
 
-Not bounded: what a hostile process that speaks ZMTP itself can send (a message whose
-parts never end is kept whole). The endpoints are
-for routers the operator trusts: on a node shared with untrusted users, bind them to
-`ipc://` paths in a directory only the routers' group can enter (docs/kv-events.md).
+Not bounded: what a process that speaks ZMTP itself can send (a message whose parts
+never end is kept whole). So the endpoints are for routers the operator trusts: an
+`ipc://` endpoint is a Unix socket made as the engine socket is (`unix`: its mode and
+group), which other users cannot connect to; loopback TCP is open to every user.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
+
+from sidecar.peer import unlink_if_ours
 
 from sidecar.replay_ring import ReplayRing
 
@@ -54,13 +57,16 @@ class Publisher:
     the replay thread that owns the ROUTER socket and reads the ring."""
 
     def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), unix: Optional[Callable] = None):
+        """`unix(path)`: the listening Unix socket an `ipc://` endpoint gets (its mode and
+        group: `peer.bind_unix`, as the engine socket's); None: ZMQ makes it (umask)."""
         import zmq   # the `events` extra: imported only when events are on
-        self.zmq, self.ctx, self.limits = zmq, zmq.Context.instance(), limits
+        self.zmq, self.ctx, self.limits, self.unix = zmq, zmq.Context.instance(), limits, unix
+        self.files: list[tuple[str, int]] = []   # the ipc:// socket files made here
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(limits.hwm)
         self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)   # what a subscriber sends
-        self.pub.bind(endpoint)
+        self._bind(self.pub, endpoint)
         self.ring = ReplayRing(keep, keep_bytes)
         self.seq = 0
         self.replays = self.replays_given_up = 0
@@ -77,8 +83,18 @@ class Publisher:
         router.setsockopt(zmq.SNDHWM, limits.replay_hwm)
         router.setsockopt(zmq.MAXMSGSIZE, 64)            # a request is 8 bytes
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue or a gone client: an error
-        router.bind(endpoint)
+        self._bind(router, endpoint)
         return router
+
+    def _bind(self, sock, endpoint: str) -> None:
+        """An `ipc://PATH` endpoint on the Unix socket `unix(PATH)` makes (ZMQ takes its fd
+        and closes it); any other as ZMQ binds it."""
+        if endpoint.startswith("ipc://") and self.unix is not None:
+            path = endpoint[len("ipc://"):]
+            listener = self.unix(path)
+            self.files.append((path, os.stat(path).st_ino))
+            sock.setsockopt(self.zmq.USE_FD, listener.detach())
+        sock.bind(endpoint)
 
     def send(self, topic: bytes, payload) -> bool:
         """Publish one batch now (on the loop); False when ZMQ refused it (counted).
@@ -143,3 +159,5 @@ class Publisher:
             self.router.close(linger=0)
         self.pub.close(linger=0)
         self.ring.close()
+        for path, inode in self.files:
+            unlink_if_ours(path, inode)

@@ -6,6 +6,10 @@ The events are decoded generically here (msgpack); tests/engines/vllm/test_kv_ev
 decodes them with vLLM's own classes."""
 from __future__ import annotations
 
+import errno
+import os
+import socket
+import stat
 import threading
 
 import orjson
@@ -15,6 +19,7 @@ from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import free_port
 from sidecar.events import block_hash
 from tests.conftest import replay_frames, wait_for
+from tests.deploy.as_uid import run_as
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -305,3 +310,36 @@ def test_parents_and_tokens_are_checked(make_server):
         assert status == 400 and orjson.loads(out)["error"]["code"] == "bad_request", bad
     assert c.request("POST", "/v1/namespaces/kv/set", {**body, "parent": "z",
                                                         "tokens": [[1, 2], []]})[1] == {"stored": [True, True]}
+
+
+def _connect(path: str) -> str:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        return "connected"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    finally:
+        s.close()
+
+
+def test_ipc_event_sockets_have_the_engine_sockets_mode(make_server, scratch):
+    """`ipc://` endpoints are Unix sockets with `--socket-mode` and `--socket-group`, as
+    the engine socket: another user cannot connect (so cannot flood them); they go at exit."""
+    d = scratch(prefix="kvs-")
+    os.chmod(d, 0o755)            # others may enter: only the sockets' mode keeps them out
+    pub, rep = os.path.join(d, "pub"), os.path.join(d, "replay")
+    srv = make_server(kv_events=f"ipc://{pub}", kv_events_replay=f"ipc://{rep}", kv_events_topic="t",
+                      socket_mode=0o600)
+    wait_for(lambda: srv.ctx.ready)
+    for path in (pub, rep):
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert run_as(65534, [], _connect, path) == "EACCES"      # uid nobody
+    c = srv.client()
+    c.put_namespace("kv", PAGE, key_format="vllm")
+    c.put_page("kv", f"{7:064x}", b"p" * PAGE)
+    srv.on_loop(srv.ctx.events.flush)
+    assert [t for t, _, _ in replay_frames(f"ipc://{rep}")] == [b"t@kv"]   # its own user: served
+    srv.stop()
+    assert not os.path.lexists(pub) and not os.path.lexists(rep)
