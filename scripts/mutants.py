@@ -337,7 +337,7 @@ MUTANTS = [
       "                return left - (time.monotonic() - t)", "                return left",
       ("tests/sidecar/test_publisher.py",)),
     M("events: ipc:// sockets made with the umask, not the engine socket's mode", "sidecar/publisher.py",
-      '        if endpoint.startswith("ipc://") and self.unix is not None:', "        if False:",
+      '        if not (endpoint.startswith("ipc://") and self.unix is not None):', "        if True:",
       ("tests/api/test_kv_events.py::test_ipc_event_sockets_have_the_engine_sockets_mode",)),
     M("events: a replay not paced", "sidecar/publisher.py",
       "            time.sleep(max(0.0, due - time.monotonic()))", "            pass",

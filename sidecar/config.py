@@ -132,6 +132,7 @@ class Config:
             raise ValueError("segment size must be in 1..host pool size")
         if self.socket and (not os.path.isabs(self.socket) or len(self.socket.encode()) > 100):
             raise ValueError(f"socket must be an absolute path of at most 100 bytes, got {self.socket!r}")
+        self._check_event_endpoints()
         if self.kv_events_format not in ("map", "array"):
             raise ValueError(f"kv events format must be map or array, got {self.kv_events_format!r}")
         if min(self.kv_events_buffer, self.kv_events_buffer_bytes) < 0:
@@ -149,6 +150,16 @@ class Config:
             raise ValueError("read, auth, body and write timeouts must be > 0 seconds")
         if min(self.copy_deadline, self.lend_idle_timeout) <= 0 or min(self.max_mapped, self.max_mapped_per_uid) < 1:
             raise ValueError("copy deadline and lend idle timeout must be > 0 s, mapped bounds >= 1 byte")
+
+    def _check_event_endpoints(self) -> None:
+        """An `ipc://` endpoint is a socket file the sidecar makes with the engine socket's
+        mode and group: an absolute path (an abstract `@name` has no permissions, any
+        user may bind it first), and the PUB's and the replay socket's differ."""
+        for endpoint in (self.kv_events, self.kv_events_replay):
+            if endpoint and endpoint.startswith("ipc://") and not os.path.isabs(endpoint[6:]):
+                raise ValueError(f"an ipc:// kv events endpoint must be an absolute path, got {endpoint!r}")
+        if self.kv_events and self.kv_events == self.kv_events_replay:
+            raise ValueError("the kv events PUB and replay endpoints must differ")
 
     @property
     def effective_segment_size(self) -> int:

@@ -89,12 +89,21 @@ class Publisher:
     def _bind(self, sock, endpoint: str) -> None:
         """An `ipc://PATH` endpoint on the Unix socket `unix(PATH)` makes (ZMQ takes its fd
         and closes it); any other as ZMQ binds it."""
-        if endpoint.startswith("ipc://") and self.unix is not None:
-            path = endpoint[len("ipc://"):]
-            listener = self.unix(path)
-            self.files.append((path, os.stat(path).st_ino))
-            sock.setsockopt(self.zmq.USE_FD, listener.detach())
-        sock.bind(endpoint)
+        if not (endpoint.startswith("ipc://") and self.unix is not None):
+            sock.bind(endpoint)
+            return
+        path = endpoint[len("ipc://"):]
+        listener = self.unix(path)
+        inode = os.stat(path).st_ino
+        try:
+            sock.setsockopt(self.zmq.USE_FD, listener.fileno())
+            sock.bind(endpoint)
+        except BaseException:   # not ZMQ's: ours to close and remove
+            listener.close()
+            unlink_if_ours(path, inode)
+            raise
+        listener.detach()       # ZMQ's now: it closes it
+        self.files.append((path, inode))
 
     def send(self, topic: bytes, payload) -> bool:
         """Publish one batch now (on the loop); False when ZMQ refused it (counted).

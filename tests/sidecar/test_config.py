@@ -70,7 +70,10 @@ def test_kv_events_gather_replay_bytes_and_hwm():
     assert (cfg.kv_events_gather, cfg.kv_events_buffer_bytes, cfg.kv_events_hwm) == (0.05, 2**20, 64)
     assert (Config().kv_events_gather, Config().kv_events_buffer_bytes) == (0.02, 256 * 2**20)
     assert Config().kv_events_hwm == 1000
+    Config(kv_events="ipc:///run/k/e", kv_events_replay="ipc:///run/k/r")   # absolute, apart
     for bad in ({"kv_events_gather": 0}, {"kv_events_gather": 1.5}, {"kv_events_buffer": -1},
-                {"kv_events_buffer_bytes": -1}, {"kv_events_hwm": 31}):
+                {"kv_events_buffer_bytes": -1}, {"kv_events_hwm": 31}, {"kv_events": "ipc://@kv"},
+                {"kv_events": "ipc://*"}, {"kv_events": "tcp://127.0.0.1:1", "kv_events_replay": "ipc://rel/x"},
+                {"kv_events": "ipc:///run/k/e", "kv_events_replay": "ipc:///run/k/e"}):
         with pytest.raises(ValueError):
             Config(**bad)
