@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from sidecar.peer import unlink_if_ours
-
 from sidecar.replay_ring import ReplayRing
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
