@@ -28,6 +28,7 @@ group), which other users cannot connect to; loopback TCP is open to every user.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -132,16 +133,16 @@ class Publisher:
             return
         client, _, start = frames
         self.replays += 1
+        kept = ((topic, seq.to_bytes(8, "big"), payload)
+                for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")))
         due, left = time.monotonic(), self.limits.stall
-        for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")):
-            left = self._reply(client, (topic, seq.to_bytes(8, "big"), payload), left)
+        for reply in itertools.chain(kept, [(b"", END_SEQ, b"")]):
+            left = self._reply(client, reply, left)
             if left is None:
                 self.replays_given_up += 1
                 return
-            due += len(payload) / self.limits.rate
+            due += len(reply[2]) / self.limits.rate
             time.sleep(max(0.0, due - time.monotonic()))   # (and the GIL to the loop)
-        if self._reply(client, (b"", END_SEQ, b""), left) is None:
-            self.replays_given_up += 1
 
     def _reply(self, client: bytes, frames: tuple, left: float) -> Optional[float]:
         """One message to `client`, waiting while its queue is full, `left` seconds at
