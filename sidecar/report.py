@@ -34,7 +34,8 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
                          "segments": hp.n_segments, "free_segments": len(hp.free_segments)},
            "tiers": {t.name: t.describe() for t in tiering.tiers},
            "write_policy": tiering.policy,
-           "write_queue": {**_queue(store), "cancelled": tiering.writer.cancelled if tiering.writer else 0},
+           "write_queue": {**_queue(store), "cancelled": tiering.writer.cancelled if tiering.writer else 0,
+                           "promote_waits": tiering.room_waits},
            "namespaces": spaces}
     if store.events is not None:
         pub = store.events.publisher

@@ -32,6 +32,8 @@ class Tiering:
         self.read_parallel = 2
         self.writing: dict[str, int] = {}   # pages pinned for the writer, per pool
         self.dropping: dict[str, asyncio.Future] = {}  # identities whose tier pages go now
+        self.room_wait = 5.0     # seconds a promotion waits for the writer to free slots
+        self.room_waits = 0      # promotions that waited so (a counter for /v1/stats)
 
     @property
     def enabled(self) -> bool:
@@ -249,14 +251,9 @@ class Tiering:
         if pool.closed:
             return 0
         keys = [k for k in keys if not pool.contains(k)]
-        todo = []
-        for key, tier in zip(keys, await self.locate(identity, keys) if keys else []):
-            if tier is None or pool.contains(key):  # (another request may have loaded it)
-                continue
-            r = pool.reserve(key)
-            if r is None or r is PRESENT or r is BUSY:
-                continue
-            todo.append((tier, r))
+        found = [(k, t) for k, t in zip(keys, await self.locate(identity, keys) if keys else [])
+                 if t is not None]
+        todo = await self._reserve_room(pool, found)
         if not todo:
             return 0
         loop = asyncio.get_running_loop()
@@ -279,6 +276,40 @@ class Tiering:
                 else:
                     pool.abort(r)
         return sum(results)
+
+    async def _reserve_room(self, pool: PagePool, found: list[tuple[str, Tier]]) -> list:
+        """Reserve a slot for each (key, tier) to promote: [(tier, entry)]. With no room
+        while the writer holds pages of this pool (pinned for write-through, or kept for
+        a full write-back queue), wait for it to write some, up to `room_wait` seconds in
+        all: a page answered present is loaded, not missed because a set came just before.
+
+            reserve --no room, writer busy--> wait for a batch --> reserve the rest again
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.room_wait
+        todo: list = []
+        try:
+            while found and not pool.closed:
+                later = []
+                for key, tier in found:
+                    r = None if pool.contains(key) else pool.reserve(key)
+                    if r is None and not pool.contains(key):
+                        later.append((key, tier))
+                    elif r is not None and r is not PRESENT and r is not BUSY:
+                        todo.append((tier, r))
+                left = deadline - loop.time()
+                if not later or left <= 0 or not (self.writing.get(pool.name) or self.backlogged()):
+                    break
+                self.room_waits += 1
+                await asyncio.wait_for(self.writer.changed(), left)
+                found = later
+        except asyncio.TimeoutError:
+            pass
+        except BaseException:   # cancelled while waiting: give the slots back
+            for _, e in todo:
+                pool.abort(e)
+            raise
+        return todo
 
     def _parts(self, todo: list) -> list[list[int]]:
         """Indexes of `todo` per executor job: local tiers' reads in `read_parallel` slices;

@@ -128,3 +128,85 @@ def test_flush_wakes_when_the_last_batch_ends_before_it_waits():
         assert asyncio.get_running_loop().time() - t0 < 4.0, "the flush waited for its timeout"
         writer.stop()
     asyncio.run(main())
+
+
+class HeldTier(GatedTier):
+    """A GatedTier that also holds pages to promote (`held`), read as bytes of their key."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.held = set(held)
+
+    def contains(self, identity, key):
+        return key in self.held or key in self.written
+
+    def lookup(self, identity, keys):
+        return [self.contains(identity, k) for k in keys]
+
+    def read_batch(self, identity, items):
+        for key, dst in items:
+            dst[:] = key.encode().ljust(len(dst), b"-")
+        return [True] * len(items)
+
+
+def _pool_pinned_for_writing(wait: float):
+    """A pool of 8 pages, every one pinned for the writer (a set larger than half the pool
+    goes alone) behind a closed gate; a tier holding `t0`, `t1` to promote."""
+    arena = Arena(1 << 20)
+    host = HostPool(arena, 64 * PAGE)
+    pool = host.create("kv", PAGE, capacity_bytes=8 * PAGE)
+    tier = HeldTier(["t0", "t1"])
+    writer = TierWriter([tier], threads=1, max_pages=1024)
+    writer.start()
+    tiering = Tiering([tier], "write_through", writer, host, ThreadPoolExecutor(1))
+    tiering.room_wait = wait
+    return arena, pool, tier, writer, tiering
+
+
+async def _fill(pool, tiering):
+    entries = []
+    for i in range(8):
+        e = pool.reserve(f"k{i}")
+        assert pool.commit(e)
+        entries.append(e)
+    assert len(await asyncio.wait_for(tiering.write_through(ID, pool, entries), 5)) == 8
+    assert pool._pinned == 8 and pool.reserve("x") is None   # no slot: all pinned
+
+
+def test_a_promotion_waits_for_the_writer_to_free_slots():
+    """The CI failure of stop 42 (`failed_loads` 2 in the trace replay): a get right after
+    a large set found every slot pinned for writing and answered false for pages `exists`
+    had just counted. It now waits for the writer; the pages load once a batch is written."""
+    async def main():
+        arena, pool, tier, writer, tiering = _pool_pinned_for_writing(wait=30.0)
+        try:
+            await _fill(pool, tiering)
+            promote = asyncio.ensure_future(tiering.promote(ID, pool, ["t0", "t1"]))
+            assert await blocked(asyncio.shield(promote)), "answered before the writer wrote"
+            assert tiering.room_waits >= 1
+            tier.gate.set()
+            assert await asyncio.wait_for(promote, 10) == 2
+            assert pool.contains("t0") and pool.contains("t1")
+            pool.invariants()
+        finally:
+            tier.gate.set()
+            writer.stop()
+            arena.close()
+    asyncio.run(main())
+
+
+def test_a_promotion_gives_up_when_the_writer_stays_stuck():
+    """A hung tier holds a get at most `room_wait`: then the pages are misses, the slots
+    reserved meanwhile are given back, and the pool's counts hold."""
+    async def main():
+        arena, pool, tier, writer, tiering = _pool_pinned_for_writing(wait=0.3)
+        try:
+            await _fill(pool, tiering)
+            assert await asyncio.wait_for(tiering.promote(ID, pool, ["t0", "t1"]), 10) == 0
+            assert not pool.contains("t0") and pool._reserved == 0
+            pool.invariants()
+        finally:
+            tier.gate.set()
+            writer.stop()
+            arena.close()
+    asyncio.run(main())
