@@ -292,7 +292,8 @@ class Tiering:
             while found and not pool.closed:
                 later = []
                 for key, tier in found:
-                    r = None if pool.contains(key) else pool.reserve(key)
+                    # after one "no room", the rest wait too (a failed reserve walks the LRU)
+                    r = None if later or pool.contains(key) else pool.reserve(key)
                     if r is None and not pool.contains(key):
                         later.append((key, tier))
                     elif r is not None and r is not PRESENT and r is not BUSY:
