@@ -19,6 +19,14 @@ are evicted, and only those `on_evict` lets go (write-back keeps a page it canno
 for writing yet; eviction then takes the next one). A deleted entry that is still pinned or being written becomes "doomed": gone
 from the index at once, its slot freed when the last pin or the writer lets go.
 
+The LRU list holds only what eviction may take: READY entries with no pins (as vLLM's
+free block queue holds only blocks with no references). A first pin takes a page off the
+list; the last unpin puts it back as the most recent. So eviction never walks past
+pinned pages: with a namespace's every page pinned (copies, writes to a slow tier) a
+reserve answers "no room" at once instead of walking the whole pool for each key.
+
+    READY, pins 0 (on the LRU) --pin--> READY, pins > 0 (off) --last unpin--> MRU end
+
 The joints that follow this pool (`pools/joint.py`) are told of every key published
 (commit) and every key that leaves (eviction, delete); so is its `log`, when someone
 follows the pool (KV events, sidecar/events.py): `(True, key)` published, the key alone
@@ -45,6 +53,7 @@ RESERVED = 0
 READY = 1
 PRESENT = object()  # reserve(): the key is already stored: no copy needed
 BUSY = object()     # reserve(): another writer is storing the key; it is not stored yet
+EVICT_SCAN = 64     # pages `on_evict` keeps that one eviction passes over at most
 
 
 class PoolInvariantError(AssertionError):
@@ -125,7 +134,7 @@ class PagePool:
 
     @property
     def ready_pages(self) -> int:
-        return len(self.lru)
+        return len(self.ready)
 
     @property
     def busy(self) -> int:
@@ -176,7 +185,8 @@ class PagePool:
         if e is not None:
             if e.state != READY:
                 return BUSY
-            self.lru.touch(e)
+            if not e.pins:   # (a pinned page is off the list: it comes back as the newest)
+                self.lru.touch(e)
             return PRESENT
         offset = self._take_slot()
         if offset is None:
@@ -215,23 +225,23 @@ class PagePool:
         self._after_release()
 
     # -- readers ----------------------------------------------------------------------
-    def pin(self, key: str, touch: bool = True) -> Optional[Entry]:
-        """Pin a READY page (and, with `touch`, mark it most recent); None when absent."""
+    def pin(self, key: str) -> Optional[Entry]:
+        """Pin a READY page: off the LRU list until its last unpin, which makes it the
+        most recent; None when absent."""
         e = self.ready.get(key)
         if e is None:
             return None
         if e.pins == 0:
             self._pinned += 1
+            self.lru.remove(e)
         e.pins += 1
-        if touch:
-            self.lru.touch(e)
         return e
 
     def peek(self, keys: list[str]) -> list[Optional[Entry]]:
         """The READY entries of `keys` (None where absent), marked most recent and NOT pinned:
         for a reader that is done with them before the pool is called again."""
         found = list(map(self.ready.get, keys))
-        self.lru.touch_all([e for e in found if e is not None])
+        self.lru.touch_all([e for e in found if e is not None and not e.pins])
         return found
 
     def unpin(self, e: Entry) -> None:
@@ -243,6 +253,7 @@ class PagePool:
             if e.doomed:
                 self._bury(e)
                 return
+            self.lru.push_mru(e)
         self._after_release()
 
     # -- removal ----------------------------------------------------------------------
@@ -258,7 +269,8 @@ class PagePool:
                 joint.removed(self, key)
             if self.log is not None:
                 self._logged(key)
-            self.lru.remove(e)
+            if not e.pins:
+                self.lru.remove(e)
         if e.state == RESERVED or e.pins > 0:
             e.doomed = True
             self._doomed_entries[id(e)] = e
@@ -267,10 +279,15 @@ class PagePool:
         return was_ready
 
     def evict_one(self) -> Optional[int]:
-        """Evict the least recent unpinned page `on_evict` lets go; its freed slot, or None."""
-        for e in self.lru.from_lru():
-            if e.pins == 0 and self._evict(e):
+        """Evict the least recent page `on_evict` lets go (the list holds no pinned one);
+        its freed slot, or None. At most EVICT_SCAN pages it keeps are passed over: past
+        them (write-back with a full queue, every page unwritten) the caller waits for the
+        writer rather than have each reserve walk the whole pool on the event loop."""
+        for n, e in enumerate(self.lru.from_lru()):
+            if self._evict(e):
                 return e.offset
+            if n + 1 >= EVICT_SCAN:
+                break
         return None
 
     def idle_segments(self) -> int:
@@ -332,6 +349,7 @@ class PagePool:
         return slot
 
     def _evict(self, e: Entry) -> bool:
+        assert e.pins == 0, "eviction of a pinned page"
         if self.on_evict is not None and not self.on_evict(self, e):
             return False
         self.lru.remove(e)
@@ -378,7 +396,7 @@ class PagePool:
             raise PoolInvariantError(f"pool {self.name!r}: {exc}") from exc
 
     def _invariants(self) -> None:
-        ready = self.lru.check()
+        listed = self.lru.check()
         reserved = pinned = 0
         offsets = list(self.free)
         for nxt, end in self.fresh:
@@ -390,8 +408,10 @@ class PagePool:
             if e.state == RESERVED:
                 assert e.pins == 0 and e.prev is None, f"reserved {key!r} is pinned or linked"
                 reserved += 1
+            elif e.pins:
+                assert e.prev is None, f"pinned {key!r} is on the LRU list"
             else:
-                assert e.prev is not None, f"ready {key!r} is not on the LRU list"
+                assert e.prev is not None, f"unpinned ready {key!r} is not on the LRU list"
             pinned += e.pins > 0
             offsets.append(e.offset)
         for e in self._doomed_entries.values():
@@ -400,7 +420,8 @@ class PagePool:
             reserved += e.state == RESERVED
             pinned += e.pins > 0
             offsets.append(e.offset)
-        assert ready == sum(e.state == READY for e in self.entries.values()), "LRU != ready"
+        assert listed == sum(e.state == READY and not e.pins for e in self.entries.values()), \
+            "LRU != ready and unpinned"
         assert self.ready == {k: e for k, e in self.entries.items() if e.state == READY}, \
             "ready index differs from the READY entries"
         assert reserved == self._reserved, f"reserved count {self._reserved} != {reserved}"

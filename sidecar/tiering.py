@@ -189,9 +189,9 @@ class Tiering:
         while self._crowded(pool):
             await self.writer.wait_change()
 
-    def _queue_pinned(self, identity: str, pool: PagePool, key: str, touch: bool = True):
+    def _queue_pinned(self, identity: str, pool: PagePool, key: str):
         """Pin `key` and queue it, counted in `writing` until written; None when absent."""
-        pinned = pool.pin(key, touch)
+        pinned = pool.pin(key)
         if pinned is None:
             return None
         view = self.host_pool.view(pinned.offset, pool.page_bytes)
@@ -214,7 +214,8 @@ class Tiering:
                 and not self.durable(identity, k)]
 
     async def write_dirty(self, identity: str, pool: PagePool, deadline: float) -> int:
-        """write_back: queue every dirty page (pinned, LRU order kept) until the loop time
+        """write_back: queue every dirty page (pinned: each comes back on the LRU as the
+        newest once written, so clean pages are evicted before them) until the loop time
         `deadline`; return how many could not be queued in time."""
         if identity in self.dropping:
             await asyncio.shield(self.dropping[identity])
@@ -229,7 +230,7 @@ class Tiering:
             if pool.closed:
                 return 0
             if not self.writer.queued(identity, key):
-                self._queue_pinned(identity, pool, key, touch=False)
+                self._queue_pinned(identity, pool, key)
         return 0
 
     def on_evict(self, identity: str):

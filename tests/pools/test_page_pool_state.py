@@ -10,8 +10,10 @@ CAP = 4
 
 
 class PoolModel(RuleBasedStateMachine):
-    """Model: `ready` is the LRU order (least recent first); entries are tracked by identity,
-    so a deleted page that is still pinned or being written keeps its slot in the model too."""
+    """Model: `ready` is the LRU order (least recent first) of every READY key; the pool's
+    list holds the unpinned ones in that order (a pinned key's place does not matter: its
+    last unpin moves it to the end). Entries are tracked by identity, so a deleted page
+    that is still pinned or being written keeps its slot in the model too."""
 
     reservations = Bundle("reservations")
 
@@ -106,8 +108,11 @@ class PoolModel(RuleBasedStateMachine):
         # replays, and a choice that maps to another entry makes the run "flaky"
         *_, i = data.draw(st.sampled_from(sorted((e.key, e.offset, i)
                                                  for i, (e, n) in self.pins.items() if n)))
-        self.pool.unpin(self.pins[i][0])
+        e = self.pins[i][0]
+        self.pool.unpin(e)
         self.pins[i][1] -= 1
+        if not self.pins[i][1] and self.cur.get(e.key) is e:
+            self._touch(e.key)   # back on the list as the most recent
 
     @rule(key=KEYS)
     def delete(self, key):
@@ -132,7 +137,9 @@ class PoolModel(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.pool.invariants()
-        assert [e.key for e in self.pool.lru.from_lru()] == self.ready
+        assert [e.key for e in self.pool.lru.from_lru()] == \
+            [k for k in self.ready if not self._pins(self.cur[k])]
+        assert self.pool.ready_pages == len(self.ready)
         assert self.pool.busy == len(self.res) + len(self.doomed_res) + sum(
             1 for _, n in self.pins.values() if n)
 
