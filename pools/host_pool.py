@@ -34,6 +34,7 @@ from pools.page_pool import PagePool, PoolInvariantError
 
 
 RESERVED_SHARE = 0.5   # of the segments, at most, reserved by tenants (explicit capacities)
+RECLAIM_RETRY = 64     # grows a pool skips the reclaim after one found nothing
 
 
 class PoolFull(Exception):
@@ -54,6 +55,7 @@ class HostPool:
         self.draining: list[PagePool] = []
         self.explicit_segments = 0
         self._shares: Optional[tuple] = None   # `_counts`, until segments move
+        self._no_reclaim: dict[str, int] = {}   # pool -> grows left to skip (see `_grow`)
 
     # -- namespaces -------------------------------------------------------------------
     def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None,
@@ -70,6 +72,7 @@ class HostPool:
         else:
             pool = self._create_explicit(name, page_bytes, capacity_bytes, owner)
         pool.on_idle = self._release
+        pool.on_segment_idle = self._segment_idle
         self.pools[name] = pool
         self._moved()
         return pool
@@ -84,7 +87,7 @@ class HostPool:
         need = math.ceil(pages / pool.slots_per_segment)
         if owner is not None:
             self._check_reserved_share(owner, need)
-        victims = self._victims_for(owner, need)
+        victims = self._victims_for(owner, need) if len(self.free_segments) < need else []
         idle = sum(min(p.idle_segments(), room) for p, room in victims)
         if len(self.free_segments) + idle < need:  # fail before evicting anything
             raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes, "
@@ -143,6 +146,7 @@ class HostPool:
     def drop(self, name: str) -> None:
         """Remove a pool; its segments return once no copy holds one of its slots."""
         pool = self.pools.pop(name)
+        self._no_reclaim.pop(name, None)
         if pool.max_pages is not None:
             self.explicit_segments -= len(pool.segments)
         self.draining.append(pool)
@@ -169,6 +173,7 @@ class HostPool:
     def _moved(self) -> None:
         """Segments changed hands, or pools came or went: the shares are stale."""
         self._shares = None
+        self._no_reclaim.clear()
 
     def _counts(self) -> tuple[float, Counter, Counter]:
         """(owner share, shared pools by owner, shared segments held by owner), counted
@@ -197,13 +202,32 @@ class HostPool:
 
     def _grow(self, pool: PagePool) -> bool:
         """A segment for `pool`: a free one, else one reclaimed (`_reclaim_for`) while it
-        may take one (no walk of the pools when it is at its share: `_may_reclaim`)."""
-        if not self.free_segments and self._may_reclaim(pool):
-            self._reclaim_for(pool)
+        may take one (no walk of the pools when it is at its share: `_may_reclaim`).
+        A reclaim that found nothing is not tried again for the pool's next RECLAIM_RETRY
+        grows unless a segment moves or goes idle meanwhile: each try walks the shared
+        pools, and a pool below its share asks on every page it stores (it evicts its own
+        pages meanwhile)."""
+        if not self.free_segments and self._may_reclaim(pool) and not self._skip_reclaim(pool):
+            if not self._reclaim_for(pool):
+                self._no_reclaim[pool.name] = RECLAIM_RETRY
         if not self.free_segments:
             return False
         pool.add_segment(self.free_segments.pop())
         self._moved()
+        return True
+
+    def _segment_idle(self) -> None:
+        if self._no_reclaim:
+            self._no_reclaim.clear()
+
+    def _skip_reclaim(self, pool: PagePool) -> bool:
+        left = self._no_reclaim.get(pool.name)
+        if left is None:
+            return False
+        if left <= 1:
+            del self._no_reclaim[pool.name]
+        else:
+            self._no_reclaim[pool.name] = left - 1
         return True
 
     def _may_reclaim(self, pool: PagePool) -> bool:

@@ -27,6 +27,10 @@ reserve answers "no room" at once instead of walking the whole pool for each key
 
     READY, pins 0 (on the LRU) --pin--> READY, pins > 0 (off) --last unpin--> MRU end
 
+Busy slots (reserved or pinned) are counted per segment and every entry is indexed by its
+slot, so giving a segment back (`reclaim_segment`) looks at that segment's pages only, and
+`close` walks the busy entries only: none of the three walks the whole pool.
+
 The joints that follow this pool (`pools/joint.py`) are told of every key published
 (commit) and every key that leaves (eviction, delete); so is its `log`, when someone
 follows the pool (KV events, sidecar/events.py): `(True, key)` published, the key alone
@@ -39,8 +43,9 @@ event loop only; copies run elsewhere between reserve/pin and commit/unpin).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from itertools import takewhile
+from itertools import islice, takewhile
 from operator import itemgetter
 from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Optional
 
@@ -54,6 +59,7 @@ READY = 1
 PRESENT = object()  # reserve(): the key is already stored: no copy needed
 BUSY = object()     # reserve(): another writer is storing the key; it is not stored yet
 EVICT_SCAN = 64     # pages `on_evict` keeps that one eviction passes over at most
+RECLAIM_TRIES = 4   # idle segments one reclaim tries to empty at most
 
 
 class PoolInvariantError(AssertionError):
@@ -113,11 +119,15 @@ class PagePool:
         self.closed = False
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
+        self.on_segment_idle: Optional[Callable[[], None]] = None  # a segment's last busy slot went
         self.joints: list[Joint] = []    # told when a key comes or goes
         self.log: Optional[list] = None  # (True, key) or a gone key, as they come and go
         self.on_log: Optional[Callable[["PagePool"], None]] = None
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
+        self._by_offset: dict[int, Entry] = {}   # every slot holding an entry (doomed too)
+        self._busy: set[Entry] = set()           # entries reserved or pinned (doomed too)
+        self._seg_busy: dict[int, int] = {}      # busy slots per segment (absent: idle)
         self._slots = 0
         self._reserved = 0
         self._pinned = 0                 # entries with pins > 0, doomed ones included
@@ -193,7 +203,11 @@ class PagePool:
             return None
         e = Entry(key, offset)
         self.entries[key] = e
+        self._by_offset[offset] = e
         self._reserved += 1
+        self._busy.add(e)                        # busy: its segment cannot be reclaimed
+        seg, busy = offset // self.segment_size, self._seg_busy
+        busy[seg] = busy.get(seg, 0) + 1
         return e
 
     def commit(self, e: Entry, log: bool = True) -> bool:
@@ -201,6 +215,11 @@ class PagePool:
         `log=False`: the caller logs it (KV events take a set's commits as one entry)."""
         self._check_reserved(e)
         self._reserved -= 1
+        self._busy.remove(e)                     # `_busy_off`, inline (every page set)
+        seg, busy = e.offset // self.segment_size, self._seg_busy
+        n = busy[seg] = busy[seg] - 1
+        if not n:
+            self._segment_went_idle(seg)
         if e.doomed:
             self._bury(e)
             return False
@@ -217,11 +236,12 @@ class PagePool:
     def abort(self, e: Entry) -> None:
         self._check_reserved(e)
         self._reserved -= 1
+        self._busy_off(e)
         if e.doomed:
             self._bury(e)
             return
         del self.entries[e.key]
-        self.free.append(e.offset)
+        self._free_slot(e)
         self._after_release()
 
     # -- readers ----------------------------------------------------------------------
@@ -234,6 +254,9 @@ class PagePool:
         if e.pins == 0:
             self._pinned += 1
             self.lru.remove(e)
+            self._busy.add(e)                      # busy: its segment cannot be reclaimed
+            seg, busy = e.offset // self.segment_size, self._seg_busy
+            busy[seg] = busy.get(seg, 0) + 1
         e.pins += 1
         return e
 
@@ -250,6 +273,11 @@ class PagePool:
         e.pins -= 1
         if e.pins == 0:
             self._pinned -= 1
+            self._busy.remove(e)                   # `_busy_off`, inline (every page read)
+            seg, busy = e.offset // self.segment_size, self._seg_busy
+            n = busy[seg] = busy[seg] - 1
+            if not n:
+                self._segment_went_idle(seg)
             if e.doomed:
                 self._bury(e)
                 return
@@ -275,7 +303,7 @@ class PagePool:
             e.doomed = True
             self._doomed_entries[id(e)] = e
         else:
-            self.free.append(e.offset)
+            self._free_slot(e)
         return was_ready
 
     def evict_one(self) -> Optional[int]:
@@ -291,23 +319,32 @@ class PagePool:
         return None
 
     def idle_segments(self) -> int:
-        """Segments that `reclaim_segment` could give back now."""
-        busy = {e.offset // self.segment_size for e in self._busy_entries()}
-        return sum(1 for s in self.segments if s not in busy)
+        """Segments that `reclaim_segment` could give back now (no slot reserved or pinned)."""
+        return sum(1 for s in self.segments if s not in self._seg_busy)
 
     def reclaim_segment(self) -> Optional[int]:
-        """Give back one segment with no busy slot, coldest first; its pages are evicted.
-        A segment holding a page `on_evict` keeps is skipped (its other pages may be gone)."""
-        busy = {e.offset // self.segment_size for e in self._busy_entries()}
-        order = [e.offset // self.segment_size for e in self.lru.from_lru()]
-        for seg in dict.fromkeys(order + self.segments):
-            if seg not in busy and self._empty_segment(seg):
+        """Give back one segment with no busy slot, its pages evicted: the segments of the
+        EVICT_SCAN least recent pages first, then any idle one. Busy counts are kept per
+        segment, so this walks no page but the reclaimed segment's own. At most
+        RECLAIM_TRIES are tried: one holding a page `on_evict` keeps is skipped (its
+        other pages may be gone)."""
+        cold = [e.offset // self.segment_size for e in islice(self.lru.from_lru(), EVICT_SCAN)]
+        tries = 0
+        for seg in dict.fromkeys(cold + self.segments):
+            if seg in self._seg_busy:
+                continue
+            if self._empty_segment(seg):
                 return self._give_back(seg)
+            tries += 1
+            if tries >= RECLAIM_TRIES:
+                break
         return None
 
     def _empty_segment(self, seg: int) -> bool:
-        lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
-        return all(self._evict(e) for e in [e for e in self.lru.from_lru() if lo <= e.offset < hi])
+        lo = seg * self.segment_size
+        slots = range(lo, lo + self.slots_per_segment * self.page_bytes, self.page_bytes)
+        held = [e for e in map(self._by_offset.get, slots) if e is not None]
+        return all(self._evict(e) for e in held)
 
     def _give_back(self, seg: int) -> int:
         lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
@@ -320,10 +357,22 @@ class PagePool:
         return seg
 
     def close(self) -> None:
-        """Drop every key and refuse new ones; `on_idle` fires once no copy holds a slot."""
+        """Drop every key and refuse new ones; `on_idle` fires once no copy holds a slot.
+        With no joint or log to tell, only the busy entries are walked (they become
+        doomed); the others go with the index at once, and their slots with the segments
+        (the host pool takes them back whole): a namespace of millions of pages is
+        dropped without a walk of them on the event loop."""
         self.closed = True
-        for key in list(self.entries):
-            self.delete(key)
+        if self.joints or self.log is not None:
+            for key in list(self.entries):
+                self.delete(key)
+        else:
+            for e in self._busy:
+                if not e.doomed:
+                    e.doomed = True
+                    self._doomed_entries[id(e)] = e
+            self.entries, self.ready, self.lru = {}, {}, LruList()
+            self._by_offset = {e.offset: e for e in self._busy}
         self._after_release()
 
     # -- internals --------------------------------------------------------------------
@@ -362,7 +411,7 @@ class PagePool:
             if not log:
                 self.on_log(self)
             log.append(e.key)
-        self.free.append(e.offset)
+        self._free_slot(e)
         self.evictions += 1
         return True
 
@@ -373,20 +422,42 @@ class PagePool:
 
     def _bury(self, e: Entry) -> None:
         del self._doomed_entries[id(e)]
-        self.free.append(e.offset)
+        self._free_slot(e)
         self._after_release()
+
+    def _free_slot(self, e: Entry) -> None:
+        del self._by_offset[e.offset]
+        self.free.append(e.offset)
+
+    def _busy_off(self, e: Entry) -> None:
+        self._busy.remove(e)
+        seg = e.offset // self.segment_size
+        n = self._seg_busy[seg] = self._seg_busy[seg] - 1
+        if not n:
+            self._segment_went_idle(seg)
+
+    def _segment_went_idle(self, seg: int) -> None:
+        del self._seg_busy[seg]
+        if self.on_segment_idle is not None:
+            self.on_segment_idle()
 
     def _after_release(self) -> None:
         if self.closed and self.busy == 0 and self.on_idle is not None:
             self.on_idle(self)
 
-    def _busy_entries(self):
-        yield from (e for e in self.entries.values() if e.state == RESERVED or e.pins)
-        yield from self._doomed_entries.values()
-
     def _check_reserved(self, e: Entry) -> None:
         if e.state != RESERVED:
             raise PoolInvariantError(f"commit/abort of {e.key!r}, which is not reserved")
+
+    def _check_slot_indexes(self) -> None:
+        """The slot index, the busy entries and the busy count of each segment."""
+        live = list(self.entries.values()) + list(self._doomed_entries.values())
+        assert self._by_offset == {e.offset: e for e in live}, "slot index differs from the entries"
+        busy = {e for e in live if e.state == RESERVED or e.pins}
+        assert busy == self._busy, "busy entries differ from the reserved and pinned ones"
+        per_seg = Counter(e.offset // self.segment_size for e in busy)
+        assert per_seg == Counter(self._seg_busy) and 0 not in self._seg_busy.values(), \
+            f"busy slots per segment {self._seg_busy} != {dict(per_seg)}"
 
     def invariants(self) -> None:
         """Check every count and link; raise PoolInvariantError on the first broken one."""
@@ -426,7 +497,10 @@ class PagePool:
             "ready index differs from the READY entries"
         assert reserved == self._reserved, f"reserved count {self._reserved} != {reserved}"
         assert pinned == self._pinned, f"pinned count {self._pinned} != {pinned}"
-        assert len(offsets) == len(set(offsets)) == self._slots, "slot lost or shared"
+        self._check_slot_indexes()
+        # a closed pool forgets its idle slots: its segments go back whole
+        assert len(offsets) == len(set(offsets)) and (len(offsets) == self._slots or self.closed
+                                                      and len(offsets) <= self._slots), "slot lost or shared"
         segs = set(self.segments)
         assert len(segs) == len(self.segments), "segment listed twice"
         for o in offsets:

@@ -77,6 +77,31 @@ def test_reclaim_skips_pinned_segments(host):
     host.invariants()
 
 
+def test_a_reclaim_that_found_nothing_waits_for_a_segment_to_go_idle(host, monkeypatch):
+    """b is below its share, every segment of a holds a pinned page: b's grows stop trying
+    to reclaim (each try walks the shared pools) and b evicts its own pages, until one of
+    a's segments goes idle; then b's next page takes that segment."""
+    a = host.create("a", 4096, owner=1)
+    fill(a, "a", 16 * 16)
+    pins = {}
+    for k, e in list(a.entries.items()):
+        if e.offset // SEG not in pins:                    # one page of each segment
+            pins[e.offset // SEG] = a.pin(k)
+    b = host.create("b", 4096, owner=2)
+    tries = []
+    real = host._reclaim_for
+    monkeypatch.setattr(host, "_reclaim_for", lambda p: tries.append(p.name) or real(p))
+    assert b.reserve("b0") is None and tries == ["b"]      # nothing of a can be reclaimed
+    for i in range(1, 40):
+        assert b.reserve(f"b{i}") is None
+    assert tries == ["b"]                                  # not tried again
+    a.unpin(pins[3])                                       # a's segment 3 goes idle
+    r = b.reserve("b40")
+    assert r is not None and r.offset // SEG == 3 and tries == ["b", "b"]
+    b.commit(r)
+    host.invariants()
+
+
 def test_refused_explicit_share_evicts_nothing(host):
     a = host.create("a", 4096)
     fill(a, "a", 16 * 16)
