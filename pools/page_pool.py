@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
-from operator import itemgetter
+from operator import itemgetter, or_
 from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Optional
 
 from pools.lru import LruList
@@ -92,6 +92,24 @@ def run_length(index: dict, keys: list[str]) -> int:
             return keys.index(miss.args[0])
         return len(keys)
     return len(list(takewhile(index.__contains__, keys)))
+
+
+def run_in_any(keys: list[str], indexes: list) -> int:
+    """Length of the leading run of `keys` each in some mapping of `indexes` (the host
+    pool's READY keys, then each local tier's index), read in C: the first index's run by
+    `run_length`, then chunks of doubling size, each key's presence in every index one
+    `map` apiece, until a chunk holds a miss."""
+    n, step, first = run_length(indexes[0], keys), 64, indexes[0].__contains__
+    while n < len(keys):
+        part = keys[n:n + step]
+        held = bytes(map(first, part))
+        for index in indexes[1:]:
+            held = bytes(map(or_, held, map(index.__contains__, part)))
+        end = held.find(0)
+        if end >= 0:
+            return n + end
+        n, step = n + len(part), step * 2
+    return n
 
 
 Grow = Callable[["PagePool"], bool]

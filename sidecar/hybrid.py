@@ -106,7 +106,8 @@ def _parse_extra(raw: list) -> tuple[ExtraPool, ...]:
         # a window past any prefix (MAX_BATCH keys) means the prefix, [0, p): the same
         # answers, and never a window-sized bytes to build
         out.append(ExtraPool(check_name(item["namespace"]), policy, min(window, MAX_BATCH)))
-    return tuple(out)
+    # a pool named twice alike asks the same again: once (the answer is by name anyway)
+    return tuple(dict.fromkeys(out))
 
 
 class Presence:

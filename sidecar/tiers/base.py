@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 log = logging.getLogger("kv_sidecar.tiers")
 
@@ -61,6 +61,12 @@ class Tier:
     def lookup(self, identity: str, keys: list[str]) -> list[bool]:
         """Presence of many keys in one call (one round trip for a remote tier)."""
         return [self.contains(identity, k) for k in keys]
+
+    def index(self, identity: str) -> Optional[Mapping[str, Any]]:
+        """The keys of `identity` as a mapping whose `in` answers `contains` (a prefix
+        is then walked in C: `pools.page_pool.run_in_any`), or None when `contains` does
+        more than look up (a shared tier checks the disk on a miss)."""
+        return None
 
     def count(self, identity: str) -> int:
         raise NotImplementedError

@@ -36,6 +36,8 @@ ENOSPC_RETRIES = 3
 __all__ = ["FileTier", "TierStats"]
 
 
+_NONE: dict = {}   # the index of an identity with no page yet (never written to)
+
 class FileTier(Tier):
     """Pages as files under `root`, at most `capacity` bytes (None: no limit). Files are
     0600 and directories 0700; with `group` (a shared 3FS directory that several nodes'
@@ -77,6 +79,10 @@ class FileTier(Tier):
         if keys is not None and key in keys:
             return True
         return self.shared and self._adopt(identity, key)
+
+    def index(self, identity: str):
+        """The identity's index (a dict by key) where `contains` is its look-up alone."""
+        return None if self.shared else self.keys.get(identity, _NONE)
 
     def count(self, identity: str) -> int:
         return len(self.keys.get(identity, ()))

@@ -1,8 +1,11 @@
 """PagePool: the reserve/commit/abort protocol, pins, LRU eviction order, doomed deletes."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pools.lru import LruList
-from pools.page_pool import BUSY, EVICT_SCAN, PRESENT, READY, RESERVED, PagePool, PoolInvariantError
+from pools.page_pool import (BUSY, EVICT_SCAN, PRESENT, READY, RESERVED, PagePool,
+                             PoolInvariantError, run_in_any)
 
 
 def make(pages=4, page=16):
@@ -304,3 +307,18 @@ def test_a_segment_of_small_slots_costs_no_memory_until_its_slots_are_used():
     assert pool.reserve("again").offset == 512                 # a slot given back is reused first
     assert len(pool.free) == 0 and pool.free_slots == 2048 - 3
     pool.invariants()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=300), st.integers(1, 3))
+def test_run_in_any_is_the_walk_key_by_key(where, n_indexes):
+    """`run_in_any` (the host pool and the file tiers' indexes, read in C by chunks)
+    against the walk it replaces: key i is in index where[i] - 1 (0: in none)."""
+    keys = [f"k{i}" for i in range(len(where))]
+    indexes = [{k: 0 for k, w in zip(keys, where) if w == j + 1} for j in range(n_indexes)]
+    walked = 0
+    for k in keys:
+        if not any(k in ix for ix in indexes):
+            break
+        walked += 1
+    assert run_in_any(keys, indexes) == walked
