@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.deps import context, observer
+from api.deps import context, observer, who
 from api.errors import error_response
 from api.wire import json, number
 from sidecar.errors import BadRequest
@@ -51,7 +51,7 @@ async def flush(request: Request, ctx: Context = Depends(context)) -> Response:
     timeout = number(request, "timeout", "60", "a number of seconds")
     if not 0 <= timeout <= 3600:
         raise BadRequest("'timeout' must be between 0 and 3600 seconds")
-    pending = await ctx.flush(timeout)
+    pending = await ctx.flush(timeout, who(ctx, request.scope))
     failed = ctx.store.tiering.writer.failed if ctx.store.tiering.writer else 0
     return json({"pending": pending, "failed": failed}, 200 if pending == 0 else 504)
 

@@ -21,6 +21,7 @@ from sidecar.metrics import RequestStats
 from sidecar.peer import bind_unix, group_id
 from sidecar.samples import Sampler
 from sidecar.store import Store
+from sidecar.tenancy import OPERATOR, Caller
 from sidecar.tiering import Tiering
 from sidecar.tiers.base import Tier
 from sidecar.tiers.file_tier import FileTier
@@ -164,8 +165,8 @@ class Context:
             for buffer_id in self.store.reap_dead_buffers():
                 log.info("released buffer %s: its process exited", buffer_id)
 
-    async def flush(self, timeout: float) -> int:
-        return await self.store.flush(timeout)
+    async def flush(self, timeout: float, who: Caller = OPERATOR) -> int:
+        return await self.store.flush(timeout, who)
 
     async def close(self, timeout: Optional[float] = None) -> None:
         """Phases: stop answering ready, stop background tasks, flush queued tier writes,

@@ -537,16 +537,17 @@ class Store:
         self.totals.bytes_out += len(out)
         return out
 
-    async def flush(self, timeout: float) -> int:
+    async def flush(self, timeout: float, who: Caller = OPERATOR) -> int:
         """Wait until every page accepted before the call is in every tier (write_back:
-        queue the host pool's dirty pages first); return the pages still not written."""
+        queue the dirty pages of the namespaces `who` reaches first: a peer's own, every
+        one for the operator); return the pages still not written."""
         writer = self.tiering.writer
         if writer is None:
             return 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         unqueued = 0
-        for ns in list(self.namespaces.values()):
+        for ns in list(self.dir.visible(who)):
             unqueued += await self.tiering.write_dirty(ns.identity, ns.pool, deadline)
         return unqueued + await writer.flush(max(0.0, deadline - loop.time()))
 

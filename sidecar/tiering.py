@@ -18,6 +18,8 @@ from pools.page_pool import BUSY, PRESENT, Entry, run_in_any
 from sidecar.tiers.base import Tier
 from sidecar.tiers.writer import TierWriter
 
+DIRTY_CHUNK = 4096   # pages a write-back flush checks in one loop turn
+
 
 class Tiering:
     """Tiers in lookup order, the write policy, and the writer shared by all namespaces."""
@@ -213,12 +215,21 @@ class Tiering:
         """write_back with a full write queue: evictions wait for the writer."""
         return self.policy == "write_back" and self.writer.full
 
-    def dirty(self, identity: str, pool: PagePool) -> list[str]:
-        """write_back: host pages in no tier yet and not queued (what a restart would lose)."""
+    async def dirty(self, identity: str, pool: PagePool) -> list[str]:
+        """write_back: host pages in no tier yet and not queued (what a restart would lose),
+        checked DIRTY_CHUNK keys a loop turn (a flush walks every page of the node: 814 ms
+        of loop per million pages in one turn)."""
         if self.policy != "write_back" or pool.closed:
             return []
-        return [k for k in pool.ready if not self.writer.queued(identity, k)
-                and not self.durable(identity, k)]
+        keys, out = list(pool.ready), []
+        for i in range(0, len(keys), DIRTY_CHUNK):
+            if i:
+                await asyncio.sleep(0)
+                if pool.closed:
+                    return []
+            out += [k for k in keys[i:i + DIRTY_CHUNK] if k in pool.ready
+                    and not self.writer.queued(identity, k) and not self.durable(identity, k)]
+        return out
 
     async def write_dirty(self, identity: str, pool: PagePool, deadline: float) -> int:
         """write_back: queue every dirty page (pinned: each comes back on the LRU as the
@@ -226,7 +237,7 @@ class Tiering:
         `deadline`; return how many could not be queued in time."""
         if identity in self.dropping:
             await asyncio.shield(self.dropping[identity])
-        todo = self.dirty(identity, pool)
+        todo = await self.dirty(identity, pool)
         loop = asyncio.get_running_loop()
         for n, key in enumerate(todo):
             if self._crowded(pool):

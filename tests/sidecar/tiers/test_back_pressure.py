@@ -210,3 +210,60 @@ def test_a_promotion_gives_up_when_the_writer_stays_stuck():
             writer.stop()
             arena.close()
     asyncio.run(main())
+
+
+def _write_back_store(tmp_path):
+    from sidecar.buffers import Sources
+    from sidecar.store import Store
+    from sidecar.tiers.file_tier import FileTier
+    arena = Arena(4 << 20)
+    host = HostPool(arena, 64 << 10)
+    tier = FileTier("file", str(tmp_path / "tier"))
+    executor = ThreadPoolExecutor(2)
+    writer = TierWriter([tier], threads=1, max_pages=64)
+    tiering = Tiering([tier], "write_back", writer, host, executor)
+    store = Store(host, executor, Sources(["/dev/shm"]), tiering=tiering)
+    return arena, store, tier, writer, executor
+
+
+def test_a_peers_flush_writes_its_own_namespaces_and_the_walk_yields(tmp_path, monkeypatch):
+    """write_back: a flush by a peer queues the dirty pages of the namespaces it reaches,
+    not the whole node's (any peer may call it; the operator's flush takes every one);
+    the dirty pages are checked DIRTY_CHUNK at a time, the loop free between chunks."""
+    from sidecar import tiering as tiering_mod
+    from sidecar.peer import Peer
+    from sidecar.spec import parse_spec
+    monkeypatch.setattr(tiering_mod, "DIRTY_CHUNK", 8)
+    a, b = Peer(1, 1001, 1001), Peer(2, 1002, 1002)
+
+    async def main():
+        arena, store, tier, writer, executor = _write_back_store(tmp_path)
+        writer.start()
+        try:
+            for who in (a, b):
+                ns, _ = store.put_namespace("kv", parse_spec({"page_bytes": 512}), who)
+                for i in range(40):
+                    ns.pool.commit(ns.pool.reserve(f"k{i}"))
+            nsa, nsb = (store.namespace(store.resolve("kv", w)) for w in (a, b))
+            turns = []
+
+            async def ticker():
+                while True:
+                    turns.append(1)
+                    await asyncio.sleep(0)
+            tick = asyncio.ensure_future(ticker())
+            await asyncio.sleep(0)
+            turns.clear()
+            assert len(await store.tiering.dirty(nsa.identity, nsa.pool)) == 40
+            tick.cancel()
+            assert len(turns) >= 40 // 8 - 1, "the dirty walk held the loop in one turn"
+            assert await asyncio.wait_for(store.flush(10, a), 20) == 0
+            ida, idb = nsa.identity, nsb.identity
+            assert tier.count(ida) == 40 and tier.count(idb) == 0
+            assert await asyncio.wait_for(store.flush(10), 20) == 0      # the operator
+            assert tier.count(idb) == 40
+        finally:
+            writer.stop()
+            executor.shutdown()
+            arena.close()
+    asyncio.run(main())
