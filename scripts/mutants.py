@@ -328,6 +328,10 @@ MUTANTS = [
     M("lanes: a call's ended job keeps its cycle with the answer", "sidecar/lanes.py",
       "                job.done = None   # the answer holds", "                pass   # the answer holds",
       ("tests/sidecar/test_copier.py::test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc",)),
+    M("events: every tier change made events in one flush", "sidecar/events.py",
+      "        budget = TIER_KEYS_A_FLUSH\n",
+      "        budget = 1 << 60\n",
+      ("tests/api/test_kv_events.py::test_a_namespace_made_after_a_restart_announces_its_tier_pages",)),
     M("events: an eviction not published", "sidecar/events.py",
       "                out.append(removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))\n"
       "                continue\n",

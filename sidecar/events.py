@@ -49,6 +49,7 @@ MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
 FORMATS = ("map", "array")
 _LIST, _INT = {list}, {int}
 CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
+TIER_KEYS_A_FLUSH = 4096   # tier pages made events in one flush (the rest wait for the next)
 TOKENS = "'tokens' must hold one list of token ids (integers) per key"
 
 
@@ -244,8 +245,7 @@ class Events:
         for pool in self.dirty:
             self._drain_pool(pool)
         self.dirty.clear()
-        while self.tier_log:
-            self._drain_tier(*self.tier_log.popleft())
+        self._drain_tiers()
         if not self.pending:
             return
         ts, buf, encode_into = time.time(), self.buf, self.encoder.encode_into
@@ -301,6 +301,21 @@ class Events:
         kf = ns.spec.key_format
         return stored_event(block_hashes, None if parent is None else block_hash(parent, kf),
                             tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
+
+    def _drain_tiers(self) -> None:
+        """Tier changes in order, TIER_KEYS_A_FLUSH keys at most: the first namespace of an
+        identity announces every page its tiers hold (a million pages of a file tier: one
+        event each), so the rest waits for the next gather instead of holding the loop."""
+        budget = TIER_KEYS_A_FLUSH
+        while self.tier_log and budget > 0:
+            identity, keys, medium, present = self.tier_log.popleft()
+            if len(keys) > budget:
+                self.tier_log.appendleft((identity, keys[budget:], medium, present))
+                keys = keys[:budget]
+            budget -= max(len(keys), 1)
+            self._drain_tier(identity, keys, medium, present)
+        if self.tier_log:
+            self._schedule()
 
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
         for ns in self.identities.get(identity, ()):

@@ -17,6 +17,7 @@ import pytest
 
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import free_port
+from sidecar import events as events_mod
 from sidecar.events import block_hash
 from tests.conftest import replay_frames, wait_for
 from tests.deploy.as_uid import run_as
@@ -87,9 +88,14 @@ def truth(srv, names: list[str]) -> dict:
 
 
 def settled(srv, sub: Subscriber) -> None:
-    """Every event so far flushed, published and received."""
+    """Every event so far flushed (tier changes too: a flush takes a part of them),
+    published and received."""
     events = srv.ctx.events
-    wait_for(lambda: srv.on_loop(lambda: (events.flush(), events.publisher.seq)[1]) - 1 == sub.last)
+
+    def flushed():
+        events.flush()
+        return not events.tier_log and events.publisher.seq - 1 == sub.last
+    wait_for(lambda: srv.on_loop(flushed))
 
 
 def endpoints() -> tuple[int, int]:
@@ -217,9 +223,11 @@ def replayed(port: int) -> dict:
     return model
 
 
-def test_a_namespace_made_after_a_restart_announces_its_tier_pages(make_server, tmp_path):
+def test_a_namespace_made_after_a_restart_announces_its_tier_pages(make_server, tmp_path, monkeypatch):
     """The file tier kept pages across a restart: the namespace's first maker learns them
-    as DISK pages (the host pool is empty)."""
+    as DISK pages (the host pool is empty), a part a flush (TIER_KEYS_A_FLUSH, 2 here:
+    a million pages would otherwise be made events in one loop turn)."""
+    monkeypatch.setattr(events_mod, "TIER_KEYS_A_FLUSH", 2)
     first = make_server(file_tier=True, data_dir=str(tmp_path / "data"))
     wait_for(lambda: first.ctx.ready)
     c = first.client()
@@ -236,8 +244,17 @@ def test_a_namespace_made_after_a_restart_announces_its_tier_pages(make_server, 
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     try:
         wait_for(lambda: _probe_seen(srv, sub))
+        drained = []
+        real = events_mod.Events._drain_tiers
+
+        def counted(self):
+            before = sum(len(e[1]) for e in self.tier_log)
+            real(self)
+            drained.append(before - sum(len(e[1]) for e in self.tier_log))
+        monkeypatch.setattr(events_mod.Events, "_drain_tiers", counted)
         srv.client().put_namespace("kv", PAGE, key_format="sglang")
         settled(srv, sub)
+        assert sum(drained) == 5 and max(drained) == 2     # 5 pages, 2 a flush
         assert sub.model["t@kv"] == {"DISK": {block_hash(k, "sglang") for k in keys}}
         assert block_hash(keys[1], "sglang") == 1 and truth(srv, ["kv"]) == model_of(sub, ["kv"])
     finally:
