@@ -14,8 +14,10 @@ A pool grows from the free list, else, while its owner and itself are below thei
 shares, by reclaiming the coldest idle segment of a pool whose owner holds more than its
 share (the owner furthest above first), else of a pool of its own owner above its pool
 share; past that it evicts its own least recent page. A pool holding no segment may
-always take one, so the N+1th namespace stores even when N hold every segment. One
-tenant with many namespaces gets one owner's share, not one share a namespace.
+always take one, so the N+1th namespace stores even when N hold every segment: from
+another owner only while its own owner is below the owner share, else from its own
+owner's pools. One tenant with many namespaces gets one owner's share, not one share a
+namespace, and making more does not cost its neighbours a segment each.
 
 Tenants' explicit capacities hold at most half the segments in all, each tenant at most
 its part of that half (split among the tenants holding a pool at the time), so the shared
@@ -242,14 +244,17 @@ class HostPool:
         """One segment for `pool`, coldest idle one first: while its owner is below the
         owner share, from pools of owners above it (the owner furthest above first, its
         largest pool first); while `pool` is below its pool share, from its owner's pools
-        above theirs (largest first). A pool without any segment may always take one, from
-        the largest holder: with more namespaces than segments the share rounds below one."""
+        above theirs (largest first). A pool without any segment may always take one: from
+        another owner's only while its own owner is below the owner share (else a tenant
+        would take one segment of its neighbours' pages per namespace it makes, up to 256),
+        else from its own owner's pools: with more namespaces than segments the share
+        rounds below one."""
         shared = [p for p in self.shared_pools() if p is not pool and p.segments]
         held = {o: self._held(o) for o in {p.owner for p in shared} | {pool.owner}}
         first = not pool.segments
-        owner_share, pool_share = (0.0, 0.0) if first else (self.owner_share(), self.pool_share(pool))
+        owner_share, pool_share = self.owner_share(), (0.0 if first else self.pool_share(pool))
         victims = []
-        if first or held[pool.owner] + 1 <= max(owner_share, 1.0):
+        if held[pool.owner] + 1 <= max(owner_share, 1.0):
             others = [p for p in shared if p.owner != pool.owner and held[p.owner] > owner_share]
             victims += sorted(others, key=lambda p: (held[p.owner], len(p.segments)), reverse=True)
         if first or len(pool.segments) + 1 <= max(pool_share, 1.0):

@@ -109,6 +109,12 @@ MUTANTS = [
       "        if self.joints or self.log is not None:\n            for key in list(self.entries):",
       "        if True:\n            for key in list(self.entries):",
       ("tests/pools/test_page_pool.py::test_close_walks_only_the_busy_pages",)),
+    M("host: a tenant's new namespace takes a neighbour's segment though at its share", "pools/host_pool.py",
+      "        owner_share, pool_share = self.owner_share(), (0.0 if first else self.pool_share(pool))\n"
+      "        victims = []\n        if held[pool.owner] + 1 <= max(owner_share, 1.0):",
+      "        owner_share, pool_share = (0.0, 0.0) if first else (self.owner_share(), self.pool_share(pool))\n"
+      "        victims = []\n        if first or held[pool.owner] + 1 <= max(owner_share, 1.0):",
+      ("tests/pools/test_host_pool.py::test_new_namespaces_of_a_tenant_at_its_share_take_its_own_segments",)),
     M("host: a reclaim that found nothing is tried again on every grow", "pools/host_pool.py",
       "                self._no_reclaim[pool.name] = RECLAIM_RETRY",
       "                pass",

@@ -210,6 +210,23 @@ def test_an_owner_with_many_pools_gets_one_owners_share(host):
     host.invariants()
 
 
+def test_new_namespaces_of_a_tenant_at_its_share_take_its_own_segments(host):
+    """A pool with no segment may always take one, but from its own owner's pools once the
+    owner holds its share: a tenant making namespaces one after another does not evict a
+    segment of its neighbour's pages for each (it could make 256)."""
+    a = host.create("a", SEG, owner=1)
+    fill(a, "a", 16)
+    b = host.create("b", SEG, owner=2)
+    assert fill(b, "b", 16) == 16 and len(b.segments) == 8 and len(a.segments) == 8
+    kept = sorted(b.ready)
+    for i in range(6):
+        extra = host.create(f"a{i}", SEG, owner=1)
+        assert fill(extra, f"x{i}", 1) == 1            # it still stores
+    assert len(b.segments) == 8 and sorted(b.ready) == kept
+    assert sum(len(p.segments) for p in host.pools.values() if p.owner == 1) == 8
+    host.invariants()
+
+
 def test_a_tenant_cannot_reserve_past_its_share_or_take_another_tenants(host):
     b = host.create("b", SEG, owner=2)
     assert fill(b, "b", 6) == 6                          # tenant 2: 6 of 16 segments
