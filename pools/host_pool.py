@@ -218,9 +218,14 @@ class HostPool:
         self._moved()
         return True
 
-    def _segment_idle(self) -> None:
+    def _segment_idle(self, pool: PagePool) -> None:
+        """A segment of `pool` may be reclaimed now: every other pool's skip ends (not
+        `pool`'s own: its own copies ending free nothing it could reclaim)."""
         if self._no_reclaim:
+            mine = self._no_reclaim.get(pool.name)
             self._no_reclaim.clear()
+            if mine is not None:
+                self._no_reclaim[pool.name] = mine
 
     def _skip_reclaim(self, pool: PagePool) -> bool:
         left = self._no_reclaim.get(pool.name)

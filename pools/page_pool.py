@@ -137,7 +137,7 @@ class PagePool:
         self.closed = False
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
-        self.on_segment_idle: Optional[Callable[[], None]] = None  # a segment's last busy slot went
+        self.on_segment_idle: Optional[Callable[["PagePool"], None]] = None  # a segment's last busy slot went
         self.joints: list[Joint] = []    # told when a key comes or goes
         self.log: Optional[list] = None  # (True, key) or a gone key, as they come and go
         self.on_log: Optional[Callable[["PagePool"], None]] = None
@@ -457,7 +457,7 @@ class PagePool:
     def _segment_went_idle(self, seg: int) -> None:
         del self._seg_busy[seg]
         if self.on_segment_idle is not None:
-            self.on_segment_idle()
+            self.on_segment_idle(self)
 
     def _after_release(self) -> None:
         if self.closed and self.busy == 0 and self.on_idle is not None:

@@ -39,3 +39,11 @@ def test_bench_events_runs_both_sidecars():
     res = bench_events.run(1, 20, 4096, ring=1 << 20)   # the fill: until a 1 MiB ring wraps
     assert res["set"]["on_rps"] > 0 and res["set"]["off_rps"] > 0
     assert res["exists"]["on_rps"] > 0 and res["exists"]["rps_ratio"] > 0   # CPU: 10 ms ticks
+
+
+def test_bench_stalls_runs_each_scenario_against_its_limit():
+    """`python -m loadtest.bench_stalls` end to end at a small size (figures unchecked)."""
+    from loadtest import bench_stalls
+    res = bench_stalls.run(pages=4096, keys=256)
+    assert set(res) == {"full_pool", "neighbour", "drop"}
+    assert all(r["ms"] > 0 and r["limit_ms"] > 0 and r["ratio"] > 0 for r in res.values())
