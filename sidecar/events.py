@@ -166,7 +166,11 @@ class Events:
         self.by_pool: dict = {}        # pool -> its namespace
         self.dirty: set = set()        # pools with a log to flush
         self.pending: dict[bytes, list] = {}   # topic -> this turn's events, in order
-        self.tier_log: collections.deque = collections.deque()   # (identity, keys, medium, present)
+        # (identity, keys, medium, present, announcement number or None); `_tier_at`: how
+        # far into the first entry's keys the flushes got
+        self.tier_log: collections.deque = collections.deque()
+        self._tier_at = 0
+        self.announced: dict[str, int] = {}   # identity -> its latest announcement's number
         self.identities: dict[str, list] = {}   # identity -> its live namespaces
         self.scheduled = False
         self.dropped = 0               # batches ZMQ refused
@@ -187,9 +191,12 @@ class Events:
         ns.pool.log, ns.pool.on_log = [], self._logged
         same = self.identities.setdefault(ns.identity, [])
         same.append(ns)
-        if len(same) == 1:
+        if len(same) == 1:   # (an announcement still queued for the identity is replaced)
+            number = self.announced[ns.identity] = self.announced.get(ns.identity, 0) + 1
             for tier in tiers:
-                self.tier_changed(ns.identity, tier.held_keys(ns.identity), medium_of(tier), True)
+                self.tier_log.append((ns.identity, tier.held_keys(ns.identity), medium_of(tier),
+                                      True, number))
+            self._schedule()
 
     def dropped_namespace(self, ns) -> None:
         """Everything of `ns` goes (its pool closed, its tier pages being dropped); what
@@ -222,7 +229,7 @@ class Events:
 
     def tier_changed(self, identity: str, keys: list, medium: str, present: bool) -> None:
         """From any thread, in the order the tier changed its index."""
-        self.tier_log.append((identity, keys, medium, present))
+        self.tier_log.append((identity, keys, medium, present, None))
         self.loop.call_soon_threadsafe(self._schedule)
 
     # -- collecting -----------------------------------------------------------------
@@ -305,15 +312,24 @@ class Events:
     def _drain_tiers(self) -> None:
         """Tier changes in order, TIER_KEYS_A_FLUSH keys at most: the first namespace of an
         identity announces every page its tiers hold (a million pages of a file tier: one
-        event each), so the rest waits for the next gather instead of holding the loop."""
-        budget = TIER_KEYS_A_FLUSH
-        while self.tier_log and budget > 0:
-            identity, keys, medium, present = self.tier_log.popleft()
-            if len(keys) > budget:
-                self.tier_log.appendleft((identity, keys[budget:], medium, present))
-                keys = keys[:budget]
-            budget -= max(len(keys), 1)
-            self._drain_tier(identity, keys, medium, present)
+        event each), so the rest waits for the next gather instead of holding the loop.
+        Entries no namespace would hear of (its identity has none now, or a newer
+        announcement replaces it) are skipped, 16 times as many a flush: a dropped
+        namespace's pages or a create-delete loop do not hold back other tenants' events."""
+        budget, skips = TIER_KEYS_A_FLUSH, 16 * TIER_KEYS_A_FLUSH
+        while self.tier_log and budget > 0 and skips > 0:
+            identity, keys, medium, present, number = self.tier_log[0]
+            if self.identities.get(identity) and number in (None, self.announced.get(identity)):
+                part = keys[self._tier_at:self._tier_at + budget]
+                self._tier_at += len(part)
+                budget -= max(len(part), 1)
+                self._drain_tier(identity, part, medium, present)
+                if self._tier_at < len(keys):
+                    break
+            else:
+                skips -= 1
+            self.tier_log.popleft()
+            self._tier_at = 0
         if self.tier_log:
             self._schedule()
 
