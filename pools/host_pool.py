@@ -58,6 +58,7 @@ class HostPool:
         self.explicit_segments = 0
         self._shares: Optional[tuple] = None   # `_counts`, until segments move
         self._no_reclaim: dict[str, int] = {}   # pool -> grows left to skip (see `_grow`)
+        self._kept = False   # the last `_reclaim_for` met pages `on_evict` kept
 
     # -- namespaces -------------------------------------------------------------------
     def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None,
@@ -210,7 +211,7 @@ class HostPool:
         pools, and a pool below its share asks on every page it stores (it evicts its own
         pages meanwhile)."""
         if not self.free_segments and self._may_reclaim(pool) and not self._skip_reclaim(pool):
-            if not self._reclaim_for(pool):
+            if not self._reclaim_for(pool) and not self._kept:   # (write-back: soon written)
                 self._no_reclaim[pool.name] = RECLAIM_RETRY
         if not self.free_segments:
             return False
@@ -259,18 +260,21 @@ class HostPool:
         first = not pool.segments
         owner_share, pool_share = self.owner_share(), (0.0 if first else self.pool_share(pool))
         victims = []
-        if held[pool.owner] + 1 <= max(owner_share, 1.0):
+        room = max(owner_share, 1.0)   # growth stays within the share; a first segment: below it
+        if (held[pool.owner] < room) if first else (held[pool.owner] + 1 <= room):
             others = [p for p in shared if p.owner != pool.owner and held[p.owner] > owner_share]
             victims += sorted(others, key=lambda p: (held[p.owner], len(p.segments)), reverse=True)
         if first or len(pool.segments) + 1 <= max(pool_share, 1.0):
             mine = [p for p in shared if p.owner == pool.owner and len(p.segments) > pool_share]
             victims += sorted(mine, key=lambda p: len(p.segments), reverse=True)
+        self._kept = False
         for victim in victims:
             seg = victim.reclaim_segment()
             if seg is not None:
                 self.free_segments.append(seg)
                 self._moved()
                 return True
+            self._kept = self._kept or victim.reclaim_kept
         return False
 
     # -- bytes ------------------------------------------------------------------------

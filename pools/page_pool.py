@@ -150,6 +150,7 @@ class PagePool:
         self._reserved = 0
         self._pinned = 0                 # entries with pins > 0, doomed ones included
         self.evictions = 0
+        self.reclaim_kept = False        # the last reclaim met a page `on_evict` kept
 
     # -- capacity ---------------------------------------------------------------------
     @property
@@ -347,12 +348,13 @@ class PagePool:
         RECLAIM_TRIES are tried: one holding a page `on_evict` keeps is skipped (its
         other pages may be gone)."""
         cold = [e.offset // self.segment_size for e in islice(self.lru.from_lru(), EVICT_SCAN)]
-        tries = 0
+        tries, self.reclaim_kept = 0, False
         for seg in dict.fromkeys(cold + self.segments):
             if seg in self._seg_busy:
                 continue
             if self._empty_segment(seg):
                 return self._give_back(seg)
+            self.reclaim_kept = True     # `on_evict` kept a page: try again once it is written
             tries += 1
             if tries >= RECLAIM_TRIES:
                 break
@@ -389,7 +391,9 @@ class PagePool:
                 if not e.doomed:
                     e.doomed = True
                     self._doomed_entries[id(e)] = e
-            self.entries, self.ready, self.lru = {}, {}, LruList()
+            self.entries.clear()     # in place: a look-up holding `ready` across an await
+            self.ready.clear()       # sees the namespace gone
+            self.lru = LruList()
             self._by_offset = {e.offset: e for e in self._busy}
         self._after_release()
 

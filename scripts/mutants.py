@@ -111,14 +111,30 @@ MUTANTS = [
       ("tests/pools/test_page_pool.py::test_close_walks_only_the_busy_pages",)),
     M("host: a tenant's new namespace takes a neighbour's segment though at its share", "pools/host_pool.py",
       "        owner_share, pool_share = self.owner_share(), (0.0 if first else self.pool_share(pool))\n"
-      "        victims = []\n        if held[pool.owner] + 1 <= max(owner_share, 1.0):",
+      "        victims = []\n"
+      "        room = max(owner_share, 1.0)   # growth stays within the share; a first segment: below it\n"
+      "        if (held[pool.owner] < room) if first else (held[pool.owner] + 1 <= room):",
       "        owner_share, pool_share = (0.0, 0.0) if first else (self.owner_share(), self.pool_share(pool))\n"
-      "        victims = []\n        if first or held[pool.owner] + 1 <= max(owner_share, 1.0):",
+      "        victims = []\n"
+      "        room = max(owner_share, 1.0)\n"
+      "        if first or held[pool.owner] + 1 <= room:",
       ("tests/pools/test_host_pool.py::test_new_namespaces_of_a_tenant_at_its_share_take_its_own_segments",)),
     M("host: a pool's own segment going idle ends its reclaim skip", "pools/host_pool.py",
       "            if mine is not None:\n                self._no_reclaim[pool.name] = mine",
       "            pass",
       ("tests/pools/test_host_pool.py::test_a_reclaim_that_found_nothing_waits_for_a_segment_to_go_idle",)),
+    M("host: a reclaim that met write-back pages is skipped like a busy one", "pools/host_pool.py",
+      "            if not self._reclaim_for(pool) and not self._kept:",
+      "            if not self._reclaim_for(pool):",
+      ("tests/pools/test_host_pool.py::test_a_reclaim_that_met_write_back_pages_is_not_skipped",)),
+    M("host: a first segment below a fractional share counted as at it", "pools/host_pool.py",
+      "        if (held[pool.owner] < room) if first else",
+      "        if (held[pool.owner] + 1 <= room) if first else",
+      ("tests/pools/test_host_pool.py::test_a_first_segment_below_a_fractional_share_comes_from_the_owner_above_it",)),
+    M("pool: close() leaves the old index full for a look-up holding it", "pools/page_pool.py",
+      "            self.entries.clear()     # in place",
+      "            self.entries = {}; self.ready = {}     # in place",
+      ("tests/pools/test_page_pool.py::test_close_walks_only_the_busy_pages",)),
     M("host: a reclaim that found nothing is tried again on every grow", "pools/host_pool.py",
       "                self._no_reclaim[pool.name] = RECLAIM_RETRY",
       "                pass",

@@ -233,6 +233,48 @@ def test_new_namespaces_of_a_tenant_at_its_share_take_its_own_segments(host):
     host.invariants()
 
 
+def test_a_first_segment_below_a_fractional_share_comes_from_the_owner_above_it():
+    """3 segments, 2 tenants (share 1.5): A holds 1, B 2. A's new namespace is below the
+    share, so it takes B's extra segment, not A's other namespace's only one."""
+    arena = Arena(3 * SEG)
+    try:
+        host = HostPool(arena, SEG)
+        b = host.create("b", 4096, owner=2)
+        fill(b, "b", 48)
+        a1 = host.create("a1", 4096, owner=1)
+        fill(a1, "a", 16)
+        assert (len(a1.segments), len(b.segments)) == (1, 2)
+        a1.pin("a15")                       # (before: a2 then stored nothing at all)
+        a2 = host.create("a2", 4096, owner=1)
+        assert fill(a2, "n", 4) == 4
+        assert (len(a1.segments), len(a2.segments), len(b.segments)) == (1, 1, 1)
+        assert a1.ready_pages == 16
+        host.invariants()
+    finally:
+        arena.close()
+
+
+def test_a_reclaim_that_met_write_back_pages_is_not_skipped():
+    """write_back keeps unwritten pages while its queue is full: a reclaim that met them
+    failed for a while only, so the next grow tries again (no skip of 64 grows)."""
+    arena = Arena(2 * SEG)
+    try:
+        host = HostPool(arena, SEG)
+        b = host.create("b", 4096, owner=1)
+        fill(b, "b", 32)
+        queue_full = [True]
+        b.on_evict = lambda pool, e: not queue_full[0]
+        a = host.create("a", 4096, owner=2)
+        assert a.reserve("a0") is None
+        queue_full[0] = False               # the writer drained
+        r = a.reserve("a1")
+        assert r is not None
+        a.commit(r)
+        host.invariants()
+    finally:
+        arena.close()
+
+
 def test_a_tenant_cannot_reserve_past_its_share_or_take_another_tenants(host):
     b = host.create("b", SEG, owner=2)
     assert fill(b, "b", 6) == 6                          # tenant 2: 6 of 16 segments

@@ -270,7 +270,9 @@ def test_close_walks_only_the_busy_pages(monkeypatch):
     pool.on_idle = idle.append
     deletes = []
     monkeypatch.setattr(pool, "delete", lambda key: deletes.append(key))
+    ready = pool.ready                   # what a look-up across an await holds
     pool.close()
+    assert not ready
     assert not deletes and not pool.entries and not pool.ready and len(pool.lru) == 0
     assert pinned.doomed and res.doomed and pool.busy == 2 and not idle
     pool.invariants()
