@@ -81,8 +81,11 @@ class FileTier(Tier):
         return self.shared and self._adopt(identity, key)
 
     def index(self, identity: str):
-        """The identity's index (a dict by key) where `contains` is its look-up alone."""
-        return None if self.shared else self.keys.get(identity, _NONE)
+        """The identity's index (a dict by key) where `contains` is its look-up alone: not
+        for a shared tier (a miss checks the disk), nor a subclass with its own `contains`."""
+        if self.shared or type(self).contains is not FileTier.contains:
+            return None
+        return self.keys.get(identity, _NONE)
 
     def count(self, identity: str) -> int:
         return len(self.keys.get(identity, ()))
