@@ -58,7 +58,6 @@ class HostPool:
         self.explicit_segments = 0
         self._shares: Optional[tuple] = None   # `_counts`, until segments move
         self._no_reclaim: dict[str, int] = {}   # pool -> grows left to skip (see `_grow`)
-        self._kept = False   # the last `_reclaim_for` met pages `on_evict` kept
 
     # -- namespaces -------------------------------------------------------------------
     def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None,
@@ -211,7 +210,8 @@ class HostPool:
         pools, and a pool below its share asks on every page it stores (it evicts its own
         pages meanwhile)."""
         if not self.free_segments and self._may_reclaim(pool) and not self._skip_reclaim(pool):
-            if not self._reclaim_for(pool) and not self._kept:   # (write-back: soon written)
+            got, kept = self._reclaim_for(pool)
+            if not got and not kept:   # (pages write-back kept may go once written)
                 self._no_reclaim[pool.name] = RECLAIM_RETRY
         if not self.free_segments:
             return False
@@ -246,15 +246,15 @@ class HostPool:
         return (held[pool.owner] + 1 <= max(share, 1.0) and len(held) > 1) or \
             len(pool.segments) + 1 <= max(mine, 1.0)
 
-    def _reclaim_for(self, pool: PagePool) -> bool:
-        """One segment for `pool`, coldest idle one first: while its owner is below the
-        owner share, from pools of owners above it (the owner furthest above first, its
-        largest pool first); while `pool` is below its pool share, from its owner's pools
-        above theirs (largest first). A pool without any segment may always take one: from
-        another owner's only while its own owner is below the owner share (else a tenant
-        would take one segment of its neighbours' pages per namespace it makes, up to 256),
-        else from its own owner's pools: with more namespaces than segments the share
-        rounds below one."""
+    def _reclaim_for(self, pool: PagePool) -> tuple[bool, bool]:
+        """One segment for `pool`, coldest idle one first; returns (one was freed, a victim
+        held pages `on_evict` kept). While its owner is below the owner share, from pools
+        of owners above it (the owner furthest above first, its largest pool first); while
+        `pool` is below its pool share, from its owner's pools above theirs (largest first).
+        A pool without any segment may always take one: from another owner's only while
+        its own owner is below the owner share (else a tenant would take one segment of its
+        neighbours' pages per namespace it makes, up to 256), else from its own owner's
+        pools: with more namespaces than segments the share rounds below one."""
         shared = [p for p in self.shared_pools() if p is not pool and p.segments]
         held = {o: self._held(o) for o in {p.owner for p in shared} | {pool.owner}}
         first = not pool.segments
@@ -267,15 +267,15 @@ class HostPool:
         if first or len(pool.segments) + 1 <= max(pool_share, 1.0):
             mine = [p for p in shared if p.owner == pool.owner and len(p.segments) > pool_share]
             victims += sorted(mine, key=lambda p: len(p.segments), reverse=True)
-        self._kept = False
+        kept = False
         for victim in victims:
             seg = victim.reclaim_segment()
             if seg is not None:
                 self.free_segments.append(seg)
                 self._moved()
-                return True
-            self._kept = self._kept or victim.reclaim_kept
-        return False
+                return True, kept
+            kept = kept or victim.reclaim_kept
+        return False, kept
 
     # -- bytes ------------------------------------------------------------------------
     def view(self, offset: int, length: int) -> memoryview:

@@ -224,9 +224,7 @@ class PagePool:
         self.entries[key] = e
         self._by_offset[offset] = e
         self._reserved += 1
-        self._busy.add(e)                        # busy: its segment cannot be reclaimed
-        seg, busy = offset // self.segment_size, self._seg_busy
-        busy[seg] = busy.get(seg, 0) + 1
+        self._busy_on(e)
         return e
 
     def commit(self, e: Entry, log: bool = True) -> bool:
@@ -234,11 +232,7 @@ class PagePool:
         `log=False`: the caller logs it (KV events take a set's commits as one entry)."""
         self._check_reserved(e)
         self._reserved -= 1
-        self._busy.remove(e)                     # `_busy_off`, inline (every page set)
-        seg, busy = e.offset // self.segment_size, self._seg_busy
-        n = busy[seg] = busy[seg] - 1
-        if not n:
-            self._segment_went_idle(seg)
+        self._busy_off(e)
         if e.doomed:
             self._bury(e)
             return False
@@ -273,9 +267,7 @@ class PagePool:
         if e.pins == 0:
             self._pinned += 1
             self.lru.remove(e)
-            self._busy.add(e)                      # busy: its segment cannot be reclaimed
-            seg, busy = e.offset // self.segment_size, self._seg_busy
-            busy[seg] = busy.get(seg, 0) + 1
+            self._busy_on(e)
         e.pins += 1
         return e
 
@@ -292,11 +284,7 @@ class PagePool:
         e.pins -= 1
         if e.pins == 0:
             self._pinned -= 1
-            self._busy.remove(e)                   # `_busy_off`, inline (every page read)
-            seg, busy = e.offset // self.segment_size, self._seg_busy
-            n = busy[seg] = busy[seg] - 1
-            if not n:
-                self._segment_went_idle(seg)
+            self._busy_off(e)
             if e.doomed:
                 self._bury(e)
                 return
@@ -330,11 +318,9 @@ class PagePool:
         its freed slot, or None. At most EVICT_SCAN pages it keeps are passed over: past
         them (write-back with a full queue, every page unwritten) the caller waits for the
         writer rather than have each reserve walk the whole pool on the event loop."""
-        for n, e in enumerate(self.lru.from_lru()):
+        for e in islice(self.lru.from_lru(), EVICT_SCAN):
             if self._evict(e):
                 return e.offset
-            if n + 1 >= EVICT_SCAN:
-                break
         return None
 
     def idle_segments(self) -> int:
@@ -451,17 +437,21 @@ class PagePool:
         del self._by_offset[e.offset]
         self.free.append(e.offset)
 
+    def _busy_on(self, e: Entry) -> None:
+        """`e` is reserved or pinned now: its segment cannot be reclaimed."""
+        self._busy.add(e)
+        seg = e.offset // self.segment_size
+        self._seg_busy[seg] = self._seg_busy.get(seg, 0) + 1
+
     def _busy_off(self, e: Entry) -> None:
+        """`e` is committed, aborted or unpinned: its segment may go idle."""
         self._busy.remove(e)
         seg = e.offset // self.segment_size
         n = self._seg_busy[seg] = self._seg_busy[seg] - 1
         if not n:
-            self._segment_went_idle(seg)
-
-    def _segment_went_idle(self, seg: int) -> None:
-        del self._seg_busy[seg]
-        if self.on_segment_idle is not None:
-            self.on_segment_idle(self)
+            del self._seg_busy[seg]
+            if self.on_segment_idle is not None:
+                self.on_segment_idle(self)
 
     def _after_release(self) -> None:
         if self.closed and self.busy == 0 and self.on_idle is not None:

@@ -311,11 +311,14 @@ class Tiering:
             while found and not pool.closed:
                 later = []
                 for key, tier in found:
-                    # after one "no room", the rest wait too (a failed reserve walks the LRU)
-                    r = None if later or pool.contains(key) else pool.reserve(key)
-                    if r is None and not pool.contains(key):
+                    if pool.contains(key):   # another request loaded it
+                        continue
+                    # after one "no room", the rest wait too (each failed reserve asks
+                    # the host pool for a segment again)
+                    r = None if later else pool.reserve(key)
+                    if r is None:
                         later.append((key, tier))
-                    elif r is not None and r is not PRESENT and r is not BUSY:
+                    elif r is not PRESENT and r is not BUSY:
                         todo.append((tier, r))
                 left = deadline - loop.time()
                 if not later or left <= 0 or not (self.writing.get(pool.name) or self.backlogged()):

@@ -6,6 +6,7 @@ an event (a fault injected on purpose), never with sleeps:
     Tiering.write_through at most half of a namespace's pages pinned for writing
 """
 import asyncio
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +36,13 @@ class GatedTier(Tier):
         self.gate.wait(60)
         self.written += [key for _, key, _ in jobs]
         return [True] * len(jobs)
+
+
+def committed(pool, n: int) -> list:
+    """Pages k0..k{n-1} stored in `pool`: their entries."""
+    entries = [pool.reserve(f"k{i}") for i in range(n)]
+    assert all(pool.commit(e) for e in entries)
+    return entries
 
 
 async def blocked(aw, wait: float = 0.3) -> bool:
@@ -76,11 +84,7 @@ def test_write_through_pins_at_most_half_a_namespace():
         writer.start()
         tiering = Tiering([tier], "write_through", writer, host, ThreadPoolExecutor(1))
         try:
-            entries = []
-            for i in range(6):
-                e = pool.reserve(f"k{i}")
-                assert pool.commit(e)
-                entries.append(e)
+            entries = committed(pool, 6)
             assert pool.capacity_pages == 8
             first = await asyncio.wait_for(tiering.write_through(ID, pool, entries[:4]), 5)
             assert len(first) == 4 and tiering.writing["kv"] == 4
@@ -149,9 +153,11 @@ class HeldTier(GatedTier):
         return [True] * len(items)
 
 
-def _pool_pinned_for_writing(wait: float):
+@contextlib.asynccontextmanager
+async def _pool_pinned_for_writing(wait: float):
     """A pool of 8 pages, every one pinned for the writer (a set larger than half the pool
-    goes alone) behind a closed gate; a tier holding `t0`, `t1` to promote."""
+    goes alone) behind a closed gate; a tier holding `t0`, `t1` to promote. Yields
+    (pool, tier, tiering); opens the gate and stops the writer after."""
     arena = Arena(1 << 20)
     host = HostPool(arena, 64 * PAGE)
     pool = host.create("kv", PAGE, capacity_bytes=8 * PAGE)
@@ -160,17 +166,15 @@ def _pool_pinned_for_writing(wait: float):
     writer.start()
     tiering = Tiering([tier], "write_through", writer, host, ThreadPoolExecutor(1))
     tiering.room_wait = wait
-    return arena, pool, tier, writer, tiering
-
-
-async def _fill(pool, tiering):
-    entries = []
-    for i in range(8):
-        e = pool.reserve(f"k{i}")
-        assert pool.commit(e)
-        entries.append(e)
-    assert len(await asyncio.wait_for(tiering.write_through(ID, pool, entries), 5)) == 8
-    assert pool._pinned == 8 and pool.reserve("x") is None   # no slot: all pinned
+    try:
+        entries = committed(pool, 8)
+        assert len(await asyncio.wait_for(tiering.write_through(ID, pool, entries), 5)) == 8
+        assert pool._pinned == 8 and pool.reserve("x") is None   # no slot: all pinned
+        yield pool, tier, tiering
+    finally:
+        tier.gate.set()
+        writer.stop()
+        arena.close()
 
 
 def test_a_promotion_waits_for_the_writer_to_free_slots():
@@ -178,9 +182,7 @@ def test_a_promotion_waits_for_the_writer_to_free_slots():
     a large set found every slot pinned for writing and answered false for pages `exists`
     had just counted. It now waits for the writer; the pages load once a batch is written."""
     async def main():
-        arena, pool, tier, writer, tiering = _pool_pinned_for_writing(wait=30.0)
-        try:
-            await _fill(pool, tiering)
+        async with _pool_pinned_for_writing(wait=30.0) as (pool, tier, tiering):
             promote = asyncio.ensure_future(tiering.promote(ID, pool, ["t0", "t1"]))
             assert await blocked(asyncio.shield(promote)), "answered before the writer wrote"
             assert tiering.room_waits >= 1
@@ -188,10 +190,6 @@ def test_a_promotion_waits_for_the_writer_to_free_slots():
             assert await asyncio.wait_for(promote, 10) == 2
             assert pool.contains("t0") and pool.contains("t1")
             pool.invariants()
-        finally:
-            tier.gate.set()
-            writer.stop()
-            arena.close()
     asyncio.run(main())
 
 
@@ -199,16 +197,10 @@ def test_a_promotion_gives_up_when_the_writer_stays_stuck():
     """A hung tier holds a get at most `room_wait`: then the pages are misses, the slots
     reserved meanwhile are given back, and the pool's counts hold."""
     async def main():
-        arena, pool, tier, writer, tiering = _pool_pinned_for_writing(wait=0.3)
-        try:
-            await _fill(pool, tiering)
+        async with _pool_pinned_for_writing(wait=0.3) as (pool, tier, tiering):
             assert await asyncio.wait_for(tiering.promote(ID, pool, ["t0", "t1"]), 10) == 0
             assert not pool.contains("t0") and pool._reserved == 0
             pool.invariants()
-        finally:
-            tier.gate.set()
-            writer.stop()
-            arena.close()
     asyncio.run(main())
 
 
