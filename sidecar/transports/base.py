@@ -8,13 +8,15 @@ at `offset_c + i * stride_c`. In the host pool the same page is one contiguous s
     ^offset_0   ^offset_0+stride_0  ^offset_1     ^entry.offset  ^+size_0
 
 A copy plan is a list of (dst_address, src_address, nbytes), coalesced where runs touch.
+Every transport runs the same plan through one small protocol, `Mapping` (below): shm
+(`shm.py`: memmove, or pread/pwrite in fd mode) and CUDA IPC (`cuda_ipc.py`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from sidecar.errors import BadRequest, GeometryMismatch, PayloadTooLarge
 
@@ -23,6 +25,42 @@ MAX_RUNS = 1 << 16     # copies one request may plan (keys x chunks)
 YIELD_RUNS = 2048      # runs a copy thread plans and copies before it yields the GIL
 SPLIT_MIN = 8 << 20    # moves of fewer bytes stay on one copy thread
 _INT = {int}
+
+
+class Mapping(Protocol):
+    """An engine buffer opened in the sidecar: what a copy plan runs against.
+
+    Made on an fd thread (`sidecar/lanes.py`) when the buffer is registered, and from then
+    on owned by the registry: the engine's memory stays the engine's, the mapping (an
+    mmap, a dup of the lent fd, opened IPC handles) is the sidecar's until `close`.
+    """
+
+    @property
+    def addresses(self) -> list[int]:
+        """Base address of each region, in the sidecar's address space (shm: a mapping
+        address, or file offset 0 in fd mode; CUDA IPC: a device pointer). Chunk offsets
+        are relative to these. Constant for the mapping's life; never raises."""
+        ...
+
+    def run_plan(self, plan: Sequence[tuple[int, int, int]], into_engine: bool) -> int:
+        """Run (dst, src, n) copies between the host arena and the engine's memory; the
+        bytes moved, once every copy has completed (CUDA: the stream synchronized).
+
+        A copy thread only, never the event loop: the engine's memory can block (a held
+        inode lock, FUSE) and a device copy waits for the GPU. The host addresses are
+        pool slots the caller holds reserved (a set) or pinned (a get) for the whole call;
+        the engine addresses lie inside `addresses` by the plan's construction. Raises
+        `CopyFailed` when the engine's side cannot be read or written (a file that shrank,
+        a failed device copy): the request's pages answer false. Any other exception fails
+        them the same way but is logged with its traceback, as a bug (`sidecar/copier.py`)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the mapping holds (unmap, close the fd, close the IPC handles).
+
+        An fd thread, once, after every copy that used the mapping has ended; nothing is
+        called after it. Never raises."""
+        ...
 
 
 class CopyFailed(Exception):
