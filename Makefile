@@ -8,7 +8,7 @@ SGLANG ?= sglang==0.5.23
 $(VENV)/.installed: pyproject.toml constraints.txt | deb-libs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan,engine,events]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loadtest,mooncake,plan,engine,events,lint]'
 	touch $@
 
 # `make serve` runs from its own virtualenv with the server's dependencies only: no torch
@@ -70,6 +70,14 @@ test-core: $(VENV)/.installed
 # The project's suite without the tests marked slow (local work; CI runs everything)
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# ruff (lint, then the formatter's check) and mypy (pyproject.toml says what and how);
+# .ci/run runs it before the tests and fails on any finding
+.PHONY: lint
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The curated mutation check (scripts/mutants.py): each listed rule broken in a copy of the
 # tree must fail its tests. CI runs it after `make test`.
