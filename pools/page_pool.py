@@ -47,12 +47,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
 from operator import itemgetter, or_
-from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Optional
+from typing import Callable, Hashable, Iterable, Optional, Protocol
 
 from pools.lru import LruList
-
-if TYPE_CHECKING:
-    from pools.joint import Joint
 
 RESERVED = 0
 READY = 1
@@ -60,6 +57,15 @@ PRESENT = object()  # reserve(): the key is already stored: no copy needed
 BUSY = object()     # reserve(): another writer is storing the key; it is not stored yet
 EVICT_SCAN = 64     # pages `on_evict` keeps that one eviction passes over at most
 RECLAIM_TRIES = 4   # idle segments one reclaim tries to empty at most
+
+
+class KeyWatcher(Protocol):
+    """What a pool tells of its keys (`pools.joint.Joint` is one): a page published, a page
+    gone. Called on the event loop, inside the pool's operation: it must not call back."""
+
+    def added(self, pool: PagePool, key: str) -> None: ...
+
+    def removed(self, pool: PagePool, key: str) -> None: ...
 
 
 class PoolInvariantError(AssertionError):
@@ -138,7 +144,7 @@ class PagePool:
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
         self.on_segment_idle: Optional[Callable[["PagePool"], None]] = None  # a segment's last busy slot went
-        self.joints: list[Joint] = []    # told when a key comes or goes
+        self.joints: list[KeyWatcher] = []    # told when a key comes or goes
         self.log: Optional[list] = None  # (True, key) or a gone key, as they come and go
         self.on_log: Optional[Callable[["PagePool"], None]] = None
         self._grow = grow
