@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import os
 import tempfile
+from typing import Optional
 
 _PAGE = mmap.PAGESIZE
 
@@ -35,14 +36,15 @@ class Arena:
             os.close(self.fd)
             raise ValueError(f"cannot reserve {size} bytes of shared memory: {exc}") from exc
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(self.fd, size, flags=flags)
-        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self._mm: Optional[mmap.mmap] = mmap.mmap(self.fd, size, flags=flags)
+        self._anchor: Optional[ctypes.c_char] = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(self._anchor)
 
     def view(self, offset: int, length: int) -> memoryview:
         """A writable view of `length` bytes at `offset` (no copy)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the arena")
+        assert self._mm is not None, "a view of a closed arena"
         return memoryview(self._mm)[offset:offset + length]
 
     def close(self) -> None:

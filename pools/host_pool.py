@@ -183,7 +183,7 @@ class HostPool:
         stores, and the answer must not walk every pool each time."""
         if self._shares is None:
             shared = self.shared_pools()
-            pools, held = Counter(p.owner for p in shared), Counter()
+            pools, held = Counter(p.owner for p in shared), Counter[Hashable]()
             for p in shared:
                 held[p.owner] += len(p.segments)
             share = (self.n_segments - self.explicit_segments) / max(len(pools), 1)

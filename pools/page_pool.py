@@ -139,7 +139,7 @@ class PagePool:
         self.ready: dict[str, Entry] = {}     # READY keys only: the lookup fast path
         self.free: list[int] = []        # slots given back, reused first
         self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
-        self.lru = LruList()
+        self.lru: LruList[Entry] = LruList()
         self.closed = False
         self.on_evict: Optional[OnEvict] = None
         self.on_idle: Optional[Callable[["PagePool"], None]] = None
@@ -423,6 +423,7 @@ class PagePool:
         log = self.log
         if log is not None:            # `_logged`, inline: every page a set evicts comes here
             if not log:
+                assert self.on_log is not None, "a pool with a log has its on_log"
                 self.on_log(self)
             log.append(e.key)
         self._free_slot(e)
@@ -430,6 +431,7 @@ class PagePool:
         return True
 
     def _logged(self, entry) -> None:
+        assert self.log is not None and self.on_log is not None, "called only with a log"
         if not self.log:
             self.on_log(self)
         self.log.append(entry)
