@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, overload
 
 import orjson
 
@@ -81,9 +81,16 @@ class NamespaceSpec:
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
 
 
+@overload
+def _int(body: dict, name: str, default: int, minimum: int) -> int: ...
+@overload
+def _int(body: dict, name: str, default: None, minimum: int) -> Optional[int]: ...
+
+
 def _int(body: dict, name: str, default: Optional[int], minimum: int) -> Optional[int]:
+    """`body[name]`, an integer >= `minimum`, or `default` when absent (None stays None)."""
     value = body.get(name, default)
-    if value is None:
+    if value is None and default is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise BadRequest(f"'{name}' must be an integer >= {minimum}")
@@ -129,7 +136,7 @@ def parse_spec(body: Any) -> NamespaceSpec:
     if replicated:  # identical on every TP rank: one namespace, whichever rank registers it
         rank = Rank(0, rank.tp_size, rank.pp, rank.pp_size, rank.cp, rank.cp_size)
     return NamespaceSpec(
-        page_bytes=_int(body, "page_bytes", None, MIN_PAGE_BYTES), pool=pool,
+        page_bytes=_int(body, "page_bytes", 0, MIN_PAGE_BYTES), pool=pool,
         model=_str(body, "model", ""), layout=_str(body, "layout", "page_first"),
         dtype=_str(body, "dtype", ""), page_tokens=_int(body, "page_tokens", 0, 0),
         rank=rank, replicated=replicated,
