@@ -18,8 +18,10 @@ An attack module (`loadtest/redteam_*.py`) lists `ATTACKS: list[Attack]`. `run(t
 stop)` attacks until `stop` is set (the runner sets it after `seconds`) or it is done, and
 returns facts: at least `held` (True when the sidecar kept its promise). The runner adds
 the /healthz latencies seen meanwhile (max and p99, per listener; a probe that fails
-counts as `inf`) and prints one row per attack. A promise of issue 26 is kept only when
-`held` and the engine socket's /healthz max stayed under 50 ms.
+counts as `inf`) and the sidecar's RSS (at the start, its maximum, the growth), and prints
+one row per attack. A promise is kept only when `held`, the sidecar lived, /healthz stayed
+under 50 ms on both listeners and its RSS grew less than the attack's `rss_limit_mib`
+(128 MiB unless the attack says; issue 43).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ class Attack:
     seconds: float = 5.0
     sidecar_args: tuple = ()                             # extra flags for its sidecar
     token: Optional[str] = "redteam-token"               # the sidecar's token (None: none)
+    rss_limit_mib: float = 128.0                         # growth of the sidecar's RSS allowed
 
 
 def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, timeout: float = 120) -> Any:
@@ -108,6 +111,7 @@ class Prober:
     target: Target
     interval: float = 0.02
     seen: dict = field(default_factory=lambda: {"tcp": [], "unix": []})
+    rss: list = field(default_factory=list)              # the sidecar's RSS (MiB), each round
 
     def __post_init__(self):
         port = int(self.target.url.rsplit(":", 1)[1])
@@ -134,10 +138,14 @@ class Prober:
         while not self.stop.is_set():
             for name, conn in self.conns.items():
                 self.seen[name].append(self._probe(conn))
+            self.rss.append(rss_mib(self.target.pid))
             self.stop.wait(self.interval)
 
     def summary(self) -> dict:
-        out = {}
+        out: dict[str, Any] = {}
+        rss = [r for r in self.rss if r is not None]
+        if rss:
+            out["rss_mib"] = {"start": rss[0], "max": max(rss), "growth": max(rss) - rss[0]}
         for name, ms in self.seen.items():
             ms = sorted(ms)
             out[name] = {"probes": len(ms), "max_ms": ms[-1] if ms else None,
@@ -197,10 +205,24 @@ def _run(attack: Attack, seconds: Optional[float], workdir: str) -> dict:
     finally:
         proc.stop()
     health = prober.summary()
-    unix_max = health["unix"]["max_ms"]
-    kept = bool(facts.get("held")) and alive and unix_max is not None and unix_max < HEALTHZ_LIMIT_MS
+    rss = health.pop("rss_mib", None)
+    fast = all(h["max_ms"] is not None and h["max_ms"] < HEALTHZ_LIMIT_MS for h in health.values())
+    small = rss is not None and rss["growth"] < attack.rss_limit_mib
+    kept = bool(facts.get("held")) and alive and fast and small
     return {"item": attack.item, "attack": attack.name, "kept": kept, "alive": alive,
-            "healthz": health, **facts}
+            "healthz": health, "rss_mib": rss, **facts}
+
+
+def rss_mib(pid: int) -> Optional[float]:
+    """The resident set of `pid` in MiB (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def attacks() -> list[Attack]:
@@ -228,9 +250,11 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(r, default=str))
         else:
-            h = r["healthz"]
+            h, rss = r["healthz"], r["rss_mib"] or {"growth": float("nan"), "max": float("nan")}
             print(f"{r['item']:>3} {r['attack']:<36} {'kept' if r['kept'] else 'BROKEN':<7}"
-                  f" healthz max unix {h['unix']['max_ms']:.1f} ms, tcp {h['tcp']['max_ms']:.1f} ms")
+                  f" healthz max unix {h['unix']['max_ms']:.1f} ms, tcp {h['tcp']['max_ms']:.1f} ms,"
+                  f" RSS +{rss['growth']:.1f} MiB (max {rss['max']:.0f})")
+    print(f"{sum(r['kept'] for r in rows)} kept, {sum(not r['kept'] for r in rows)} broken")
     return 0 if all(r["kept"] for r in rows) else 1
 
 
