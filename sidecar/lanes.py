@@ -95,7 +95,10 @@ class Lanes:
                 job.done = None   # the answer holds the job: no cycle back through this closure
                 answer.set_result(job)
         job = self.submit(owner, fn, done)
-        timer = loop.call_later(deadline, lambda: answer.done() or answer.set_result(None))
+        def expire() -> None:
+            if not answer.done():
+                answer.set_result(None)
+        timer = loop.call_later(deadline, expire)
         try:
             got = await answer
         except asyncio.CancelledError:
@@ -150,6 +153,7 @@ class Lanes:
         self._queue.put(job)
         if not self._watching:
             self._watching = True
+            assert self.loop is not None, "set by submit, which starts every job"
             self.loop.call_later(STUCK_AFTER / 2, self._watch)
 
     def _spawn(self) -> None:
@@ -189,6 +193,7 @@ class Lanes:
                             self.name, job.owner, now - job.started)
         self._watching = bool(self._running)
         if self._watching:
+            assert self.loop is not None, "set by submit, which starts every job"
             self.loop.call_later(STUCK_AFTER / 2, self._watch)
 
     @staticmethod
@@ -211,6 +216,7 @@ class Lanes:
                 job.result = job.fn()
             except BaseException as exc:   # reported to the loop; the thread goes on
                 job.error = exc
+            assert self.loop is not None, "set by submit, which queued this job"
             try:
                 self.loop.call_soon_threadsafe(self._ended, job)
             except RuntimeError:   # the loop is closed (shutdown): nobody waits for it

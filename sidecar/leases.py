@@ -26,6 +26,7 @@ engine's memory).
 from __future__ import annotations
 
 import array
+import asyncio
 import fcntl
 import logging
 import os
@@ -152,20 +153,26 @@ class LendServer:
         self.inode = os.stat(path).st_ino
         self.conns: dict[int, _Conn] = {}
         self.per_uid: Counter = Counter()
-        self.loop = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.closing = False
         self.closed: Counter = Counter()   # connections closed by reason, since the last log line
         self.logged = 0.0
 
-    def start(self, loop) -> None:
-        self.loop = loop
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self.sock.setblocking(False)
         loop.add_reader(self.sock.fileno(), self._accept)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop `start` was given; every caller runs after it."""
+        assert self._loop is not None, "used before start"
+        return self._loop
+
     def close(self) -> None:
         self.closing = True
-        if self.loop is not None:
-            self.loop.remove_reader(self.sock.fileno())
+        if self._loop is not None:
+            self._loop.remove_reader(self.sock.fileno())
         for conn in list(self.conns.values()):
             self._drop(conn)
         unlink_if_ours(self.path, self.inode)

@@ -65,6 +65,12 @@ class TierWriter:
             t.start()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop `start` ran on; every caller runs after it."""
+        assert self._loop is not None, "used before start"
+        return self._loop
+
+    @property
     def pending(self) -> int:
         return len(self._outstanding)
 
@@ -93,7 +99,7 @@ class TierWriter:
     def enqueue(self, identity, key, page, release) -> asyncio.Future:
         """Queue one page now (the caller checked `full`)."""
         self._seq += 1
-        job = WriteJob(identity, key, page, self._seq, self._loop.create_future(), release)
+        job = WriteJob(identity, key, page, self._seq, self.loop.create_future(), release)
         self._outstanding[job.seq] = job
         self._by_key.setdefault((identity, key), []).append(job)
         self._q.put(job)
@@ -125,7 +131,7 @@ class TierWriter:
         """A future done when the next batch finishes, registered now: a batch that ends
         before the caller awaits it still wakes it (an Event cleared by a waiter that a
         task started late could lose that wake-up and hold a flush to its timeout)."""
-        fut = self._loop.create_future()
+        fut = self.loop.create_future()
         self._waiters.append(fut)
         return fut
 
@@ -159,7 +165,7 @@ class TierWriter:
                 res = tier.write_batch([(j.identity, j.key, j.page) for j in live])
                 ok = [a and b for a, b in zip(ok, res)]
             good = {id(j): g for j, g in zip(live, ok)}
-            self._loop.call_soon_threadsafe(self._finish, batch, good)
+            self.loop.call_soon_threadsafe(self._finish, batch, good)
 
     def _finish(self, batch: list[WriteJob], good: dict[int, bool]) -> None:
         for job in batch:
@@ -187,9 +193,9 @@ class TierWriter:
     async def flush(self, timeout: float) -> int:
         """Wait until every page queued before the call is written; return those still pending."""
         target = self._seq
-        deadline = self._loop.time() + timeout
+        deadline = self.loop.time() + timeout
         while any(s <= target for s in self._outstanding):
-            left = deadline - self._loop.time()
+            left = deadline - self.loop.time()
             if left <= 0:
                 break
             try:
