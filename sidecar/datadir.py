@@ -31,7 +31,8 @@ class UnusableDir(Exception):
 def check_dirs(config: Config) -> None:
     """Create each tier directory, check that nobody else controls it, and write, fsync
     and remove a probe file in it."""
-    dirs = [("--data-dir", config.data_dir, None)] if config.file_tier else []
+    dirs: list[tuple[str, str, Optional[str]]] = (
+        [("--data-dir", config.data_dir, None)] if config.file_tier else [])
     if config.hf3fs_dir:
         dirs.append(("--hf3fs-dir", config.hf3fs_dir, config.hf3fs_group))
     for flag, path, group in dirs:

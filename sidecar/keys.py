@@ -49,7 +49,7 @@ def check_batch(keys: object, field: str = "keys") -> list:
 
 def check_keys(keys: object, field: str = "keys") -> list[str]:
     """Validate a JSON list of keys; raise BadRequest / InvalidKey / PayloadTooLarge."""
-    check_batch(keys, field)
+    keys = check_batch(keys, field)
     if keys and not _batch_ok(keys):
         for k in keys:
             check_key(k)

@@ -41,6 +41,7 @@ class Tier:
     """The base every tier derives from; subclasses fill in the I/O."""
 
     name: str = "tier"
+    stats: TierStats        # each tier makes its own
     shared = False          # other nodes publish into it: `recover` runs again every rescan
     remote_lookup = False   # `lookup` does network I/O: Tiering calls it off the event loop
     where = ""              # a directory or an address, for logs

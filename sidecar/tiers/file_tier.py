@@ -485,7 +485,11 @@ def _stat_pages(fd: int, directory: str, names: list[str], now: float) -> tuple[
 def _build_index(scans: list) -> tuple[dict, tuple[list, list], int]:
     """(identity -> key -> size, (identities, keys) oldest mtime first, bytes) from
     `_scan_dir` results [(identity, keys, sizes, mtimes)], by C loops (zip, map, sort)."""
-    keys, idents, names, mtimes, used = {}, [], [], [], 0
+    keys: dict[str, dict] = {}
+    idents: list[str] = []
+    names: list[str] = []
+    mtimes: list[float] = []
+    used = 0
     for ident, found, sizes, mt in scans:
         keys[ident] = dict(zip(found, sizes))
         idents += repeat(ident, len(found))

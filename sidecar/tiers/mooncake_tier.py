@@ -85,10 +85,16 @@ def route_address(host: str, port: int) -> str:
 
 
 def _address(view) -> Optional[int]:
+    """The address of a writable buffer; None for a read-only one."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:   # read-only: a staged copy
         return None
+
+
+def _mapped_address(mm: mmap.mmap) -> int:
+    """The address of a mapping of ours (always writable)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
 class MooncakeTier(Tier):
@@ -102,7 +108,7 @@ class MooncakeTier(Tier):
         self.settings = settings
         self.host, self.port = split_address(settings.master)
         self.where = settings.master
-        self.stats = MooncakeStats()
+        self.stats: MooncakeStats = MooncakeStats()
         self.degraded: Optional[str] = "connecting"
         self.known: dict[str, set[str]] = {}
         self._client: Any = None
@@ -181,8 +187,8 @@ class MooncakeTier(Tier):
         """Register the arena, the header blocks and the staging area, once per client."""
         self._headers = mmap.mmap(-1, BLOCKS * CHUNK * HEADER)
         self._staging = mmap.mmap(-1, STAGING)
-        regions = [(_address(self._headers), len(self._headers)),
-                   (_address(self._staging), len(self._staging))]
+        regions = [(_mapped_address(self._headers), len(self._headers)),
+                   (_mapped_address(self._staging), len(self._staging))]
         if self._arena is not None:
             regions.append(self._arena)
         for addr, size in regions:
@@ -418,18 +424,20 @@ class _Staged:
         self.tier, self.jobs, self.locked = tier, jobs, False
 
     def __enter__(self) -> list[int]:
-        addrs = [_address(page) for _, _, page in self.jobs]
-        if all(a is not None for a in addrs):
-            return addrs
+        found = [_address(page) for _, _, page in self.jobs]
+        if all(a is not None for a in found):
+            return [a for a in found if a is not None]
         staging = self.tier._staging  # write_batch keeps a chunk's copies within it
+        assert staging is not None, "registered before any write"
         self.tier._staging_lock.acquire()
         self.locked = True
-        base, at = _address(staging), 0
-        for i, ((_, _, page), a) in enumerate(zip(self.jobs, addrs)):
+        base, at, addrs = _mapped_address(staging), 0, []
+        for (_, _, page), a in zip(self.jobs, found):
             if a is None:
                 staging[at:at + len(page)] = page
-                addrs[i] = base + at
+                a = base + at
                 at += len(page)
+            addrs.append(a)
         return addrs
 
     def __exit__(self, *exc) -> None:

@@ -162,8 +162,8 @@ def write_temp(directory: str, key: str, page, mode: int = 0o600) -> tuple[str, 
     try:
         if mode != 0o600:
             os.fchmod(fd, mode)  # a group mode, whatever the umask
-        head = encode_header(key, view, BLOCK if direct else HEADER_SIZE)
-        if direct:
+        head: bytes | mmap.mmap = encode_header(key, view, BLOCK if direct else HEADER_SIZE)
+        if direct:   # O_DIRECT writes from an aligned buffer: the header's own block
             block = _header_block()
             block[:] = head
             head = block

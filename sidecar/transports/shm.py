@@ -58,7 +58,7 @@ def open_beneath(path: object, allowed: Sequence[str]) -> int:
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise BadRequest(f"the shm directory cannot be opened: {os.strerror(exc.errno)}") from None
+        raise BadRequest(f"the shm directory cannot be opened: {os.strerror(exc.errno or errno.EIO)}") from None
     try:
         for part in parts[:-1]:
             nxt = os.open(part, flags, dir_fd=fd)
@@ -66,7 +66,7 @@ def open_beneath(path: object, allowed: Sequence[str]) -> int:
             fd = nxt
         return os.open(parts[-1], os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
     except OSError as exc:
-        raise BadRequest(f"cannot open the registered 'path': {os.strerror(exc.errno)} "
+        raise BadRequest(f"cannot open the registered 'path': {os.strerror(exc.errno or errno.EIO)} "
                          f"(symlinks are not followed)") from None
     finally:
         os.close(fd)
@@ -106,7 +106,9 @@ class ShmMapping:
 
     def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = (),
                  span: Optional[tuple[int, int]] = None, refusal: Optional[Exception] = None):
-        self.fd, self._mm, self._anchor, self.mapped, self.address = fd, None, None, 0, 0
+        self.fd, self.mapped, self.address = fd, 0, 0
+        self._mm: Optional[mmap.mmap] = None
+        self._anchor: Optional[ctypes.c_char] = None
         try:
             self.sealed = _sealed(fd)  # before the size check: it cannot shrink after
             st = os.fstat(fd)
@@ -129,16 +131,17 @@ class ShmMapping:
     def _map(self, fd: int, span: tuple[int, int]) -> None:
         start = span[0] - span[0] % mmap.ALLOCATIONGRANULARITY
         try:
-            self._mm = mmap.mmap(fd, span[1] - start, flags=mmap.MAP_SHARED, offset=start)
+            mm = mmap.mmap(fd, span[1] - start, flags=mmap.MAP_SHARED, offset=start)
         except OSError as exc:
             if exc.errno == errno.ENOMEM:   # the address space is full: the caller's 4xx
                 raise TooMany(f"the sidecar cannot map {span[1] - start} more bytes now "
                               f"(out of address space); release buffers or register smaller ones") from None
             self.sealed = False   # e.g. a write-sealed memfd cannot be mapped writable: use the fd
             return
-        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self._mm, anchor = mm, ctypes.c_char.from_buffer(mm)
+        self._anchor = anchor
         self.mapped = span[1] - start
-        self.address = ctypes.addressof(self._anchor) - start
+        self.address = ctypes.addressof(anchor) - start
 
     @property
     def addresses(self) -> list[int]:
