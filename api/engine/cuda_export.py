@@ -21,11 +21,27 @@ _VMM_HINT = ("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False for the engi
 
 
 def _cuda():
+    """(runtime, driver) of cuda-python: `cuda.bindings` (cuda-bindings 12.6+ and 13.x, where
+    `from cuda import cudart` is gone), else the cuda-python 12 layout."""
     try:
         from cuda.bindings import driver, runtime  # type: ignore
+        return runtime, driver
+    except Exception:
+        pass
+    try:
+        from cuda import cuda as driver  # type: ignore
+        from cuda import cudart as runtime  # type: ignore
     except Exception as exc:
         raise RuntimeError("the cuda_ipc transport needs cuda-python: pip install 'kv-sidecar[gpu]'") from exc
     return runtime, driver
+
+
+def _on_device(runtime, device: int) -> None:
+    """Make `device`'s primary context (torch's) current on this thread: the driver calls
+    below need one, and a thread torch never used (a linker's worker) has none."""
+    err, = runtime.cudaSetDevice(device)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaSetDevice({device}) failed: {getattr(err, 'name', err)}")
 
 
 def device_uuid(device: int) -> str:
@@ -37,9 +53,11 @@ def device_uuid(device: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def export_allocation(ptr: int) -> tuple[int, int, str]:
-    """(allocation base, allocation size, handle as 128 hex) of the allocation holding `ptr`."""
+def export_allocation(ptr: int, device: int = 0) -> tuple[int, int, str]:
+    """(allocation base, allocation size, handle as 128 hex) of the allocation holding `ptr`
+    (device memory of `device`)."""
     runtime, driver = _cuda()
+    _on_device(runtime, device)
     if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
         raise ValueError(f"expandable segments cannot be shared with legacy CUDA IPC: {_VMM_HINT}")
     err, base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr))
@@ -58,12 +76,13 @@ def cuda_regions_and_chunks(tensors: Sequence[torch.Tensor]) -> tuple[list[dict]
     devices = {t.device.index for t in tensors}
     if any(not t.is_cuda for t in tensors) or len(devices) != 1:
         raise ValueError("cuda_ipc exports CUDA tensors of one device")
-    uuid = device_uuid(devices.pop())
+    device = devices.pop()
+    uuid = device_uuid(device)
     regions, by_base, chunks = [], {}, []
     for t in tensors:
         if t.dim() < 1 or not t[0].is_contiguous():
             raise ValueError("each tensor needs a slot dimension 0 with contiguous slots")
-        base, size, handle = export_allocation(t.data_ptr())
+        base, size, handle = export_allocation(t.data_ptr(), device)
         if base not in by_base:
             by_base[base] = len(regions)
             regions.append({"handle": handle, "offset": 0, "device_uuid": uuid, "size": size})

@@ -24,12 +24,15 @@ The tree (`UnifiedCacheLinkerWrapper`) drives it from the scheduler thread:
     offload thread: copy device pages into staging offload slots -> batch/set (keys, slots);
                     the nodes queued behind a set in flight go together in the next one
 
-Pages move through a staging memfd lent to the sidecar over the engine socket (SCM_RIGHTS),
-as the vLLM worker's saves do; the layout is in `api.engine.sglang_linker_pools`. On a GPU
-the same torch copies would run device <-> staging (the sidecar's CUDA IPC transport is not
-used: untested, no GPU here). Nothing raises into SGLang: a failed lookup is no hit, a failed
-load fails its batch's layer counter (SGLang then aborts those requests), a failed offload
-is `False`; after a sidecar restart the namespaces and buffers are registered again.
+On a GPU each device pool is registered with the sidecar once, by CUDA IPC, and the sidecar
+copies its pages on its own streams, after the offload thread has seen the linker's events
+complete (`api.engine.sglang_linker_cuda`; `"device_ipc": false` in the extra config, a
+sidecar without CUDA, or a page under 512 bytes keep the staging path). Elsewhere pages move
+through a staging memfd lent to the sidecar over the engine socket (SCM_RIGHTS), as the vLLM
+worker's saves do; the layout is in `api.engine.sglang_linker_pools`. Nothing raises into
+SGLang: a failed lookup is no hit, a failed load fails its batch's layer counter (SGLang
+then aborts those requests), a failed offload is `False`; after a sidecar restart the
+namespaces and buffers are registered again.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from sglang.srt.runtime_context import get_parallel
 
 from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
+from api.engine.sglang_linker_cuda import DevicePool, direct_pool, gate
 from api.engine.sglang_linker_pools import (PoolLayout, device_pool_group, is_mla, page_rows,
                                             plan_staging)
 from api.engine.sglang_pools import namespace_name, namespace_spec
@@ -92,6 +96,12 @@ class SidecarLinker(UnifiedCacheLinker):
         self.cfg = self._storage_config(server_args, params, extra)
         self.specs = {n: self._spec(lay) for n, lay in self.layouts.items()}
         self.names = {n: namespace_name(self.cfg, n.value, s) for n, s in self.specs.items()}
+        self.direct: dict[PoolName, DevicePool] = {}   # pools the sidecar copies by CUDA IPC
+        if extra.get("device_ipc", True):
+            for n, lay in self.layouts.items():
+                pool = direct_pool(self.names[n], lay.pages, lay.span, lay.entry.kv_buffer)
+                if pool is not None:
+                    self.direct[n] = pool
         url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
         self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
@@ -152,14 +162,32 @@ class SidecarLinker(UnifiedCacheLinker):
                         self.client.release_buffer(self.names[name], buffer_id)
                     except SidecarError:
                         pass  # gone with a restarted sidecar
+                for pool in self.direct.values():
+                    pool.release(self.client)
                 self._stale = False
             for name, layout in self.layouts.items():
-                if name in self.buffers:
+                if name in self.buffers or (name in self.direct and self.direct[name].buffer_id):
                     continue
                 ns = self.names[name]
                 self.client.put_namespace(ns, **self.specs[name])
+                if name in self.direct and self._register_device(name):
+                    continue
                 self.buffers[name] = self.client.register_buffer(
                     ns, self.staging.size, 2 * layout.slots, layout.chunks(), fd=self.staging.fd)
+
+    def _register_device(self, name: PoolName) -> bool:
+        """Register a device pool by CUDA IPC (once); False, and the staging path for good,
+        when the sidecar or this process cannot (no CUDA there, a VMM allocation here)."""
+        try:
+            self.direct[name].register(self.client)
+            return True
+        except SidecarUnavailable:
+            raise
+        except (SidecarError, ValueError, RuntimeError) as exc:
+            log.warning("kv-sidecar linker: %s by CUDA IPC refused (%s); staging instead",
+                        self.names[name], exc)
+            del self.direct[name]
+            return False
 
     def _register_quietly(self) -> None:
         try:
@@ -176,7 +204,7 @@ class SidecarLinker(UnifiedCacheLinker):
         for attempt in (0, 1):
             self._register()
             try:
-                return fn([self._item(name, keys, load) for name, keys, _ in items])
+                return fn([self._item(name, keys, rows, load) for name, keys, rows in items])
             except SidecarUnavailable:
                 self._lost()
                 if attempt:
@@ -281,7 +309,8 @@ class SidecarLinker(UnifiedCacheLinker):
                     raise LookupError(f"{missing} page(s) no longer in the sidecar")
                 for name, _, rows in round_items:
                     layout = self.layouts[name]
-                    layout.from_staging(self.stage, rows, layout.slots)
+                    if name not in self.direct:   # a direct pool's pages are in place already
+                        layout.from_staging(self.stage, rows, layout.slots)
             if self._on_device():  # the copies into device pages are queued on this thread's stream
                 torch.cuda.current_stream().synchronize()
             self.stats["pages_loaded"] += sum(len(keys) for _, keys, _ in items)
@@ -347,13 +376,14 @@ class SidecarLinker(UnifiedCacheLinker):
             return [self._offload_one(*tasks[0])]
         try:
             for _, events in tasks:
-                for event in events:
-                    event.synchronize()
+                gate(events)
             merged = _merge(items for items, _ in tasks)
             if not merged:
                 return [True] * len(tasks)
+            self._register()   # which pools go direct is settled before any staging copy
             for name, _, rows in merged:
-                self.layouts[name].to_staging(self.stage, rows, 0)
+                if name not in self.direct:
+                    self.layouts[name].to_staging(self.stage, rows, 0)
             stored = self._call(self.client.batch_set, merged, False)
             at, results = {}, []
             for items, _ in tasks:
@@ -375,11 +405,12 @@ class SidecarLinker(UnifiedCacheLinker):
         """Copy the node's pages into staging, then store them (in rounds when they do not fit
         at once): True when every page is stored."""
         try:
-            for event in events:
-                event.synchronize()
+            gate(events)   # the forward pass wrote these pages: only then may the sidecar copy
             for round_items in self._rounds(items):
+                self._register()   # which pools go direct is settled before any staging copy
                 for name, _, rows in round_items:
-                    self.layouts[name].to_staging(self.stage, rows, 0)
+                    if name not in self.direct:
+                        self.layouts[name].to_staging(self.stage, rows, 0)
                 stored = self._call(self.client.batch_set, round_items, False)
                 if not all(all(v) for v in stored.values()):
                     self.stats["offload_failures"] += 1
@@ -412,8 +443,11 @@ class SidecarLinker(UnifiedCacheLinker):
                     out.append((name, keys[step * c:(step + 1) * c], rows[step * c:(step + 1) * c]))
             yield out
 
-    def _item(self, name: PoolName, keys: list, load: bool) -> dict:
-        """A batch item in the pool's staging slots: the offload half, or the load half."""
+    def _item(self, name: PoolName, keys: list, rows: list, load: bool) -> dict:
+        """A batch item: the device pages themselves (a pool registered by CUDA IPC), or the
+        pool's staging slots (the offload half, or the load half)."""
+        if name in self.direct:
+            return self.direct[name].item(keys, rows)
         first = self.layouts[name].slots if load else 0
         return {"namespace": self.names[name], "keys": keys, "buffer_id": self.buffers[name],
                 "slots": list(range(first, first + len(keys)))}
@@ -441,6 +475,8 @@ class SidecarLinker(UnifiedCacheLinker):
                 except Exception:
                     pass
             self.buffers.clear()
+            for pool in self.direct.values():
+                pool.release(self.client)
             self.client.close_leases()
             self.client.close()
             self.lookups.close()

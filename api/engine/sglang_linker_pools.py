@@ -39,6 +39,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache import linker_pool_assembler as lpa
 
+from api.engine.sglang_linker_cuda import page_views
+
 SUPPORTED = (PoolName.KV, PoolName.SWA, PoolName.MAMBA)
 MIN_PAGE = 512  # the sidecar's smallest page: a smaller pool page is padded in its slot
 
@@ -120,9 +122,10 @@ class PoolLayout:
 
     @classmethod
     def of(cls, name: PoolName, entry) -> "PoolLayout":
-        rows = [b.view(torch.uint8).view(b.shape[0], -1) for b in entry.kv_buffer]
-        span = entry.buffer_meta[0][0][2] // rows[0].shape[1]  # page bytes / row bytes
-        pages = [r[:r.shape[0] // span * span].reshape(r.shape[0] // span, span * r.shape[1]) for r in rows]
+        first = entry.kv_buffer[0]
+        row_bytes = first.view(torch.uint8).view(first.shape[0], -1).shape[1]
+        span = entry.buffer_meta[0][0][2] // row_bytes  # page bytes / row bytes
+        pages = page_views(entry.kv_buffer, span)
         offsets, at = [], 0
         for p in pages:
             offsets.append(at)

@@ -23,7 +23,7 @@ import threading
 from typing import Any, Optional
 
 from sidecar.errors import BadRequest, GeometryMismatch, TransportUnavailable
-from sidecar.transports.base import _nonneg_int
+from sidecar.transports.base import CopyFailed, _nonneg_int
 
 log = logging.getLogger("kv_sidecar.cuda")
 _HANDLE = re.compile(r"[0-9a-fA-F]{128}")
@@ -57,12 +57,25 @@ def parse_regions(body: dict[str, Any], size: int) -> list[tuple[bytes, int, str
     return out
 
 
-def _runtime():
+def bindings() -> tuple[Any, Any]:
+    """(runtime, driver) of cuda-python: `cuda.bindings` (cuda-bindings 12.6+ and 13.x,
+    where the old `from cuda import cudart` is gone), else the cuda-python 12 layout;
+    (None, None) without either. Same calls and error tuples in both."""
     try:
-        from cuda.bindings import runtime  # type: ignore
-        return runtime
+        from cuda.bindings import driver, runtime  # type: ignore
+        return runtime, driver
     except Exception:
-        return None
+        pass
+    try:
+        from cuda import cuda as driver  # type: ignore
+        from cuda import cudart as runtime  # type: ignore
+        return runtime, driver
+    except Exception:
+        return None, None
+
+
+def _runtime():
+    return bindings()[0]
 
 
 def cuda_available() -> bool:
@@ -81,17 +94,25 @@ def register_host_memory(address: int, size: int) -> bool:
     """cudaHostRegister the host arena when CUDA is present; False (and no CUDA call) otherwise."""
     if not cuda_available():
         return False
+    rt = _runtime()
     try:
-        err, = _runtime().cudaHostRegister(address, size, _runtime().cudaHostRegisterPortable)
-        return int(err) == 0
-    except Exception:
+        err, = rt.cudaHostRegister(address, size, rt.cudaHostRegisterPortable)
+    except Exception as exc:
+        log.warning("cudaHostRegister of the host pool raised (copies stay pageable): %s", exc)
         return False
+    if int(err) != 0:
+        log.warning("cudaHostRegister of the host pool (%d bytes) failed: %s; device copies "
+                    "stay correct but go through pageable memory", size, getattr(err, "name", err))
+    return int(err) == 0
 
 
-def _check(result, what: str):
+def _check(result, what: str, error: type[Exception] = GeometryMismatch):
+    """The value(s) of a cuda-python call's (err, value...) tuple; `error` when err != 0."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise GeometryMismatch(f"{what} failed: {getattr(err, 'name', err)}")
+        raise error(f"{what} failed: {getattr(err, 'name', err)}")
+    if not rest:
+        return None
     return rest[0] if len(rest) == 1 else rest
 
 
@@ -99,9 +120,7 @@ class CudaIpc:
     """The process-wide registry of opened IPC handles (created once, only with CUDA)."""
 
     def __init__(self) -> None:
-        self.rt = _runtime()
-        from cuda.bindings import driver  # type: ignore
-        self.drv = driver
+        self.rt, self.drv = bindings()
         self._lock = threading.Lock()
         self._open: dict[tuple[int, bytes], list] = {}   # (pid, handle) -> [ptr, refs, device]
         self._streams = threading.local()
@@ -109,7 +128,15 @@ class CudaIpc:
 
     @classmethod
     def create(cls) -> Optional["CudaIpc"]:
-        return cls() if cuda_available() else None
+        """The registry, or None without CUDA (or when the devices cannot be listed: the
+        sidecar still starts, and cuda_ipc registrations answer `transport_unavailable`)."""
+        if not cuda_available():
+            return None
+        try:
+            return cls()
+        except Exception as exc:
+            log.warning("CUDA is present but its devices cannot be listed (%s): cuda_ipc is off", exc)
+            return None
 
     def _devices(self) -> dict[str, int]:
         out = {}
@@ -133,7 +160,12 @@ class CudaIpc:
                 ctypes.memmove(h.getPtr(), handle, 64)
                 ptr = int(_check(self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess),
                                  "cudaIpcOpenMemHandle (same GPU? --pid=host?)"))
-                _, size = _check(self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+                try:
+                    _, size = _check(self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)),
+                                     "cuMemGetAddressRange")
+                except Exception:
+                    self.rt.cudaIpcCloseMemHandle(ptr)
+                    raise
                 entry = self._open[(pid, handle)] = [ptr, 0, dev, int(size)]
             entry[1] += 1
             return entry[0], entry[3], entry[2]
@@ -148,28 +180,33 @@ class CudaIpc:
                 return
             del self._open[(pid, handle)]
         ptr, _, dev, _ = entry
-        _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
-        _check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-        _check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+        try:   # a mapping's close never raises (the handle is forgotten either way)
+            _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+            _check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+            _check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+        except Exception as exc:
+            log.warning("closing a CUDA IPC handle of pid %d failed: %s", pid, exc)
 
     def stream(self, dev: int):
         streams = getattr(self._streams, "by_dev", None)
         if streams is None:
             streams = self._streams.by_dev = {}
         if dev not in streams:
-            _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+            _check(self.rt.cudaSetDevice(dev), "cudaSetDevice", CopyFailed)
             streams[dev] = _check(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking),
-                                  "cudaStreamCreateWithFlags")
+                                  "cudaStreamCreateWithFlags", CopyFailed)
         return streams[dev]
 
     def copy(self, dev: int, plan) -> int:
-        """Run (dst, src, n) copies between the host arena and device memory; wait for them."""
-        _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+        """Run (dst, src, n) copies between the host arena and device memory on this copy
+        thread's stream; wait for them. A failed copy is `CopyFailed` (its pages answer
+        false), never a caller error."""
+        _check(self.rt.cudaSetDevice(dev), "cudaSetDevice", CopyFailed)
         stream, kind, moved = self.stream(dev), self.rt.cudaMemcpyKind.cudaMemcpyDefault, 0
         for dst, src, n in plan:
-            _check(self.rt.cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync")
+            _check(self.rt.cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync", CopyFailed)
             moved += n
-        _check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        _check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize", CopyFailed)
         return moved
 
 

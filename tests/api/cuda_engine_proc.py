@@ -1,7 +1,9 @@
 """A stand-in engine with GPU KV buffers, registered by CUDA IPC.
 
-    python -m tests.api.cuda_engine_proc URL NAMESPACE set|get|hold LAYOUT PAGES
-Prints one JSON line: {"ok": bool, "digest": "...", "buffer_id": "..."}.
+    python -m tests.api.cuda_engine_proc URL NAMESPACE set|get|one|hold LAYOUT PAGES
+set: random pages 0..PAGES-1 stored from the device; get: all of them loaded into a zeroed
+buffer; one: only page 3 loaded, into slot 0 of a zeroed buffer; hold: register and wait.
+Prints one JSON line: {"ok": bool, "digest": "...", "pages": [digest of each slot], "buffer_id": "..."}.
 """
 import hashlib
 import sys
@@ -24,6 +26,11 @@ def buffers(layout: str, slots: int):
     return [torch.empty((slots, HALF), dtype=torch.uint8, device="cuda") for _ in range(2 * LAYERS)]
 
 
+def page_digests(tensors, slots: int) -> list[str]:
+    host = [t.cpu().numpy() for t in tensors]
+    return [hashlib.sha256(b"".join(h[i].tobytes() for h in host)).hexdigest() for i in range(slots)]
+
+
 def main(url, ns, op, layout, pages):
     client = SidecarClient(url, timeout=60)
     tensors = buffers(layout, pages)
@@ -37,16 +44,21 @@ def main(url, ns, op, layout, pages):
     else:
         for t in tensors:
             t.zero_()
+    torch.cuda.synchronize()   # the sidecar copies on its own streams: the writes must be done
     bid = register_cuda(client, ns, tensors, pages)
     if op == "hold":
         print(orjson.dumps({"buffer_id": bid}).decode(), flush=True)
         time.sleep(600)
         return
-    fn = client.set if op == "set" else client.get
-    ok = all(fn(ns, keys, bid, list(range(pages))))
+    if op == "one":
+        ok = all(client.get(ns, keys[3:4], bid, [0]))
+    else:
+        fn = client.set if op == "set" else client.get
+        ok = all(fn(ns, keys, bid, list(range(pages))))
     torch.cuda.synchronize()
-    digest = hashlib.sha256(b"".join(bytes(t.cpu().flatten().tolist()) for t in tensors)).hexdigest()
-    print(orjson.dumps({"ok": ok, "digest": digest, "buffer_id": bid}).decode(), flush=True)
+    digest = hashlib.sha256(b"".join(t.cpu().numpy().tobytes() for t in tensors)).hexdigest()
+    out = {"ok": ok, "digest": digest, "pages": page_digests(tensors, pages), "buffer_id": bid}
+    print(orjson.dumps(out).decode(), flush=True)
 
 
 if __name__ == "__main__":
