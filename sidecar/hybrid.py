@@ -262,8 +262,8 @@ async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -
     if more:
         top = await store.remote_prefix(kv, keys, top)
     if remote and extra:  # one remote look-up per pool, all at once
-        masks = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
-        seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, masks)]
+        found = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
+        seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, found)]
     elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": [top] * len(extra)}
     else:   # the joint's run is in each all-pages pool; the hit is at most that run
@@ -285,7 +285,7 @@ def run_of(masks: bytes, bits: tuple[int, ...], extra: Sequence[ExtraPool]) -> i
     return len(masks) if end < 0 else end
 
 
-def rule_on_masks(walked: tuple[bytes, list[int]], extra: Sequence[ExtraPool], top: int,
+def rule_on_masks(walked: tuple[bytes, Sequence[bytes]], extra: Sequence[ExtraPool], top: int,
                   restorable: bool) -> dict[str, Any]:
     """The answer from a joint's masks of the whole KV prefix (`walked`: the masks, each
     extra pool's `pools.joint.table`): each pool's pages read in C, no look-up left."""
@@ -354,7 +354,7 @@ def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) ->
 @dataclass(frozen=True, slots=True)
 class Item:
     namespace: str
-    keys: list
+    keys: Any             # checked by `Store.check_move` as the item is parsed
     buffer_id: Any
     slots: Any
     meta: Optional[tuple] = None      # KV events: `events.set_meta`

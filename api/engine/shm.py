@@ -7,10 +7,11 @@ descriptors for the common page layouts.
 """
 from __future__ import annotations
 
+import builtins
 import ctypes
 import mmap
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,10 +27,18 @@ class SharedBuffer:
         # shrinking and map it (unsealable, it copies with pread/pwrite instead)
         self.fd = os.memfd_create(name, os.MFD_ALLOW_SEALING if sealable else 0)
         os.ftruncate(self.fd, nbytes)
-        self._mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
-        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
+        self._mm: Optional[mmap.mmap] = mm
+        self._anchor: Optional[ctypes.c_char] = ctypes.c_char.from_buffer(mm)
         self.address = ctypes.addressof(self._anchor)
-        self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._bytes: Optional[torch.Tensor] = torch.frombuffer(mm, dtype=torch.uint8)
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The whole buffer as uint8 (no copy); only until `close`."""
+        if self._bytes is None:
+            raise ValueError("the buffer is closed")
+        return self._bytes
 
     def tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.uint8, offset: int = 0) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over the buffer's bytes at `offset` (no copy)."""
@@ -45,9 +54,11 @@ class SharedBuffer:
         """Writable bytes [offset, offset + length) of the buffer (no copy)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the buffer")
+        if self._mm is None:
+            raise ValueError("the buffer is closed")
         return memoryview(self._mm)[offset:offset + length]
 
-    def tensor_bytes(self, t: torch.Tensor) -> bytes:
+    def tensor_bytes(self, t: torch.Tensor) -> builtins.bytes:   # `bytes` is ours, here
         """A copy of the bytes of a contiguous tensor that lives in this buffer."""
         return self.view(t.data_ptr() - self.address, t.numel() * t.element_size()).tobytes()
 
@@ -62,7 +73,7 @@ class SharedBuffer:
 
     def close(self) -> None:
         if self._mm is not None:
-            self.bytes = None
+            self._bytes = None
             self._anchor = None
             try:
                 self._mm.close()

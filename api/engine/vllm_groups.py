@@ -124,7 +124,8 @@ class HybridScheduler(SchedulerSide):
 
     def extra_pools(self) -> list[dict]:
         """Every group of every rank but the KV pool, each with its hit rule."""
-        extra, anchor = [], self.anchor
+        extra: list[dict[str, Any]] = []
+        anchor = self.anchor
         for r, names in enumerate(self.ranks):
             for plan, ns in zip(self.plans, names):
                 if r == 0 and plan.index == anchor:
