@@ -7,7 +7,8 @@ import logging
 
 from fastapi import FastAPI
 
-from api import routes_batch, routes_health, routes_namespaces, routes_pages, routes_ui
+from api import (routes_batch, routes_controls, routes_health, routes_namespaces, routes_pages,
+                 routes_ui)
 from api.errors import HANDLERS
 from api.fastpath import FastPath, SidecarApp
 from api.guard import Guard
@@ -46,6 +47,7 @@ def create_app(config: Config) -> FastAPI:
                    routes_health.router):
         app.include_router(router)
     app.include_router(routes_ui.router)  # /ui, /v1/samples, /docs
+    app.include_router(routes_controls.router)  # pin, unpin, evict, warm, /v1/cost
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)
     app.add_middleware(Guard, token=config.token, max_body=config.max_body, stats=requests)

@@ -25,6 +25,7 @@ STATUS: dict[type, int] = {
     e.TransportUnavailable: 422,
     e.NotReady: 503,
     e.NoRoom: 507,
+    e.PinBound: 507,
 }
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "bad_request",
                413: "payload_too_large"}

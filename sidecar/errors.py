@@ -56,6 +56,10 @@ class TicketNotFound(NotFound):
     code = "ticket_not_found"
 
 
+class JobNotFound(NotFound):
+    code = "job_not_found"
+
+
 class Conflict(SidecarError):
     code = "conflict"
 
@@ -76,6 +80,12 @@ class TooMany(SidecarError):
 
 class NoRoom(SidecarError):
     code = "no_room"
+
+
+class PinBound(SidecarError):
+    """A pin would hold more of the host pool than its owner's bound (sidecar/controls.py)."""
+
+    code = "pin_bound"
 
 
 class NotReady(SidecarError):

@@ -7,6 +7,7 @@ import heapq
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from sidecar import cost
 from sidecar.tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
            "write_policy": tiering.policy,
            "write_queue": {**_queue(store), "cancelled": tiering.writer.cancelled if tiering.writer else 0,
                            "promote_waits": tiering.room_waits},
-           "namespaces": spaces}
+           "namespaces": spaces,
+           "controls": store.controls.summary(who), "cost": cost.measure(store, who)}
     if store.events is not None:
         pub = store.events.publisher
         out["events"] = {"published": store.events.published, "dropped": store.events.dropped,

@@ -17,6 +17,7 @@ from pools import HostPool, PagePool, PoolFull
 from pools.joint import Joint
 from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
+from sidecar.controls import Controls
 from sidecar.copier import Copier
 from sidecar.errors import (BufferNotFound, Conflict, Forbidden, GeometryMismatch,
                             NamespaceNotFound, NoRoom, TicketNotFound, TooMany)
@@ -86,6 +87,7 @@ class Store:
         self.joints = Joints()
         self.events = None          # sidecar.events.Events with --kv-events
         self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
+        self.controls = Controls(self)   # operator pins and warm jobs (sidecar/controls.py)
         self._base = host_pool.arena.address
 
     # -- namespaces -------------------------------------------------------------------
@@ -150,6 +152,7 @@ class Store:
         if self.events is not None:   # before the pool drops its pages: one AllBlocksCleared
             self.events.dropped_namespace(ns)
         self.joints.drop(ref)
+        self.controls.forget_namespace(ns)   # its pins end: the pool can drain
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(ref)
@@ -318,6 +321,7 @@ class Store:
         keys some tier failed to remove and still holds)."""
         ns = self.namespace(name)
         was = await self.present(name, keys)  # validates every key it does not find
+        self.controls.forget(name, keys)      # a pinned page is deleted too, its slot freed
         for k in keys:
             ns.pool.delete(k)
         failed = await self.tiering.delete(ns.identity, keys)

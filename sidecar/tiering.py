@@ -207,6 +207,21 @@ class Tiering:
         self.writing[pool.name] = self.writing.get(pool.name, 0) + 1
         return self.writer.enqueue(identity, key, view, lambda p=pinned: self._written(pool, p))
 
+    def write_first(self, identity: str, pool: PagePool, keys: list[str]) -> int:
+        """Queue now the pages of `keys` no tier holds and none is writing (operator pins,
+        sidecar/controls.py), while the writer has room; the rest go as usual. Returns
+        how many were queued."""
+        if self.writer is None:
+            return 0
+        n = 0
+        for key in keys:
+            if self.writer.full:
+                break
+            if pool.contains(key) and not self.writer.queued(identity, key) \
+                    and not self.durable(identity, key):
+                n += self._queue_pinned(identity, pool, key) is not None
+        return n
+
     def _written(self, pool: PagePool, e: Entry) -> None:
         self.writing[pool.name] -= 1
         pool.unpin(e)

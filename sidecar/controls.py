@@ -1,0 +1,380 @@
+"""Operators' controls over what is cached: pin, unpin, evict and warm, by keys or by chain.
+
+    who                      may control
+    the operator (token)     every namespace
+    any other caller         the namespaces it owns (`owner_of(caller) == ns.owner`);
+                             a namespace shared with it (share_gid) is not its own: 403
+
+A request names its pages as `{"keys": [...]}` (each of them) or `{"chain": [...], "from":
+K}` (the chain's keys from K on; the first when `from` is absent). The sidecar keeps no
+parent links between pages (an engine's page keys are opaque hashes, and a set's `parent`
+goes into KV events only), so the caller passes the chain in order, as it passes it to
+`exists`. Pin and warm take the chain's leading run of present pages from K (a page past a
+hole is no use to an engine); evict takes every page from K on. At most 4,096 keys a request
+(the batch bound), handled CHUNK keys a loop turn.
+
+Pins: a pinned page holds one pin of its pool (`PagePool.pin`, a count shared with the
+in-flight copies; the controls hold exactly one per pinned page), so it is off the LRU list
+(never evicted) and its segment is busy (never reclaimed by another owner's pool). That
+holds a whole segment, so a pin is charged to the namespace's owner by the segments its
+pinned pages hold: at most PIN_SHARE of the owner's fair share (`bound_segments`), checked
+before any page is pinned (all or nothing, 507 `pin_bound`) and again while pins exist
+(owners coming shrink the share: the newest pins go first). A pin ends at its TTL, at unpin,
+or when its page or namespace is deleted. A pinned page no tier holds is queued for the
+tiers at once (`Tiering.write_first`). Pins live in memory: after a restart their pages are
+in the file tier (written first) and a warm brings them back.
+
+Warm: a job promotes pages from any tier (file, 3FS, Mooncake) into the host pool, CHUNK at
+a time (`Tiering.promote`), its progress in `/v1/warm/{job}` and `/v1/stats`.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Hashable, Optional
+
+from pools.page_pool import Entry, PagePool
+from sidecar.errors import BadRequest, Forbidden, JobNotFound, PinBound, TooMany
+from sidecar.keys import check_key, check_keys
+from sidecar.tenancy import OPERATOR, Caller, owner_of
+
+if TYPE_CHECKING:
+    from sidecar.store import Namespace, Store
+
+PIN_SHARE = 0.5          # of an owner's fair share of segments, its pins may hold at most
+TTL_DEFAULT = 3600.0     # seconds
+TTL_MAX = 7 * 86400.0
+CHUNK = 512              # keys a loop turn (pins, deletes); warm promotes WARM_CHUNK a step
+WARM_CHUNK = 64
+WARM_RUNNING_PER_OWNER = 4
+WARM_KEPT = 256          # finished jobs remembered (the oldest go first)
+RECHECK = 1.0            # seconds between checks of the bounds while pins exist
+LIST_MAX = 4096          # pins one listing shows
+
+
+@dataclass(slots=True)
+class Selection:
+    keys: list[str]
+    chain: bool
+
+
+def select(body: Any) -> Selection:
+    """The pages a request names: `keys`, or `chain` from `from` on (module docstring)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object with 'keys' or 'chain'")
+    if "keys" in body:
+        return Selection(list(dict.fromkeys(check_keys(body["keys"]))), False)
+    if "chain" not in body:
+        raise BadRequest("name the pages as 'keys': [...] or 'chain': [...] (with 'from')")
+    chain = check_keys(body["chain"], "chain")
+    start = body.get("from")
+    if start is None:
+        return Selection(list(dict.fromkeys(chain)), True)
+    check_key(start)
+    if start not in chain:
+        raise BadRequest(f"'from' {start[:140]!r} is not a key of 'chain'")
+    return Selection(list(dict.fromkeys(chain[chain.index(start):])), True)
+
+
+def ttl_of(body: dict) -> float:
+    ttl = body.get("ttl", TTL_DEFAULT)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= TTL_MAX:
+        raise BadRequest(f"'ttl' must be a number of seconds in (0, {TTL_MAX:.0f}]")
+    return float(ttl)
+
+
+@dataclass(slots=True, eq=False)
+class Pin:
+    entry: Entry
+    pool: PagePool
+    owner: Hashable
+    expires: float
+    seq: int
+
+
+@dataclass(slots=True, eq=False)
+class WarmJob:
+    id: str
+    ns: "Namespace"
+    keys: list[str]
+    state: str = "running"
+    done: int = 0
+    loaded: int = 0
+    error: Optional[str] = None
+    task: Any = field(default=None, repr=False)
+
+    def describe(self, label: str) -> dict[str, Any]:
+        out = {"job": self.id, "namespace": label, "state": self.state, "pages": len(self.keys),
+               "done": self.done, "loaded": self.loaded}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+class Controls:
+    """Every pin and warm job of one store (on the event loop only)."""
+
+    def __init__(self, store: "Store"):
+        self.store = store
+        self.pins: dict[str, dict[str, Pin]] = {}      # ns ref -> key -> pin
+        self.segs: dict[Hashable, Counter] = {}        # owner -> segment -> pinned pages in it
+        self.jobs: dict[str, WarmJob] = {}
+        self.released = 0                              # pins ended by the bound recheck
+        self.expired = 0
+        self._heap: list[tuple[float, int, str, str]] = []
+        self._seq = itertools.count()
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    # -- who ---------------------------------------------------------------------------
+    def owned(self, ref: str, who: Caller) -> "Namespace":
+        """The namespace `ref` if `who` may control it (module docstring), else 403."""
+        ns = self.store.namespace(ref)
+        if who is not OPERATOR and owner_of(who) != ns.owner:
+            raise Forbidden(f"namespace {ns.name!r} is not yours; only its owner or the "
+                            f"operator pins, evicts or warms its pages")
+        return ns
+
+    # -- bounds ------------------------------------------------------------------------
+    def bound_segments(self, owner: Hashable) -> int:
+        """Segments `owner`'s pins may hold: PIN_SHARE of its fair share of the shared
+        segments (split among the owners of shared pools, itself counted) and of its own
+        explicit segments."""
+        hp = self.store.host_pool
+        owners = {p.owner for p in hp.shared_pools()} | {owner}
+        share = (hp.n_segments - hp.explicit_segments) / len(owners)
+        own = sum(len(p.segments) for p in hp.pools.values()
+                  if p.owner == owner and p.max_pages is not None)
+        return int(PIN_SHARE * (share + own))
+
+    def usage(self, owner: Hashable) -> dict[str, int]:
+        seg = self.store.host_pool.segment_size
+        held = self.segs.get(owner, Counter())
+        return {"pinned_pages": sum(held.values()), "held_bytes": len(held) * seg,
+                "bound_bytes": self.bound_segments(owner) * seg}
+
+    # -- pins --------------------------------------------------------------------------
+    async def pin(self, ref: str, who: Caller, sel: Selection, ttl: float) -> dict[str, Any]:
+        """Pin the selected pages (tier-only ones promoted first) for `ttl` seconds; a pin
+        already there is renewed. All or nothing against the owner's bound."""
+        ns = self.owned(ref, who)
+        keys = sel.keys
+        if sel.chain:
+            keys = keys[:await self.store.prefix(ref, keys)]
+        pool = ns.pool
+        missing = [k for k in keys if not pool.contains(k)]
+        if missing and self.store.tiering.enabled:
+            ns.counters.tier_hits += await self.store.tiering.promote(ns.identity, pool, missing)
+        ns = self.owned(ref, who)          # still there after the promotion?
+        mine = self.pins.setdefault(ref, {})
+        entries = [pool.ready.get(k) for k in keys]
+        new = [e for e in entries if e is not None and e.key not in mine]
+        held = self.segs.setdefault(ns.owner, Counter())
+        adds = {e.offset // pool.segment_size for e in new} - held.keys()
+        bound = self.bound_segments(ns.owner)
+        if len(held) + len(adds) > bound:
+            if not mine:
+                del self.pins[ref]
+            seg = self.store.host_pool.segment_size
+            raise PinBound(f"pinning these pages would hold {(len(held) + len(adds)) * seg} "
+                           f"bytes of the host pool for this namespace's owner; its bound is "
+                           f"{bound * seg} (half its fair share): unpin some first",
+                           **self.usage(ns.owner))
+        loop = asyncio.get_running_loop()
+        expires = loop.time() + ttl
+        for i, e in enumerate(new):
+            if i and i % CHUNK == 0:
+                await asyncio.sleep(0)       # (no await above could let a pin slip)
+            self._hold(ref, ns, e, expires)
+        for e in entries:
+            if e is not None and e.key in mine and mine[e.key].expires < expires:
+                self._renew(ref, mine[e.key], expires)
+        if not mine:
+            del self.pins[ref]
+        queued = self.store.tiering.write_first(ns.identity, pool, [e.key for e in new])
+        self._arm(loop)
+        pinned = sum(e is not None for e in entries)
+        return {"pinned": pinned, "missing": len(sel.keys) - pinned, "ttl": ttl,
+                "queued_for_tiers": queued, **self.usage(ns.owner)}
+
+    def _hold(self, ref: str, ns: "Namespace", e: Entry, expires: float) -> None:
+        got = ns.pool.pin(e.key)
+        assert got is e, "a ready page could not be pinned"
+        pin = Pin(e, ns.pool, ns.owner, expires, next(self._seq))
+        self.pins[ref][e.key] = pin
+        self.segs[ns.owner][e.offset // ns.pool.segment_size] += 1
+        heapq.heappush(self._heap, (expires, pin.seq, ref, e.key))
+
+    def _renew(self, ref: str, pin: Pin, expires: float) -> None:
+        pin.expires = expires
+        heapq.heappush(self._heap, (expires, pin.seq, ref, pin.entry.key))
+
+    def _release(self, ref: str, key: str) -> bool:
+        """End one pin (its pool pin given back); False when there was none."""
+        mine = self.pins.get(ref)
+        pin = mine.pop(key, None) if mine else None
+        if pin is None:
+            return False
+        if not mine:
+            del self.pins[ref]
+        held = self.segs[pin.owner]
+        seg = pin.entry.offset // self.store.host_pool.segment_size
+        held[seg] -= 1
+        if not held[seg]:
+            del held[seg]
+        if not held:
+            del self.segs[pin.owner]
+        pin.pool.unpin(pin.entry)     # (a page deleted meanwhile is buried now)
+        return True
+
+    def unpin(self, ref: str, who: Caller, sel: Optional[Selection]) -> dict[str, Any]:
+        """End the pins of the selected pages (None: every pin of the namespace)."""
+        ns = self.owned(ref, who)
+        keys = list(self.pins.get(ref, {})) if sel is None else sel.keys
+        n = sum(self._release(ref, k) for k in keys)
+        return {"unpinned": n, **self.usage(ns.owner)}
+
+    def listing(self, ref: str, who: Caller, label: str) -> dict[str, Any]:
+        """One namespace's pins (the first LIST_MAX), with the owner's usage."""
+        ns = self.store.namespace(ref)
+        now = asyncio.get_running_loop().time()
+        mine = self.pins.get(ref, {})
+        shown = [{"key": k, "expires_in": round(max(p.expires - now, 0.0), 3)}
+                 for k, p in itertools.islice(mine.items(), LIST_MAX)]
+        return {"namespace": label, "pins": shown, "more": max(len(mine) - LIST_MAX, 0),
+                "pages": len(mine), "bytes": len(mine) * ns.spec.page_bytes, **self.usage(ns.owner)}
+
+    def summary(self, who: Caller) -> dict[str, Any]:
+        """Pins of every namespace `who` reaches: pages and bytes each, warm jobs."""
+        d = self.store.dir
+        spaces = {d.label(ns, who): {"pages": len(self.pins[ns.ref]),
+                                     "bytes": len(self.pins[ns.ref]) * ns.spec.page_bytes}
+                  for ns in d.visible(who) if ns.ref in self.pins}
+        warm = [j.describe(d.label(j.ns, who)) for j in self.jobs.values()
+                if self.store.namespaces.get(j.ns.ref) is j.ns and d.reaches(who, j.ns)]
+        return {"namespaces": spaces, "warm": warm, "expired": self.expired,
+                "released_over_bound": self.released}
+
+    # -- hooks from the store ------------------------------------------------------------
+    def forget(self, ref: str, keys: list[str]) -> None:
+        """Pages are being deleted: their pins end first (their slots then free at once)."""
+        if ref in self.pins:
+            for k in keys:
+                self._release(ref, k)
+
+    def forget_namespace(self, ns: "Namespace") -> None:
+        """A namespace is being dropped: its pins end (its pool then drains), its jobs stop."""
+        for k in list(self.pins.get(ns.ref, ())):
+            self._release(ns.ref, k)
+        for job in self.jobs.values():
+            if job.ns is ns and job.task is not None:
+                job.task.cancel()
+
+    # -- expiry and bounds ---------------------------------------------------------------
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None or not self.pins:
+            return
+        at = min(self._heap[0][0], loop.time() + RECHECK) if self._heap else loop.time() + RECHECK
+        self._timer = loop.call_at(at, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        self.expire(loop.time())
+        self.enforce()
+        self._arm(loop)
+
+    def expire(self, now: float) -> int:
+        """End every pin whose TTL passed by `now` (CHUNK of them a loop turn at most: the
+        rest at the next tick); the pins ended."""
+        n = 0
+        while self._heap and self._heap[0][0] <= now and n < CHUNK:
+            expires, seq, ref, key = heapq.heappop(self._heap)
+            pin = self.pins.get(ref, {}).get(key)
+            if pin is not None and pin.seq == seq and pin.expires == expires:
+                self._release(ref, key)
+                n += 1
+        self.expired += n
+        return n
+
+    def enforce(self) -> int:
+        """Owners whose pins hold more segments than their bound (the share shrank as
+        owners came) lose their newest pins until within it; the pins ended."""
+        n = 0
+        for owner in list(self.segs):
+            over = len(self.segs[owner]) - self.bound_segments(owner)
+            if over <= 0:
+                continue
+            newest = sorted(((p.seq, ref, k) for ref, m in self.pins.items()
+                             for k, p in m.items() if p.owner == owner), reverse=True)
+            for _, ref, k in newest:
+                if owner not in self.segs or len(self.segs[owner]) <= self.bound_segments(owner):
+                    break
+                n += self._release(ref, k)
+        self.released += n
+        return n
+
+    # -- evict -----------------------------------------------------------------------------
+    async def evict(self, ref: str, who: Caller, sel: Selection) -> dict[str, Any]:
+        """Delete the selected pages from the host pool and every tier (as per-key deletes:
+        their files go, so the delete holds across a restart), CHUNK keys at a time."""
+        self.owned(ref, who)
+        deleted = failed = 0
+        for i in range(0, len(sel.keys), CHUNK):
+            d, f = await self.store.delete(ref, sel.keys[i:i + CHUNK])
+            deleted, failed = deleted + d, failed + f
+        return {"deleted": deleted, "failed": failed}
+
+    # -- warm ------------------------------------------------------------------------------
+    async def warm(self, ref: str, who: Caller, sel: Selection) -> dict[str, Any]:
+        """Start a job bringing the selected pages present in some tier into the host pool
+        (a chain: its leading run of present pages). 429 past WARM_RUNNING_PER_OWNER."""
+        ns = self.owned(ref, who)
+        running = sum(1 for j in self.jobs.values() if j.state == "running" and j.ns.owner == ns.owner)
+        if running >= WARM_RUNNING_PER_OWNER:
+            raise TooMany(f"{running} warm jobs of this owner are running; at most "
+                          f"{WARM_RUNNING_PER_OWNER}: wait for one to end")
+        if sel.chain:
+            keys = sel.keys[:await self.store.prefix(ref, sel.keys)]
+        else:
+            keys = [k for k, hit in zip(sel.keys, await self.store.present(ref, sel.keys)) if hit]
+        ns = self.owned(ref, who)
+        job = WarmJob("w-" + secrets.token_hex(8), ns, keys)
+        self.jobs[job.id] = job
+        self._trim_jobs()
+        job.task = asyncio.get_running_loop().create_task(self._warm(job))
+        return {"job": job.id, "pages": len(keys)}
+
+    async def _warm(self, job: WarmJob) -> None:
+        ns, tiering = job.ns, self.store.tiering
+        try:
+            for i in range(0, len(job.keys), WARM_CHUNK):
+                if ns.pool.closed:
+                    raise RuntimeError("the namespace was deleted")
+                part = job.keys[i:i + WARM_CHUNK]
+                if tiering.enabled:
+                    got = await tiering.promote(ns.identity, ns.pool, part)
+                    ns.counters.tier_hits += got
+                job.done += len(part)
+                job.loaded += sum(ns.pool.present(part))
+                await asyncio.sleep(0)
+            job.state = "done"
+        except asyncio.CancelledError:
+            job.state, job.error = "failed", "the namespace was deleted"
+        except Exception as exc:   # reported through the job, never raised into the loop
+            job.state, job.error = "failed", str(exc)[:200]
+
+    def _trim_jobs(self) -> None:
+        ended = [j for j, job in self.jobs.items() if job.state != "running"]
+        for j in ended[:max(len(self.jobs) - WARM_KEPT, 0)]:
+            del self.jobs[j]
+
+    def job(self, job_id: str, who: Caller) -> dict[str, Any]:
+        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+        if job is None or self.store.namespaces.get(job.ns.ref) is not job.ns \
+                or not self.store.dir.reaches(who, job.ns):
+            raise JobNotFound(f"warm job {str(job_id)[:40]!r} is unknown, expired or not yours")
+        return job.describe(self.store.dir.label(job.ns, who))
