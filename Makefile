@@ -168,6 +168,13 @@ $(LMCACHE_VENV)/.installed: $(VLLM_VENV)/.installed
 	$(LMCACHE_VENV)/bin/python -c "import lmcache.integration.vllm.lmcache_mp_connector"
 	touch $@
 
+# The wheels a bare GPU machine lacks for the server and the GPU tests (scripts/gpu-wheels.txt:
+# Python 3.12, manylinux x86_64, no torch) into the ignored .whl/, then checked: they resolve
+# against the GPU image and fit a device call's 64 MiB (docs/gpu.md, scripts/gpu_check.sh)
+.PHONY: gpu-wheels
+gpu-wheels:
+	$(PYTHON) scripts/gpu_wheels.py download .whl
+
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
 	$(PY) -m loadtest.bench_socket

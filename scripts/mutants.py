@@ -423,6 +423,17 @@ MUTANTS = [
     M("events: a replay not paced", "sidecar/publisher.py",
       "            time.sleep(max(0.0, due - time.monotonic()))", "            pass",
       ("tests/sidecar/test_publisher.py",)),
+    # -- the GPU check and the linker's device path (issue 46) ----------------------------
+    M("gpu: a linker pool whose page views are copies registered by CUDA IPC",
+      "api/engine/sglang_linker_cuda.py",
+      'return "a buffer\'s pages are not a view of it"', 'pass',
+      ("tests/api/test_linker_cuda.py::test_what_cannot_go_direct_says_why",)),
+    M("gpu: a wheel for another Python carried to the GPU machine", "scripts/gpu_wheels.py",
+      'if py_ok and t.abi in ("none", "abi3", "cp312") and plat_ok:', 'if plat_ok:',
+      ("tests/test_gpu_wheels.py", "-k", "installable or only_wheels")),
+    M("gpu: a failing step of scripts/gpu_check.sh passes the check", "scripts/gpu_check.sh",
+      '[ "$RC" -ne 0 ] && FAILED=1', 'true',
+      ("tests/test_gpu_check.py::test_failing_steps_fail_the_check_and_every_step_still_runs",)),
 ]
 
 

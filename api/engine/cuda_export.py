@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -24,13 +24,13 @@ def _cuda():
     """(runtime, driver) of cuda-python: `cuda.bindings` (cuda-bindings 12.6+ and 13.x, where
     `from cuda import cudart` is gone), else the cuda-python 12 layout."""
     try:
-        from cuda.bindings import driver, runtime  # type: ignore
+        from cuda.bindings import driver, runtime
         return runtime, driver
     except Exception:
         pass
     try:
-        from cuda import cuda as driver  # type: ignore
-        from cuda import cudart as runtime  # type: ignore
+        from cuda import cuda as driver
+        from cuda import cudart as runtime
     except Exception as exc:
         raise RuntimeError("the cuda_ipc transport needs cuda-python: pip install 'kv-sidecar[gpu]'") from exc
     return runtime, driver
@@ -78,7 +78,9 @@ def cuda_regions_and_chunks(tensors: Sequence[torch.Tensor]) -> tuple[list[dict]
         raise ValueError("cuda_ipc exports CUDA tensors of one device")
     device = devices.pop()
     uuid = device_uuid(device)
-    regions, by_base, chunks = [], {}, []
+    regions: list[dict] = []
+    by_base: dict[int, int] = {}
+    chunks: list[dict] = []
     for t in tensors:
         if t.dim() < 1 or not t[0].is_contiguous():
             raise ValueError("each tensor needs a slot dimension 0 with contiguous slots")

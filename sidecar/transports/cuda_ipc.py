@@ -20,7 +20,7 @@ import ctypes
 import logging
 import re
 import threading
-from typing import Any, Optional
+from typing import Any
 
 from sidecar.errors import BadRequest, GeometryMismatch, TransportUnavailable
 from sidecar.transports.base import CopyFailed, _nonneg_int
@@ -62,13 +62,13 @@ def bindings() -> tuple[Any, Any]:
     where the old `from cuda import cudart` is gone), else the cuda-python 12 layout;
     (None, None) without either. Same calls and error tuples in both."""
     try:
-        from cuda.bindings import driver, runtime  # type: ignore
+        from cuda.bindings import driver, runtime
         return runtime, driver
     except Exception:
         pass
     try:
-        from cuda import cuda as driver  # type: ignore
-        from cuda import cudart as runtime  # type: ignore
+        from cuda import cuda as driver
+        from cuda import cudart as runtime
         return runtime, driver
     except Exception:
         return None, None
@@ -127,7 +127,7 @@ class CudaIpc:
         self.devices = self._devices()
 
     @classmethod
-    def create(cls) -> Optional["CudaIpc"]:
+    def create(cls) -> CudaIpc | None:
         """The registry, or None without CUDA (or when the devices cannot be listed: the
         sidecar still starts, and cuda_ipc registrations answer `transport_unavailable`)."""
         if not cuda_available():
@@ -171,7 +171,9 @@ class CudaIpc:
             return entry[0], entry[3], entry[2]
 
     def release(self, pid: int, handle: bytes) -> None:
-        """Drop one use; the last closes the handle after the device is synced."""
+        """Drop one use; the last closes the handle after the device is synced. The close
+        holds the lock: an open of the same handle meanwhile (the engine registering it
+        again) would get the mapping about to be closed."""
         with self._lock:
             entry = self._open.get((pid, handle))
             assert entry is not None and entry[1] > 0, "release of a handle that is not open"
@@ -179,13 +181,13 @@ class CudaIpc:
             if entry[1]:
                 return
             del self._open[(pid, handle)]
-        ptr, _, dev, _ = entry
-        try:   # a mapping's close never raises (the handle is forgotten either way)
-            _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
-            _check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-            _check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
-        except Exception as exc:
-            log.warning("closing a CUDA IPC handle of pid %d failed: %s", pid, exc)
+            ptr, _, dev, _ = entry
+            try:   # a mapping's close never raises (the handle is forgotten either way)
+                _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
+                _check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+                _check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+            except Exception as exc:
+                log.warning("closing a CUDA IPC handle of pid %d failed: %s", pid, exc)
 
     def stream(self, dev: int):
         streams = getattr(self._streams, "by_dev", None)
@@ -241,7 +243,7 @@ class IpcMapping:
             self.cuda.release(self.pid, self._opened.pop())
 
 
-def open_buffer(body: dict[str, Any], cuda: Optional[CudaIpc], pid: Optional[int], size: int):
+def open_buffer(body: dict[str, Any], cuda: CudaIpc | None, pid: int | None, size: int):
     """Validate the regions, then open them (needs CUDA on this node)."""
     regions = parse_regions(body, size)
     if cuda is None:

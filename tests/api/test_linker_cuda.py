@@ -4,7 +4,13 @@ tests/api/test_linker_cuda_gpu.py (marked `gpu`)."""
 import pytest
 import torch
 
-from api.engine.sglang_linker_cuda import DevicePool, can_go_direct, direct_pool, page_numbers, page_views
+from api.engine.sglang_linker_cuda import (
+    DevicePool,
+    can_go_direct,
+    direct_pool,
+    page_numbers,
+    page_views,
+)
 
 
 def mha_pool(tokens=40, heads=2, dim=8, layers=2):
