@@ -10,6 +10,7 @@ from sidecar import __version__
 
 REPLAY = "loadtest.replay"  # a client of the API: loaded by name, sidecar never imports it
 PLAN = "loadtest.plan"  # the offline capacity planner, loaded the same way
+CTL = "loadtest.ctl"    # pin|unpin|evict|warm|pins: a client of the API, loaded the same way
 from sidecar.config import load
 
 _FLAGS = [
@@ -94,6 +95,7 @@ def parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar")
     importlib.import_module(REPLAY).parser(replay)
     importlib.import_module(PLAN).parser(sub.add_parser("plan", help="hit rate vs capacity for a trace (offline)"))
+    importlib.import_module(CTL).add_parsers(sub)
     return p
 
 
@@ -114,4 +116,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.command == "plan":
         return importlib.import_module(PLAN).cli(args)
+    if args.command in importlib.import_module(CTL).VERBS:
+        return importlib.import_module(CTL).cli(args)
     return 2
