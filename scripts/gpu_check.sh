@@ -89,7 +89,8 @@ except Exception as exc:
     dev = f"torch: {exc}"
 from sidecar.transports.cuda_ipc import bindings, cuda_available
 rt, _ = bindings()
-print(f"env: {dev}; cuda bindings {getattr(rt, '__name__', None)}; sidecar sees CUDA: {cuda_available()}")
+print(f"env: {dev}; kernel {platform.release()}; cuda bindings {getattr(rt, '__name__', None)}; "
+      f"sidecar sees CUDA: {cuda_available()}")
 EOF
 command -v nvidia-smi > /dev/null && nvidia-smi -L >> "$LOGS/env.log" 2>&1
 step "env: $(status) (${TOOK}s) $(grep '^env:' "$LOGS/env.log" | tail -1 | cut -c6-) | $(grep '^python' "$LOGS/env.log" | tail -1)"
