@@ -211,3 +211,52 @@ def test_a_tenant_cannot_pin_evict_or_warm_another_owners_namespace(make_server,
     assert a.request("GET", "/v1/namespaces/kv/pins")[1]["pages"] == 1
     op = srv.tcp_client()                                            # the operator: any
     assert post(op, f"/v1/namespaces/kv@{os.getuid()}/evict", {"keys": ["k"]})[1]["deleted"] == 1
+
+
+def test_a_pinned_page_no_tier_holds_is_written_first(make_server, tmp_path):
+    srv = tiered(make_server, tmp_path, write_policy="write_back")
+    c = srv.client(timeout=30)
+    c.put_namespace("kv", PAGE)
+    put(c, "kv", ["a", "b", "c"])                     # write-back: in the host pool only
+    tier, ident = srv.ctx.store.tiering.tiers[0], srv.ns("kv").identity
+    assert not any(tier.contains(ident, k) for k in "abc")
+    assert post(c, "/v1/namespaces/kv/pin", {"keys": ["a", "b"]})[1]["queued_for_tiers"] == 2
+    wait_for(lambda: tier.contains(ident, "a") and tier.contains(ident, "b"))
+    assert not tier.contains(ident, "c")
+    srv.invariants()
+
+
+def test_controls_hold_under_another_tenants_load(make_server, tmp_path):
+    """A neighbour stores pages without pause while the operator warms, pins and evicts a
+    chain of its own: every answer is what it would be alone."""
+    import threading
+    srv = tiered(make_server, tmp_path, token=TOKEN)
+    op, peer = srv.tcp_client(timeout=30), srv.client(timeout=30)
+    op.put_namespace("kv", PAGE, host_capacity_bytes=64 * PAGE)
+    peer.put_namespace("theirs", PAGE)
+    chain = [f"c{i}" for i in range(128)]                # half of it evicted to the file tier
+    put(op, "kv", chain)
+    assert op.request("POST", "/v1/flush")[1]["pending"] == 0
+    stop, stored = threading.Event(), []
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            peer.put_page("theirs", f"t{i}", data(f"t{i}"))
+            stored.append(i)
+            i += 1
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        job = post(op, "/v1/namespaces/kv/warm", {"chain": chain[:32]})[1]
+        wait_for(lambda: op.request("GET", f"/v1/warm/{job['job']}")[1]["state"] == "done")
+        assert post(op, "/v1/namespaces/kv/pin", {"chain": chain[:32]})[1]["pinned"] == 32
+        assert post(op, "/v1/namespaces/kv/evict", {"chain": chain, "from": "c100"})[1] == \
+            {"deleted": 28, "failed": 0}
+    finally:
+        stop.set()
+        t.join(30)
+    assert stored and op.exists_each("kv", ["c0", "c31", "c99", "c100"]) == [True] * 3 + [False]
+    pool = srv.ns("kv").pool
+    assert srv.on_loop(lambda: all(pool.contains(k) for k in chain[:32]))
+    srv.invariants()
