@@ -189,6 +189,10 @@ class CudaIpc:
             except Exception as exc:
                 log.warning("closing a CUDA IPC handle of pid %d failed: %s", pid, exc)
 
+    def release_all(self, pid: int, handles: list[bytes]) -> None:
+        for handle in reversed(handles):
+            self.release(pid, handle)
+
     def stream(self, dev: int):
         streams = getattr(self._streams, "by_dev", None)
         if streams is None:
@@ -239,8 +243,12 @@ class IpcMapping:
         return self.cuda.copy(self.device, plan)
 
     def close(self) -> None:
-        while self._opened:
-            self.cuda.release(self.pid, self._opened.pop())
+        """Release the handles on a thread of their own: the last use of a handle syncs the
+        device before closing it, and a buffer's close may run on the event loop."""
+        handles, self._opened = self._opened, []
+        if handles:
+            threading.Thread(target=self.cuda.release_all, args=(self.pid, handles),
+                             name="kv-cuda-close", daemon=True).start()
 
 
 def open_buffer(body: dict[str, Any], cuda: CudaIpc | None, pid: int | None, size: int):
