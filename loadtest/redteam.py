@@ -43,7 +43,8 @@ from typing import Any, Callable, Optional
 from loadtest.procs import Proc, free_port
 
 NOBODY = 65534
-MODULES = ("loadtest.redteam_conn", "loadtest.redteam_lend", "loadtest.redteam_store")
+MODULES = ("loadtest.redteam_conn", "loadtest.redteam_lend", "loadtest.redteam_store",
+           "loadtest.redteam_controls")
 HEALTHZ_LIMIT_MS = 50.0
 
 
