@@ -58,6 +58,25 @@ class _Collector:
         yield from self._namespaces(stats)
         yield from self._tiers(stats)
         yield from self._tier_events()
+        yield from self._cost(stats)
+
+    def _cost(self, stats: dict) -> Iterator:
+        """What a cached page and token cost (sidecar/cost.py), and the pins held."""
+        node = stats["cost"]["node"]
+        fam = GaugeMetricFamily("kv_sidecar_cost_bytes", "bytes a stored page or token costs "
+                                "(host pool nominal, index, RSS)", labels=["per", "kind"])
+        for per in ("page", "token"):
+            for kind, v in node[f"per_{per}"].items():
+                if v is not None:
+                    fam.add_metric([per, kind.removesuffix("_bytes")], v)
+        rss = GaugeMetricFamily("kv_sidecar_rss_bytes", "resident memory of the sidecar")
+        rss.add_metric([], node["rss_bytes"])
+        index = GaugeMetricFamily("kv_sidecar_index_bytes", "Python objects indexing the pages")
+        index.add_metric([], node["index_bytes"])
+        pins = GaugeMetricFamily("kv_sidecar_pinned_pages", "operator pins", labels=["namespace"])
+        for name, ns in stats["controls"]["namespaces"].items():
+            pins.add_metric([name], ns["pages"])
+        yield from (fam, rss, index, pins)
 
     def _tier_events(self) -> Iterator:
         """Every tier's event counters (writes, reads, errors, misses by cause)."""

@@ -260,3 +260,26 @@ def test_controls_hold_under_another_tenants_load(make_server, tmp_path):
     pool = srv.ns("kv").pool
     assert srv.on_loop(lambda: all(pool.contains(k) for k in chain[:32]))
     srv.invariants()
+
+
+def test_what_a_cached_token_costs_is_in_cost_stats_and_metrics(make_server):
+    srv = make_server(token=TOKEN)
+    op, peer = srv.tcp_client(), srv.client()
+    op.put_namespace("kv", PAGE, page_tokens=16)
+    peer.put_namespace("mine", PAGE)
+    put(op, "kv", [f"k{i}" for i in range(1000)])
+    put(peer, "mine", ["m"])
+    got = op.request("GET", "/v1/cost")[1]
+    node, kv = got["node"], got["namespaces"]["kv"]
+    assert (node["pages"], node["tokens"], node["nominal_bytes"]) == (1001, 16000, 64 * 2**20)
+    assert node["per_page"]["host_bytes"] == round(64 * 2**20 / 1001, 1)
+    assert 100 < node["per_page"]["index_bytes"] < 2000              # an Entry, a key, dict slots
+    assert node["rss_bytes"] > node["nominal_bytes"]                  # the arena is resident whole
+    assert kv["slot_bytes"] == PAGE and kv["page_tokens"] == 16
+    assert kv["bytes_per_token"] == round((PAGE + kv["index_bytes"] / 1000) / 16, 1)
+    assert op.stats()["cost"]["node"]["pages"] == 1001
+    mine = peer.request("GET", "/v1/cost")[1]                        # a tenant: its own pages
+    assert list(mine["namespaces"]) == ["mine"] and mine["node"]["pages"] == 1
+    text = op.metrics()
+    assert 'kv_sidecar_cost_bytes{kind="index",per="page"}' in text
+    assert "kv_sidecar_rss_bytes " in text and "kv_sidecar_index_bytes " in text

@@ -74,6 +74,7 @@ def test_status_page_draws_every_chart(busy_sidecar, tmp_path):
     assert set(drawn) == set(CHARTS), drawn
     assert all(n >= 3 for n in drawn.values()), drawn  # several samples on every chart
     assert re.search(r'<div id="status"[^>]*>\d+ samples, one every', out.stdout)  # no error shown
+    assert re.search(r'<div id="cost"[^>]*>[\d,]+ pages, [\d,]+ tokens cached\. Per page: host pool', out.stdout)
     fill = re.search(r'<svg\b[^>]*data-chart="fill"[^>]*>.*?</svg>', out.stdout, re.S).group(0)
     assert 'data-series="kv"' in fill and 'data-series="draft"' in fill  # one line per namespace
     shot = os.environ.get("UI_SCREENSHOT") or str(tmp_path / "ui.png")
