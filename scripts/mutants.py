@@ -459,9 +459,8 @@ MUTANTS = [
       'with threading.Lock():\n            entry = self._open.get((pid, handle))\n            assert',
       ("tests/sidecar/test_cuda_registry.py::test_an_open_during_the_last_close_gets_a_live_mapping",)),
     M("gpu: a mapping's close syncs the device on the caller's thread", "sidecar/transports/cuda_ipc.py",
-      '            threading.Thread(target=self.cuda.release_all, args=(self.pid, handles),\n'
-      '                             name="kv-cuda-close", daemon=True).start()',
-      '            self.cuda.release_all(self.pid, handles)',
+      '            self.cuda.release_later(self.pid, handles)',
+      '            for h in reversed(handles):\n                self.cuda.release(self.pid, h)',
       ("tests/sidecar/test_cuda_registry.py::test_a_mapping_closes_its_handles_off_the_calling_thread",)),
     M("gpu: a failed device copy answered as the caller's error", "sidecar/transports/cuda_ipc.py",
       '"cudaMemcpyAsync", CopyFailed)', '"cudaMemcpyAsync")',

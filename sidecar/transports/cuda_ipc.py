@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import queue
 import re
 import threading
 from typing import Any
@@ -124,6 +125,8 @@ class CudaIpc:
         self._lock = threading.Lock()
         self._open: dict[tuple[int, bytes], list] = {}   # (pid, handle) -> [ptr, refs, device]
         self._streams = threading.local()
+        self._closing: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._close_loop, name="kv-cuda-close", daemon=True).start()
         self.devices = self._devices()
 
     @classmethod
@@ -189,9 +192,19 @@ class CudaIpc:
             except Exception as exc:
                 log.warning("closing a CUDA IPC handle of pid %d failed: %s", pid, exc)
 
-    def release_all(self, pid: int, handles: list[bytes]) -> None:
-        for handle in reversed(handles):
-            self.release(pid, handle)
+    def release_later(self, pid: int, handles: list[bytes]) -> None:
+        """Release on the registry's one closing thread, in order: a caller (the event loop
+        too) never waits for a device sync or the lock, and a flood of closes costs no threads."""
+        self._closing.put((pid, handles))
+
+    def _close_loop(self) -> None:
+        while True:
+            pid, handles = self._closing.get()
+            for handle in reversed(handles):
+                try:
+                    self.release(pid, handle)
+                except Exception:   # never ends the thread: later closes still run
+                    log.exception("releasing a CUDA IPC handle of pid %d", pid)
 
     def stream(self, dev: int):
         streams = getattr(self._streams, "by_dev", None)
@@ -247,8 +260,7 @@ class IpcMapping:
         device before closing it, and a buffer's close may run on the event loop."""
         handles, self._opened = self._opened, []
         if handles:
-            threading.Thread(target=self.cuda.release_all, args=(self.pid, handles),
-                             name="kv-cuda-close", daemon=True).start()
+            self.cuda.release_later(self.pid, handles)
 
 
 def open_buffer(body: dict[str, Any], cuda: CudaIpc | None, pid: int | None, size: int):

@@ -25,6 +25,7 @@ class Runtime:
         self.closed: list[int] = []
         self.next_ptr = 0x1000_0000
         self.during_sync = None                 # called inside cudaDeviceSynchronize
+        self.closed_one = threading.Event()
 
     def cudaGetDeviceCount(self):
         return 0, 1
@@ -52,6 +53,7 @@ class Runtime:
 
     def cudaIpcCloseMemHandle(self, ptr):
         self.closed.append(ptr)
+        self.closed_one.set()
         self.mapped = {h: p for h, p in self.mapped.items() if p != ptr}
         return (0,)
 
@@ -111,8 +113,7 @@ def test_a_mapping_closes_its_handles_off_the_calling_thread(registry):
     m.close()                               # returns while the device sync is held
     assert rt.closed == []
     held.set()
-    for t in [t for t in threading.enumerate() if t.name == "kv-cuda-close"]:
-        t.join(10)
+    assert rt.closed_one.wait(10)
     assert len(rt.closed) == 1
 
 
