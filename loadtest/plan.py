@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -105,11 +106,14 @@ def run(args) -> dict:
     unique = unique_pages(trace)
     page_bytes = args.page_bytes or args.page_tokens * args.bytes_per_token
     caps = parse_capacities(args.capacities, unique)
+    cost = node_cost(args)
     rows = []
     bar = Progress(len(caps), "plan")
     for cap in caps:
         row = {"capacity_pages": cap, "capacity_bytes": cap * page_bytes,
                "fraction_of_unique": cap / max(unique, 1),
+               "node_bytes": round(cap * (page_bytes + cost["index_bytes_per_page"])
+                                   + cost["base_rss_bytes"]),
                **simulate(trace, [LruSim(cap)], args.page_tokens)}
         if args.file_pages:
             two = simulate(trace, [TwoLevel(cap, args.file_pages)], args.page_tokens)
@@ -123,7 +127,29 @@ def run(args) -> dict:
     bar.close()
     return {"trace": args.trace, "requests": len(trace), "unique_pages": unique,
             "page_tokens": args.page_tokens, "page_bytes": page_bytes, "engines": args.engines,
-            "file_pages": args.file_pages, "rows": rows}
+            "file_pages": args.file_pages, "cost": cost, "rows": rows}
+
+
+def node_cost(args) -> dict:
+    """What a page costs beyond its bytes, and the process beyond its pages: read from a
+    running sidecar's /v1/cost (`--cost-from URL`, its token from SIDECAR_TOKEN), else the
+    index of a real page pool measured here (64-character keys) and no base."""
+    if not args.cost_from:
+        from sidecar.cost import index_bytes_per_page
+        return {"index_bytes_per_page": round(index_bytes_per_page(), 1), "base_rss_bytes": 0,
+                "source": "measured here: a page pool of 4,096 64-character keys"}
+    from api.engine.client import SidecarClient, SidecarError
+    c = SidecarClient(args.cost_from, token=os.environ.get("SIDECAR_TOKEN") or None, timeout=30)
+    try:
+        node = c.request("GET", "/v1/cost")[1]["node"]
+    except SidecarError as exc:
+        raise ValueError(f"--cost-from {args.cost_from}: {exc}") from exc
+    finally:
+        c.close()
+    index = node["per_page"]["index_bytes"] or 0.0
+    base = max(node["rss_bytes"] - node["nominal_bytes"] - node["index_bytes"], 0)
+    return {"index_bytes_per_page": index, "base_rss_bytes": base,
+            "source": f"{args.cost_from}/v1/cost ({node['pages']} pages)"}
 
 
 def human_bytes(n: float) -> str:
@@ -137,7 +163,11 @@ def human_bytes(n: float) -> str:
 def print_report(res: dict, as_json: bool) -> None:
     print(f"{res['requests']} requests, {res['unique_pages']} unique pages of "
           f"{res['page_tokens']} tokens, {human_bytes(res['page_bytes'])} each")
-    head = f"{'capacity':>10} {'of unique':>9} {'bytes':>11} {'hit blocks':>10} {'hit tokens':>10}"
+    cost = res["cost"]
+    print(f"node bytes = pages x (page + {cost['index_bytes_per_page']:.0f} B of index) + "
+          f"{human_bytes(cost['base_rss_bytes'])} of process ({cost['source']})")
+    head = (f"{'capacity':>10} {'of unique':>9} {'bytes':>11} {'node bytes':>11} {'hit blocks':>10} "
+            f"{'hit tokens':>10}")
     if res["file_pages"]:
         head += f" {'+file tier':>10}"
     if res["engines"] > 1:
@@ -145,7 +175,8 @@ def print_report(res: dict, as_json: bool) -> None:
     print(head)
     for r in res["rows"]:
         line = (f"{r['capacity_pages']:>10} {r['fraction_of_unique']:>9.1%} "
-                f"{human_bytes(r['capacity_bytes']):>11} {r['hit_rate_blocks']:>10.4f} "
+                f"{human_bytes(r['capacity_bytes']):>11} {human_bytes(r['node_bytes']):>11} "
+                f"{r['hit_rate_blocks']:>10.4f} "
                 f"{r['hit_rate_tokens']:>10.4f}")
         if "with_file_tier" in r:
             line += f" {r['with_file_tier']['hit_rate_blocks']:>10.4f}"
@@ -203,6 +234,9 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--file-pages", type=int, default=0, help="add a file tier of this many pages")
     p.add_argument("--engines", type=int, default=1,
                    help="also split each capacity into N per-engine caches (round-robin)")
+    p.add_argument("--cost-from", default=None,
+                   help="URL of a running sidecar: its /v1/cost gives the index bytes a page "
+                        "and the process's base RSS for the 'node bytes' column")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--plot", default=None, help="write a hit rate vs capacity chart (PNG)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")

@@ -84,3 +84,30 @@ def test_the_warm_draws_a_progress_bar_on_a_terminal(spawn, tmp_path):
         os.close(main)
     assert rc == 0 and got["pages"] == 3
     assert b"warm [" in drawn and b"3/3" in drawn
+
+
+def test_plan_sizes_a_node_from_a_running_sidecars_cost(spawn, tmp_path):
+    import orjson
+    p = start(spawn, tmp_path)
+    op = SidecarClient(p.url, token=TOKEN, timeout=30)
+    op.put_namespace("kv", PAGE)
+    for i in range(100):
+        op.put_page("kv", f"k{i}", data(f"k{i}"))
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"".join(orjson.dumps({"timestamp": i, "input_length": 1024,
+                                             "hash_ids": [0, i]}) + b"\n" for i in range(5)))
+    rows = {}
+    for extra in ((), ("--cost-from", p.url)):
+        env = {**os.environ, "SIDECAR_TOKEN": TOKEN}
+        out = subprocess.run([sys.executable, "-m", "sidecar", "plan", str(trace), "--capacities",
+                              "4", "--page-bytes", "1000", "--json", *extra], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        cost, row = res["cost"], res["rows"][0]
+        assert row["node_bytes"] == round(4 * (1000 + cost["index_bytes_per_page"]) + cost["base_rss_bytes"])
+        assert 100 < cost["index_bytes_per_page"] < 2000
+        assert "node bytes = pages x (page + " in out.stdout
+        rows[bool(extra)] = cost
+    assert rows[False]["base_rss_bytes"] == 0 and rows[True]["base_rss_bytes"] > 2**20
+    assert rows[True]["source"].endswith("(100 pages)")
