@@ -1,5 +1,6 @@
 """Operators' controls (sidecar/controls.py): pin, unpin, evict and warm pages by keys or by
 chain, pins listed, warm jobs followed, and what a cached token costs."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -20,20 +21,27 @@ NS = "/v1/namespaces/{name}"
 async def pin(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     sel, ttl = select(body), ttl_of(body)
-    return json(await ctx.store.controls.pin(ref(ctx, request.scope, name), who(ctx, request.scope),
-                                             sel, ttl))
+    return json(
+        await ctx.store.controls.pin(
+            ref(ctx, request.scope, name), who(ctx, request.scope), sel, ttl
+        )
+    )
 
 
 @router.post(NS + "/unpin")
 async def unpin(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     sel = None if body.get("all") is True else select(body)
-    return json(ctx.store.controls.unpin(ref(ctx, request.scope, name), who(ctx, request.scope), sel))
+    return json(
+        ctx.store.controls.unpin(ref(ctx, request.scope, name), who(ctx, request.scope), sel)
+    )
 
 
 @router.get(NS + "/pins")
 async def pins(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
-    return json(ctx.store.controls.listing(ref(ctx, request.scope, name), who(ctx, request.scope), name))
+    return json(
+        ctx.store.controls.listing(ref(ctx, request.scope, name), who(ctx, request.scope), name)
+    )
 
 
 @router.get("/v1/pins")
@@ -44,15 +52,22 @@ async def all_pins(request: Request, ctx: Context = Depends(context)) -> Respons
 @router.post(NS + "/evict")
 async def evict(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json(await ctx.store.controls.evict(ref(ctx, request.scope, name), who(ctx, request.scope),
-                                               select(body)))
+    return json(
+        await ctx.store.controls.evict(
+            ref(ctx, request.scope, name), who(ctx, request.scope), select(body)
+        )
+    )
 
 
 @router.post(NS + "/warm")
 async def warm(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json(await ctx.store.controls.warm(ref(ctx, request.scope, name), who(ctx, request.scope),
-                                              select(body)), 202)
+    return json(
+        await ctx.store.controls.warm(
+            ref(ctx, request.scope, name), who(ctx, request.scope), select(body)
+        ),
+        202,
+    )
 
 
 @router.get("/v1/warm/{job}")

@@ -12,6 +12,7 @@ batches of 4,096 (a chain's next batch only while the last one was whole). The t
 from `--token-file`, else SIDECAR_TOKEN. Prints the answers as JSON; exit 1 on an error
 answer, 2 on bad usage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 from api.engine.client import SidecarClient, SidecarError
 from loadtest.progress import Progress
@@ -36,8 +37,11 @@ def add_parsers(sub: Any) -> None:
         if verb != "pins":
             p.add_argument("keys", nargs="*", help="page keys (or --keys-file)")
             p.add_argument("--keys-file", help="keys one a line; '-' reads stdin")
-            p.add_argument("--chain", action="store_true",
-                           help="the keys are a chain in order: act from --from on")
+            p.add_argument(
+                "--chain",
+                action="store_true",
+                help="the keys are a chain in order: act from --from on",
+            )
             p.add_argument("--from", dest="start", help="the chain's first key to act on")
         if verb == "pin":
             p.add_argument("--ttl", type=float, default=3600.0, help="seconds (default 3600)")
@@ -49,7 +53,7 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--token-file", help="the operator's token (default: $SIDECAR_TOKEN)")
 
 
-def _token(args: argparse.Namespace) -> Optional[str]:
+def _token(args: argparse.Namespace) -> str | None:
     if args.token_file:
         with open(args.token_file) as f:
             return f.read().strip()
@@ -59,18 +63,21 @@ def _token(args: argparse.Namespace) -> Optional[str]:
 def _keys(args: argparse.Namespace, stdin: TextIO) -> list[str]:
     keys = list(args.keys)
     if args.keys_file:
-        src = stdin if args.keys_file == "-" else open(args.keys_file)
-        with src:
-            keys += [line.strip() for line in src if line.strip()]
+        if args.keys_file == "-":
+            keys += [line.strip() for line in stdin if line.strip()]
+        else:
+            with open(args.keys_file) as src:
+                keys += [line.strip() for line in src if line.strip()]
     if args.start is not None:
         if args.start not in keys:
             raise ValueError(f"--from {args.start!r} is not one of the keys")
-        keys = keys[keys.index(args.start):]
+        keys = keys[keys.index(args.start) :]
     return keys
 
 
 def _path(ns: str, verb: str) -> str:
     from urllib.parse import quote
+
     return f"/v1/namespaces/{quote(ns, safe='')}/{verb}"
 
 
@@ -79,17 +86,20 @@ def _batches(c: SidecarClient, args: argparse.Namespace, keys: list[str]) -> dic
     total: dict[str, Any] = {}
     bar = Progress(len(keys), args.command)
     for i in range(0, len(keys), BATCH):
-        part = keys[i:i + BATCH]
+        part = keys[i : i + BATCH]
         body: dict[str, Any] = {"chain": part} if args.chain else {"keys": part}
         if args.command == "pin":
             body["ttl"] = args.ttl
         got = c.request("POST", _path(args.namespace, args.command), body)[1]
         for k, v in got.items():
-            total[k] = total.get(k, 0) + v if k in ("pinned", "missing", "unpinned", "deleted",
-                                                    "failed", "queued_for_tiers") else v
+            total[k] = (
+                total.get(k, 0) + v
+                if k in ("pinned", "missing", "unpinned", "deleted", "failed", "queued_for_tiers")
+                else v
+            )
         bar.update(len(part))
         if args.chain and args.command == "pin" and got.get("pinned", 0) < len(part):
-            break      # the chain's run ended in this batch
+            break  # the chain's run ended in this batch
     bar.close()
     return total
 
@@ -98,9 +108,10 @@ def _warm(c: SidecarClient, args: argparse.Namespace, keys: list[str]) -> dict[s
     """Start a warm job a batch; unless --no-wait, follow them with a progress bar."""
     jobs = []
     for i in range(0, len(keys), BATCH):
-        part = keys[i:i + BATCH]
-        job = c.request("POST", _path(args.namespace, "warm"),
-                        {"chain": part} if args.chain else {"keys": part})[1]
+        part = keys[i : i + BATCH]
+        job = c.request(
+            "POST", _path(args.namespace, "warm"), {"chain": part} if args.chain else {"keys": part}
+        )[1]
         jobs.append(job)
         if args.chain and job["pages"] < len(part):
             break
@@ -116,12 +127,15 @@ def _warm(c: SidecarClient, args: argparse.Namespace, keys: list[str]) -> dict[s
             seen = st["done"]
             if st["state"] != "running":
                 break
-            time.sleep(0.1)     # polling a job another process runs: the only way to wait
+            time.sleep(0.1)  # polling a job another process runs: the only way to wait
         states.append(st)
     bar.close()
-    return {"jobs": states, "pages": sum(s["pages"] for s in states),
-            "loaded": sum(s["loaded"] for s in states),
-            "failed": [s for s in states if s["state"] == "failed"]}
+    return {
+        "jobs": states,
+        "pages": sum(s["pages"] for s in states),
+        "loaded": sum(s["loaded"] for s in states),
+        "failed": [s for s in states if s["state"] == "failed"],
+    }
 
 
 def run(args: argparse.Namespace, stdin: TextIO = sys.stdin) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 `python -m loadtest.redteam`: a tenant acts on another's namespace; a tenant pins past its
 bound to keep a neighbour's share; a tenant sends the largest chains it may, without pause,
 to stall the loop (the runner times /healthz meanwhile)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,10 +11,10 @@ import threading
 from api.engine.client import SidecarClient, SidecarError
 from loadtest.redteam import NOBODY, Attack, Target, as_user
 
-OTHER = 65532           # the attacker's uid; NOBODY is its victim or neighbour
+OTHER = 65532  # the attacker's uid; NOBODY is its victim or neighbour
 PAGE = 16384
 VERBS = ("pin", "unpin", "evict", "warm")
-TOKEN = "redteam-token"   # the runner's sidecar token (`Attack.token`): every listener asks it
+TOKEN = "redteam-token"  # the runner's sidecar token (`Attack.token`): every listener asks it
 
 
 def _page(tag: str) -> bytes:
@@ -44,14 +45,22 @@ def _victim_setup(url: str) -> None:
 
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
-    return {f"{verb} {ns}": _status(lambda: _post(c, ns, verb, {"chain": ["a", "b"]}))
-            for ns in ("kv", "team") for verb in VERBS}
+    return {
+        f"{verb} {ns}": _status(lambda ns=ns, verb=verb: _post(c, ns, verb, {"chain": ["a", "b"]}))
+        for ns in ("kv", "team")
+        for verb in VERBS
+    }
 
 
 def _victim_state(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
-    return {ns: (c.exists_each(ns, ["a", "b"]),
-                 c.request("GET", f"/v1/namespaces/{ns}/pins")[1]["pages"]) for ns in ("kv", "team")}
+    return {
+        ns: (
+            c.exists_each(ns, ["a", "b"]),
+            c.request("GET", f"/v1/namespaces/{ns}/pins")[1]["pages"],
+        )
+        for ns in ("kv", "team")
+    }
 
 
 def others_namespace(t: Target, stop: threading.Event) -> dict:
@@ -68,15 +77,18 @@ def _pin_all(url: str) -> dict:
     """Fill the host pool, then pin one page in each of its segments, one at a time."""
     c = SidecarClient(url, token=TOKEN, timeout=120)
     c.put_namespace("hog", PAGE)
-    per_seg = 2**20 // PAGE          # (the runner's sidecar: 64 MiB in 1 MiB segments)
+    per_seg = 2**20 // PAGE  # (the runner's sidecar: 64 MiB in 1 MiB segments)
     keys = [f"h{i}" for i in range(64 * per_seg)]
     for k in keys:
         c.put_page("hog", k, b"h" * PAGE)
-    answers = [_status(lambda k=k: _post(c, "hog", "pin", {"keys": [k]}))
-               for k in keys[::per_seg]]
+    answers = [_status(lambda k=k: _post(c, "hog", "pin", {"keys": [k]})) for k in keys[::per_seg]]
     usage = c.request("GET", "/v1/namespaces/hog/pins")[1]
-    return {"pinned": answers.count(200), "refused": answers.count(507),
-            "held_bytes": usage["held_bytes"], "bound_bytes": usage["bound_bytes"]}
+    return {
+        "pinned": answers.count(200),
+        "refused": answers.count(507),
+        "held_bytes": usage["held_bytes"],
+        "bound_bytes": usage["bound_bytes"],
+    }
 
 
 def _neighbour(url: str) -> int:
@@ -99,6 +111,7 @@ def pin_past_bound(t: Target, stop: threading.Event) -> dict:
 # -- the largest chains, without pause --------------------------------------------------------
 def _flood(url: str, stop_flag: str) -> dict:
     import os
+
     c = SidecarClient(url, token=TOKEN, timeout=120)
     c.put_namespace("big", PAGE, host_capacity_bytes=8 * 2**20)
     chain = [f"k{i:05d}" for i in range(4096)]
@@ -106,10 +119,14 @@ def _flood(url: str, stop_flag: str) -> dict:
         c.put_page("big", k, b"b" * PAGE)
     counts = {"requests": 0, "5xx": 0, "413": 0}
     while not os.path.exists(stop_flag):
-        for verb, body in (("pin", {"chain": chain, "ttl": 5}), ("warm", {"chain": chain}),
-                           ("unpin", {"keys": chain}), ("evict", {"chain": chain, "from": chain[2048]}),
-                           ("pin", {"chain": chain + ["x"]})):
-            s = _status(lambda: _post(c, "big", verb, body))
+        for verb, body in (
+            ("pin", {"chain": chain, "ttl": 5}),
+            ("warm", {"chain": chain}),
+            ("unpin", {"keys": chain}),
+            ("evict", {"chain": chain, "from": chain[2048]}),
+            ("pin", {"chain": chain + ["x"]}),
+        ):
+            s = _status(lambda verb=verb, body=body: _post(c, "big", verb, body))
             counts["requests"] += 1
             counts["5xx"] += s >= 500 and s != 507
             counts["413"] += s == 413
@@ -118,6 +135,7 @@ def _flood(url: str, stop_flag: str) -> dict:
 
 def huge_chains(t: Target, stop: threading.Event) -> dict:
     import os
+
     flag = os.path.join(t.workdir, "stop-flood")
     threading.Thread(target=lambda: (stop.wait(), open(flag, "w").close()), daemon=True).start()
     got = as_user(_flood, t.socket_url, flag, uid=OTHER, timeout=600)
@@ -126,7 +144,11 @@ def huge_chains(t: Target, stop: threading.Event) -> dict:
 
 ATTACKS = [
     Attack(47, "controls: a tenant pins, evicts and warms another's namespace", others_namespace),
-    Attack(47, "controls: a tenant pins past its bound against a neighbour's share", pin_past_bound,
-           seconds=120),
+    Attack(
+        47,
+        "controls: a tenant pins past its bound against a neighbour's share",
+        pin_past_bound,
+        seconds=120,
+    ),
     Attack(47, "controls: the largest chains to pin, warm and evict, without pause", huge_chains),
 ]

@@ -11,7 +11,8 @@ parent links between pages (an engine's page keys are opaque hashes, and a set's
 goes into KV events only), so the caller passes the chain in order, as it passes it to
 `exists`. Pin and warm take the chain's leading run of present pages from K (a page past a
 hole is no use to an engine); evict takes every page from K on. At most 4,096 keys a request
-(the batch bound), handled CHUNK keys a loop turn.
+(the batch bound): a pin's are pinned in one loop turn (all or nothing against the bound),
+an evict's deleted CHUNK a step, a warm's promoted WARM_CHUNK a step.
 
 Pins: a pinned page holds one pin of its pool (`PagePool.pin`, a count shared with the
 in-flight copies; the controls hold exactly one per pinned page), so it is off the LRU list
@@ -24,9 +25,10 @@ or when its page or namespace is deleted. A pinned page no tier holds is queued 
 tiers at once (`Tiering.write_first`). Pins live in memory: after a restart their pages are
 in the file tier (written first) and a warm brings them back.
 
-Warm: a job promotes pages from any tier (file, 3FS, Mooncake) into the host pool, CHUNK at
-a time (`Tiering.promote`), its progress in `/v1/warm/{job}` and `/v1/stats`.
+Warm: a job promotes pages from any tier (file, 3FS, Mooncake) into the host pool,
+WARM_CHUNK at a time (`Tiering.promote`), its progress in `/v1/warm/{job}` and `/v1/stats`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,26 +36,27 @@ import heapq
 import itertools
 import secrets
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable, Optional
+from typing import TYPE_CHECKING, Any
 
 from pools.page_pool import Entry, PagePool
-from sidecar.errors import BadRequest, Forbidden, JobNotFound, PinBound, TooMany
+from sidecar.errors import BadRequest, Forbidden, JobNotFound, NamespaceNotFound, PinBound, TooMany
 from sidecar.keys import check_key, check_keys
 from sidecar.tenancy import OPERATOR, Caller, owner_of
 
 if TYPE_CHECKING:
     from sidecar.store import Namespace, Store
 
-PIN_SHARE = 0.5          # of an owner's fair share of segments, its pins may hold at most
-TTL_DEFAULT = 3600.0     # seconds
+PIN_SHARE = 0.5  # of an owner's fair share of segments, its pins may hold at most
+TTL_DEFAULT = 3600.0  # seconds
 TTL_MAX = 7 * 86400.0
-CHUNK = 512              # keys a loop turn (pins, deletes); warm promotes WARM_CHUNK a step
+CHUNK = 512  # keys an evict deletes a step, expired pins ended a loop turn
 WARM_CHUNK = 64
 WARM_RUNNING_PER_OWNER = 4
-WARM_KEPT = 256          # finished jobs remembered (the oldest go first)
-RECHECK = 1.0            # seconds between checks of the bounds while pins exist
-LIST_MAX = 4096          # pins one listing shows
+WARM_KEPT = 256  # finished jobs remembered (the oldest go first)
+RECHECK = 1.0  # seconds between checks of the bounds while pins exist
+LIST_MAX = 4096  # pins one listing shows
 
 
 @dataclass(slots=True)
@@ -77,7 +80,7 @@ def select(body: Any) -> Selection:
     check_key(start)
     if start not in chain:
         raise BadRequest(f"'from' {start[:140]!r} is not a key of 'chain'")
-    return Selection(list(dict.fromkeys(chain[chain.index(start):])), True)
+    return Selection(list(dict.fromkeys(chain[chain.index(start) :])), True)
 
 
 def ttl_of(body: dict) -> float:
@@ -99,17 +102,23 @@ class Pin:
 @dataclass(slots=True, eq=False)
 class WarmJob:
     id: str
-    ns: "Namespace"
+    ns: Namespace
     keys: list[str]
     state: str = "running"
     done: int = 0
     loaded: int = 0
-    error: Optional[str] = None
+    error: str | None = None
     task: Any = field(default=None, repr=False)
 
     def describe(self, label: str) -> dict[str, Any]:
-        out = {"job": self.id, "namespace": label, "state": self.state, "pages": len(self.keys),
-               "done": self.done, "loaded": self.loaded}
+        out = {
+            "job": self.id,
+            "namespace": label,
+            "state": self.state,
+            "pages": len(self.keys),
+            "done": self.done,
+            "loaded": self.loaded,
+        }
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -118,24 +127,26 @@ class WarmJob:
 class Controls:
     """Every pin and warm job of one store (on the event loop only)."""
 
-    def __init__(self, store: "Store"):
+    def __init__(self, store: Store):
         self.store = store
-        self.pins: dict[str, dict[str, Pin]] = {}      # ns ref -> key -> pin
-        self.segs: dict[Hashable, Counter] = {}        # owner -> segment -> pinned pages in it
+        self.pins: dict[str, dict[str, Pin]] = {}  # ns ref -> key -> pin
+        self.segs: dict[Hashable, Counter] = {}  # owner -> segment -> pinned pages in it
         self.jobs: dict[str, WarmJob] = {}
-        self.released = 0                              # pins ended by the bound recheck
+        self.released = 0  # pins ended by the bound recheck
         self.expired = 0
         self._heap: list[tuple[float, int, str, str]] = []
         self._seq = itertools.count()
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- who ---------------------------------------------------------------------------
-    def owned(self, ref: str, who: Caller) -> "Namespace":
+    def owned(self, ref: str, who: Caller) -> Namespace:
         """The namespace `ref` if `who` may control it (module docstring), else 403."""
         ns = self.store.namespace(ref)
         if who is not OPERATOR and owner_of(who) != ns.owner:
-            raise Forbidden(f"namespace {ns.name!r} is not yours; only its owner or the "
-                            f"operator pins, evicts or warms its pages")
+            raise Forbidden(
+                f"namespace {ns.name!r} is not yours; only its owner or the "
+                f"operator pins, evicts or warms its pages"
+            )
         return ns
 
     # -- bounds ------------------------------------------------------------------------
@@ -146,15 +157,21 @@ class Controls:
         hp = self.store.host_pool
         owners = {p.owner for p in hp.shared_pools()} | {owner}
         share = (hp.n_segments - hp.explicit_segments) / len(owners)
-        own = sum(len(p.segments) for p in hp.pools.values()
-                  if p.owner == owner and p.max_pages is not None)
+        own = sum(
+            len(p.segments)
+            for p in hp.pools.values()
+            if p.owner == owner and p.max_pages is not None
+        )
         return int(PIN_SHARE * (share + own))
 
     def usage(self, owner: Hashable) -> dict[str, int]:
         seg = self.store.host_pool.segment_size
         held = self.segs.get(owner, Counter())
-        return {"pinned_pages": sum(held.values()), "held_bytes": len(held) * seg,
-                "bound_bytes": self.bound_segments(owner) * seg}
+        return {
+            "pinned_pages": sum(held.values()),
+            "held_bytes": len(held) * seg,
+            "bound_bytes": self.bound_segments(owner) * seg,
+        }
 
     # -- pins --------------------------------------------------------------------------
     async def pin(self, ref: str, who: Caller, sel: Selection, ttl: float) -> dict[str, Any]:
@@ -163,54 +180,53 @@ class Controls:
         ns = self.owned(ref, who)
         keys = sel.keys
         if sel.chain:
-            keys = keys[:await self.store.prefix(ref, keys)]
+            keys = keys[: await self.store.prefix(ref, keys)]
         pool = ns.pool
         missing = [k for k in keys if not pool.contains(k)]
         if missing and self.store.tiering.enabled:
             ns.counters.tier_hits += await self.store.tiering.promote(ns.identity, pool, missing)
-        ns = self.owned(ref, who)          # still there after the promotion?
-        mine = self.pins.setdefault(ref, {})
+        if self.store.namespaces.get(ref) is not ns:  # deleted during the promotion
+            raise NamespaceNotFound(f"namespace {ns.name!r} was deleted meanwhile")
+        # from here on no await: the bound checked is the bound kept (all or nothing)
+        mine = self.pins.get(ref, {})
         entries = [pool.ready.get(k) for k in keys]
         new = [e for e in entries if e is not None and e.key not in mine]
-        held = self.segs.setdefault(ns.owner, Counter())
+        held = self.segs.get(ns.owner, Counter())
         adds = {e.offset // pool.segment_size for e in new} - held.keys()
         bound = self.bound_segments(ns.owner)
         if len(held) + len(adds) > bound:
-            if not mine:
-                del self.pins[ref]
             seg = self.store.host_pool.segment_size
-            raise PinBound(f"pinning these pages would hold {(len(held) + len(adds)) * seg} "
-                           f"bytes of the host pool for this namespace's owner; its bound is "
-                           f"{bound * seg} (half its fair share): unpin some first",
-                           **self.usage(ns.owner))
+            raise PinBound(
+                f"pinning these pages would hold {(len(held) + len(adds)) * seg} "
+                f"bytes of the host pool for this namespace's owner; its bound is "
+                f"{bound * seg} (half its fair share): unpin some first",
+                **self.usage(ns.owner),
+            )
         loop = asyncio.get_running_loop()
         expires = loop.time() + ttl
-        for i, e in enumerate(new):
-            if i and i % CHUNK == 0:
-                await asyncio.sleep(0)       # (no await above could let a pin slip)
-            self._hold(ref, ns, e, expires)
         for e in entries:
             if e is not None and e.key in mine and mine[e.key].expires < expires:
-                self._renew(ref, mine[e.key], expires)
-        if not mine:
-            del self.pins[ref]
+                mine[e.key].expires = expires  # (its heap entry is pushed on when it comes up)
+        for e in new:
+            self._hold(ref, ns, e, expires)
         queued = self.store.tiering.write_first(ns.identity, pool, [e.key for e in new])
         self._arm(loop)
         pinned = sum(e is not None for e in entries)
-        return {"pinned": pinned, "missing": len(sel.keys) - pinned, "ttl": ttl,
-                "queued_for_tiers": queued, **self.usage(ns.owner)}
+        return {
+            "pinned": pinned,
+            "missing": len(sel.keys) - pinned,
+            "ttl": ttl,
+            "queued_for_tiers": queued,
+            **self.usage(ns.owner),
+        }
 
-    def _hold(self, ref: str, ns: "Namespace", e: Entry, expires: float) -> None:
+    def _hold(self, ref: str, ns: Namespace, e: Entry, expires: float) -> None:
         got = ns.pool.pin(e.key)
         assert got is e, "a ready page could not be pinned"
         pin = Pin(e, ns.pool, ns.owner, expires, next(self._seq))
-        self.pins[ref][e.key] = pin
-        self.segs[ns.owner][e.offset // ns.pool.segment_size] += 1
+        self.pins.setdefault(ref, {})[e.key] = pin
+        self.segs.setdefault(ns.owner, Counter())[e.offset // ns.pool.segment_size] += 1
         heapq.heappush(self._heap, (expires, pin.seq, ref, e.key))
-
-    def _renew(self, ref: str, pin: Pin, expires: float) -> None:
-        pin.expires = expires
-        heapq.heappush(self._heap, (expires, pin.seq, ref, pin.entry.key))
 
     def _release(self, ref: str, key: str) -> bool:
         """End one pin (its pool pin given back); False when there was none."""
@@ -227,10 +243,11 @@ class Controls:
             del held[seg]
         if not held:
             del self.segs[pin.owner]
-        pin.pool.unpin(pin.entry)     # (a page deleted meanwhile is buried now)
+        pin.pool.unpin(pin.entry)  # (a page deleted meanwhile is buried now)
+        self._compact()
         return True
 
-    def unpin(self, ref: str, who: Caller, sel: Optional[Selection]) -> dict[str, Any]:
+    def unpin(self, ref: str, who: Caller, sel: Selection | None) -> dict[str, Any]:
         """End the pins of the selected pages (None: every pin of the namespace)."""
         ns = self.owned(ref, who)
         keys = list(self.pins.get(ref, {})) if sel is None else sel.keys
@@ -242,21 +259,41 @@ class Controls:
         ns = self.store.namespace(ref)
         now = asyncio.get_running_loop().time()
         mine = self.pins.get(ref, {})
-        shown = [{"key": k, "expires_in": round(max(p.expires - now, 0.0), 3)}
-                 for k, p in itertools.islice(mine.items(), LIST_MAX)]
-        return {"namespace": label, "pins": shown, "more": max(len(mine) - LIST_MAX, 0),
-                "pages": len(mine), "bytes": len(mine) * ns.spec.page_bytes, **self.usage(ns.owner)}
+        shown = [
+            {"key": k, "expires_in": round(max(p.expires - now, 0.0), 3)}
+            for k, p in itertools.islice(mine.items(), LIST_MAX)
+        ]
+        return {
+            "namespace": label,
+            "pins": shown,
+            "more": max(len(mine) - LIST_MAX, 0),
+            "pages": len(mine),
+            "bytes": len(mine) * ns.spec.page_bytes,
+            **self.usage(ns.owner),
+        }
 
     def summary(self, who: Caller) -> dict[str, Any]:
         """Pins of every namespace `who` reaches: pages and bytes each, warm jobs."""
         d = self.store.dir
-        spaces = {d.label(ns, who): {"pages": len(self.pins[ns.ref]),
-                                     "bytes": len(self.pins[ns.ref]) * ns.spec.page_bytes}
-                  for ns in d.visible(who) if ns.ref in self.pins}
-        warm = [j.describe(d.label(j.ns, who)) for j in self.jobs.values()
-                if self.store.namespaces.get(j.ns.ref) is j.ns and d.reaches(who, j.ns)]
-        return {"namespaces": spaces, "warm": warm, "expired": self.expired,
-                "released_over_bound": self.released}
+        spaces = {
+            d.label(ns, who): {
+                "pages": len(self.pins[ns.ref]),
+                "bytes": len(self.pins[ns.ref]) * ns.spec.page_bytes,
+            }
+            for ns in d.visible(who)
+            if ns.ref in self.pins
+        }
+        warm = [
+            j.describe(d.label(j.ns, who))
+            for j in self.jobs.values()
+            if self.store.namespaces.get(j.ns.ref) is j.ns and d.reaches(who, j.ns)
+        ]
+        return {
+            "namespaces": spaces,
+            "warm": warm,
+            "expired": self.expired,
+            "released_over_bound": self.released,
+        }
 
     # -- hooks from the store ------------------------------------------------------------
     def forget(self, ref: str, keys: list[str]) -> None:
@@ -265,7 +302,7 @@ class Controls:
             for k in keys:
                 self._release(ref, k)
 
-    def forget_namespace(self, ns: "Namespace") -> None:
+    def forget_namespace(self, ns: Namespace) -> None:
         """A namespace is being dropped: its pins end (its pool then drains), its jobs stop."""
         for k in list(self.pins.get(ns.ref, ())):
             self._release(ns.ref, k)
@@ -290,15 +327,31 @@ class Controls:
     def expire(self, now: float) -> int:
         """End every pin whose TTL passed by `now` (CHUNK of them a loop turn at most: the
         rest at the next tick); the pins ended."""
-        n = 0
-        while self._heap and self._heap[0][0] <= now and n < CHUNK:
-            expires, seq, ref, key = heapq.heappop(self._heap)
+        n = seen = 0
+        heap = self._heap
+        while heap and heap[0][0] <= now and seen < CHUNK:
+            _, seq, ref, key = heapq.heappop(heap)
+            seen += 1
             pin = self.pins.get(ref, {}).get(key)
-            if pin is not None and pin.seq == seq and pin.expires == expires:
-                self._release(ref, key)
-                n += 1
+            if pin is None or pin.seq != seq:
+                continue  # ended before its TTL
+            if pin.expires > now:  # renewed: its one entry goes back, later
+                heapq.heappush(heap, (pin.expires, seq, ref, key))
+                continue
+            self._release(ref, key)
+            n += 1
         self.expired += n
         return n
+
+    def _compact(self) -> None:
+        """The heap holds one entry a live pin, plus those of pins ended early; past twice
+        the live ones (unpin and pin again, without end) it is built again from them."""
+        live = sum(map(len, self.pins.values()))
+        if len(self._heap) > 2 * live + 1024:
+            self._heap = [
+                (p.expires, p.seq, ref, k) for ref, m in self.pins.items() for k, p in m.items()
+            ]
+            heapq.heapify(self._heap)
 
     def enforce(self) -> int:
         """Owners whose pins hold more segments than their bound (the share shrank as
@@ -308,8 +361,15 @@ class Controls:
             over = len(self.segs[owner]) - self.bound_segments(owner)
             if over <= 0:
                 continue
-            newest = sorted(((p.seq, ref, k) for ref, m in self.pins.items()
-                             for k, p in m.items() if p.owner == owner), reverse=True)
+            newest = sorted(
+                (
+                    (p.seq, ref, k)
+                    for ref, m in self.pins.items()
+                    for k, p in m.items()
+                    if p.owner == owner
+                ),
+                reverse=True,
+            )
             for _, ref, k in newest:
                 if owner not in self.segs or len(self.segs[owner]) <= self.bound_segments(owner):
                     break
@@ -324,7 +384,7 @@ class Controls:
         self.owned(ref, who)
         deleted = failed = 0
         for i in range(0, len(sel.keys), CHUNK):
-            d, f = await self.store.delete(ref, sel.keys[i:i + CHUNK])
+            d, f = await self.store.delete(ref, sel.keys[i : i + CHUNK])
             deleted, failed = deleted + d, failed + f
         return {"deleted": deleted, "failed": failed}
 
@@ -333,14 +393,22 @@ class Controls:
         """Start a job bringing the selected pages present in some tier into the host pool
         (a chain: its leading run of present pages). 429 past WARM_RUNNING_PER_OWNER."""
         ns = self.owned(ref, who)
-        running = sum(1 for j in self.jobs.values() if j.state == "running" and j.ns.owner == ns.owner)
+        running = sum(
+            1 for j in self.jobs.values() if j.state == "running" and j.ns.owner == ns.owner
+        )
         if running >= WARM_RUNNING_PER_OWNER:
-            raise TooMany(f"{running} warm jobs of this owner are running; at most "
-                          f"{WARM_RUNNING_PER_OWNER}: wait for one to end")
+            raise TooMany(
+                f"{running} warm jobs of this owner are running; at most "
+                f"{WARM_RUNNING_PER_OWNER}: wait for one to end"
+            )
         if sel.chain:
-            keys = sel.keys[:await self.store.prefix(ref, sel.keys)]
+            keys = sel.keys[: await self.store.prefix(ref, sel.keys)]
         else:
-            keys = [k for k, hit in zip(sel.keys, await self.store.present(ref, sel.keys)) if hit]
+            keys = [
+                k
+                for k, hit in zip(sel.keys, await self.store.present(ref, sel.keys), strict=True)
+                if hit
+            ]
         ns = self.owned(ref, who)
         job = WarmJob("w-" + secrets.token_hex(8), ns, keys)
         self.jobs[job.id] = job
@@ -354,7 +422,7 @@ class Controls:
             for i in range(0, len(job.keys), WARM_CHUNK):
                 if ns.pool.closed:
                     raise RuntimeError("the namespace was deleted")
-                part = job.keys[i:i + WARM_CHUNK]
+                part = job.keys[i : i + WARM_CHUNK]
                 if tiering.enabled:
                     got = await tiering.promote(ns.identity, ns.pool, part)
                     ns.counters.tier_hits += got
@@ -364,17 +432,20 @@ class Controls:
             job.state = "done"
         except asyncio.CancelledError:
             job.state, job.error = "failed", "the namespace was deleted"
-        except Exception as exc:   # reported through the job, never raised into the loop
+        except Exception as exc:  # reported through the job, never raised into the loop
             job.state, job.error = "failed", str(exc)[:200]
 
     def _trim_jobs(self) -> None:
         ended = [j for j, job in self.jobs.items() if job.state != "running"]
-        for j in ended[:max(len(self.jobs) - WARM_KEPT, 0)]:
+        for j in ended[: max(len(self.jobs) - WARM_KEPT, 0)]:
             del self.jobs[j]
 
     def job(self, job_id: str, who: Caller) -> dict[str, Any]:
         job = self.jobs.get(job_id) if isinstance(job_id, str) else None
-        if job is None or self.store.namespaces.get(job.ns.ref) is not job.ns \
-                or not self.store.dir.reaches(who, job.ns):
+        if (
+            job is None
+            or self.store.namespaces.get(job.ns.ref) is not job.ns
+            or not self.store.dir.reaches(who, job.ns)
+        ):
             raise JobNotFound(f"warm job {str(job_id)[:40]!r} is unknown, expired or not yours")
         return job.describe(self.store.dir.label(job.ns, who))

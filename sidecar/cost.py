@@ -13,11 +13,12 @@ token, against the host pool's nominal size (`--host-pool`, the arena mapped who
 Per token: per page / the namespace's `page_tokens` (namespaces that give it). Every figure
 is read in O(pools) on the loop: no walk of the pages.
 """
+
 from __future__ import annotations
 
 import itertools
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from pools.page_pool import Entry, PagePool
 
@@ -41,7 +42,7 @@ def pool_index_bytes(pool: PagePool) -> int:
     return int(dicts + n * (ENTRY_BYTES + _avg(pool.entries)))
 
 
-def tier_index_bytes(store: "Store", ns: "Namespace") -> int:
+def tier_index_bytes(store: Store, ns: Namespace) -> int:
     """The local tiers' key indexes of this namespace's identity (a tier without one: 0)."""
     out = 0
     for tier in store.tiering.tiers:
@@ -63,38 +64,55 @@ def rss_bytes() -> int:
     return 0
 
 
-def _per(total: float, n: float) -> Optional[float]:
+def _per(total: float, n: float) -> float | None:
     return round(total / n, 1) if n else None
 
 
-def _namespace(store: "Store", ns: "Namespace") -> dict[str, Any]:
+def _namespace(store: Store, ns: Namespace) -> dict[str, Any]:
     pool, spec = ns.pool, ns.spec
     pages = pool.ready_pages
     index = pool_index_bytes(pool) + tier_index_bytes(store, ns)
     slot = pool.segment_size / pool.slots_per_segment
     tokens = spec.page_tokens or 0
-    return {"pages": pages, "page_bytes": spec.page_bytes, "page_tokens": tokens or None,
-            "slot_bytes": round(slot, 1), "index_bytes": index,
-            "index_bytes_per_page": _per(index, pages),
-            "bytes_per_token": _per(slot + (index / pages if pages else 0), tokens)}
+    return {
+        "pages": pages,
+        "page_bytes": spec.page_bytes,
+        "page_tokens": tokens or None,
+        "slot_bytes": round(slot, 1),
+        "index_bytes": index,
+        "index_bytes_per_page": _per(index, pages),
+        "bytes_per_token": _per(slot + (index / pages if pages else 0), tokens),
+    }
 
 
-def measure(store: "Store", who: "Caller") -> dict[str, Any]:
+def measure(store: Store, who: Caller) -> dict[str, Any]:
     """The node's figures and each namespace's that `who` reaches (`/v1/cost`, `/v1/stats`,
     `/metrics`)."""
     hp = store.host_pool
     nominal, rss = hp.arena.size, rss_bytes()
-    every = list(store.dir.visible(who))    # (a tenant's figures are of its own pages)
+    every = list(store.dir.visible(who))  # (a tenant's figures are of its own pages)
     spaces = {store.dir.label(ns, who): _namespace(store, ns) for ns in every}
     pages = sum(ns.pool.ready_pages for ns in every)
     tokens = sum(ns.pool.ready_pages * (ns.spec.page_tokens or 0) for ns in every)
     index = sum(pool_index_bytes(ns.pool) for ns in every)
-    node = {"nominal_bytes": nominal, "rss_bytes": rss, "rss_over_nominal": round(rss / nominal, 4),
-            "pages": pages, "tokens": tokens, "index_bytes": index,
-            "per_page": {"host_bytes": _per(nominal, pages), "index_bytes": _per(index, pages),
-                         "rss_bytes": _per(rss, pages)},
-            "per_token": {"host_bytes": _per(nominal, tokens), "index_bytes": _per(index, tokens),
-                          "rss_bytes": _per(rss, tokens)}}
+    node = {
+        "nominal_bytes": nominal,
+        "rss_bytes": rss,
+        "rss_over_nominal": round(rss / nominal, 4),
+        "pages": pages,
+        "tokens": tokens,
+        "index_bytes": index,
+        "per_page": {
+            "host_bytes": _per(nominal, pages),
+            "index_bytes": _per(index, pages),
+            "rss_bytes": _per(rss, pages),
+        },
+        "per_token": {
+            "host_bytes": _per(nominal, tokens),
+            "index_bytes": _per(index, tokens),
+            "rss_bytes": _per(rss, tokens),
+        },
+    }
     return {"node": node, "namespaces": spaces}
 
 

@@ -1,5 +1,6 @@
 """`sidecar pin|unpin|evict|warm|pins` (loadtest/ctl.py) against a real sidecar process
 with a data dir and a token, across a restart; the warm's progress bar on a terminal."""
+
 import hashlib
 import json
 import os
@@ -19,16 +20,24 @@ def data(key: str) -> bytes:
 
 def ctl(p, *args: str, stderr=None) -> tuple[int, dict]:
     env = {**os.environ, "SIDECAR_TOKEN": TOKEN}
-    out = subprocess.run([sys.executable, "-m", "sidecar", *args, "--url", p.url], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", *args, "--url", p.url],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        timeout=120,
+    )
     return out.returncode, json.loads(out.stdout) if out.stdout.strip() else {}
 
 
 def start(spawn, tmp_path):
     tok = tmp_path / "token"
     tok.write_text(TOKEN)
-    return spawn("--host-pool", "32MiB", "--data-dir", str(tmp_path / "data"),
-                 "--token-file", str(tok)).wait_ready(TOKEN)
+    return spawn(
+        "--host-pool", "32MiB", "--data-dir", str(tmp_path / "data"), "--token-file", str(tok)
+    ).wait_ready(TOKEN)
 
 
 def test_the_cli_pins_evicts_and_warms_across_a_restart(spawn, tmp_path):
@@ -88,24 +97,48 @@ def test_the_warm_draws_a_progress_bar_on_a_terminal(spawn, tmp_path):
 
 def test_plan_sizes_a_node_from_a_running_sidecars_cost(spawn, tmp_path):
     import orjson
+
     p = start(spawn, tmp_path)
     op = SidecarClient(p.url, token=TOKEN, timeout=30)
     op.put_namespace("kv", PAGE)
     for i in range(100):
         op.put_page("kv", f"k{i}", data(f"k{i}"))
     trace = tmp_path / "t.jsonl"
-    trace.write_bytes(b"".join(orjson.dumps({"timestamp": i, "input_length": 1024,
-                                             "hash_ids": [0, i]}) + b"\n" for i in range(5)))
+    trace.write_bytes(
+        b"".join(
+            orjson.dumps({"timestamp": i, "input_length": 1024, "hash_ids": [0, i]}) + b"\n"
+            for i in range(5)
+        )
+    )
     rows = {}
     for extra in ((), ("--cost-from", p.url)):
         env = {**os.environ, "SIDECAR_TOKEN": TOKEN}
-        out = subprocess.run([sys.executable, "-m", "sidecar", "plan", str(trace), "--capacities",
-                              "4", "--page-bytes", "1000", "--json", *extra], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "plan",
+                str(trace),
+                "--capacities",
+                "4",
+                "--page-bytes",
+                "1000",
+                "--json",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         res = json.loads(out.stdout.strip().splitlines()[-1])
         cost, row = res["cost"], res["rows"][0]
-        assert row["node_bytes"] == round(4 * (1000 + cost["index_bytes_per_page"]) + cost["base_rss_bytes"])
+        assert row["node_bytes"] == round(
+            4 * (1000 + cost["index_bytes_per_page"]) + cost["base_rss_bytes"]
+        )
         assert 100 < cost["index_bytes_per_page"] < 2000
         assert "node bytes = pages x (page + " in out.stdout
         rows[bool(extra)] = cost
