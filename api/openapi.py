@@ -32,6 +32,9 @@ SCHEMAS = {
                    chunks={"type": "array", "items": CHUNK, "minItems": 1}, path={"type": "string"},
                    pid={"type": "integer", "minimum": 1}, fd=UINT,
                    handle={"type": "string"}, offset=UINT, device_uuid={"type": "string"}),
+    "select": {"type": "object", "properties": {  # operator controls: keys, or a chain from a key
+        "keys": KEYS, "chain": KEYS, "from": KEY, "all": {"type": "boolean"},
+        "ttl": {"type": "number", "exclusiveMinimum": 0, "maximum": 604800}}},
     "batch_exists": _obj(["keys", "kv"], keys=KEYS, kv={"type": "string"}, extra={
         "type": "array", "items": _obj(["namespace"], namespace={"type": "string"},
                                        policy={"enum": ["all_pages", "trailing_pages"]},

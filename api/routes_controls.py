@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.deps import context, observer, ref, who
+from api.openapi import body
 from api.wire import json, read_json
 from sidecar import cost
 from sidecar.context import Context
@@ -17,7 +18,7 @@ router = APIRouter()
 NS = "/v1/namespaces/{name}"
 
 
-@router.post(NS + "/pin")
+@router.post(NS + "/pin", openapi_extra=body("select"))
 async def pin(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     sel, ttl = select(body), ttl_of(body)
@@ -28,7 +29,7 @@ async def pin(name: str, request: Request, ctx: Context = Depends(context)) -> R
     )
 
 
-@router.post(NS + "/unpin")
+@router.post(NS + "/unpin", openapi_extra=body("select"))
 async def unpin(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     sel = None if body.get("all") is True else select(body)
@@ -49,7 +50,7 @@ async def all_pins(request: Request, ctx: Context = Depends(context)) -> Respons
     return json(ctx.store.controls.summary(who(ctx, request.scope)))
 
 
-@router.post(NS + "/evict")
+@router.post(NS + "/evict", openapi_extra=body("select"))
 async def evict(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     return json(
@@ -59,7 +60,7 @@ async def evict(name: str, request: Request, ctx: Context = Depends(context)) ->
     )
 
 
-@router.post(NS + "/warm")
+@router.post(NS + "/warm", openapi_extra=body("select"))
 async def warm(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     return json(
