@@ -34,7 +34,7 @@ async def unpin(name: str, request: Request, ctx: Context = Depends(context)) ->
     body = await read_json(request, ctx.config.max_json_body)
     sel = None if body.get("all") is True else select(body)
     return json(
-        ctx.store.controls.unpin(ref(ctx, request.scope, name), who(ctx, request.scope), sel)
+        await ctx.store.controls.unpin(ref(ctx, request.scope, name), who(ctx, request.scope), sel)
     )
 
 

@@ -425,7 +425,7 @@ MUTANTS = [
       ("tests/sidecar/test_publisher.py",)),
     # -- operators' controls (issue 47, sidecar/controls.py) --------------------------------
     M("controls: a pinned page left on the LRU (evicted)", "sidecar/controls.py",
-      "        got = ns.pool.pin(e.key)\n", "        got = e\n",
+      "        got = ns.pool.pin(key)\n", "        got = e\n",
       ("tests/api/test_controls.py::test_pinned_pages_outlive_eviction_pressure_and_unpin_lets_them_go",)),
     M("controls: a pin past its owner's bound", "sidecar/controls.py",
       "        if len(held) + len(adds) > bound:", "        if False:",

@@ -11,8 +11,8 @@ parent links between pages (an engine's page keys are opaque hashes, and a set's
 goes into KV events only), so the caller passes the chain in order, as it passes it to
 `exists`. Pin and warm take the chain's leading run of present pages from K (a page past a
 hole is no use to an engine); evict takes every page from K on. At most 4,096 keys a request
-(the batch bound): a pin's are pinned in one loop turn (all or nothing against the bound),
-an evict's deleted CHUNK a step, a warm's promoted WARM_CHUNK a step.
+(the batch bound): pinned, unpinned or deleted CHUNK a loop turn, promoted by a warm
+WARM_CHUNK a step.
 
 Pins: a pinned page holds one pin of its pool (`PagePool.pin`, a count shared with the
 in-flight copies; the controls hold exactly one per pinned page), so it is off the LRU list
@@ -176,7 +176,10 @@ class Controls:
     # -- pins --------------------------------------------------------------------------
     async def pin(self, ref: str, who: Caller, sel: Selection, ttl: float) -> dict[str, Any]:
         """Pin the selected pages (tier-only ones promoted first) for `ttl` seconds; a pin
-        already there is renewed. All or nothing against the owner's bound."""
+        already there is renewed. All or nothing against the owner's bound (checked before
+        the first pin), CHUNK pins a loop turn; each pin checks the bound again (a page that
+        moved meanwhile, or a pin of the same owner between two chunks, may leave a request
+        pinned in part: `pinned` says how many)."""
         ns = self.owned(ref, who)
         keys = sel.keys
         if sel.chain:
@@ -187,12 +190,37 @@ class Controls:
             ns.counters.tier_hits += await self.store.tiering.promote(ns.identity, pool, missing)
         if self.store.namespaces.get(ref) is not ns:  # deleted during the promotion
             raise NamespaceNotFound(f"namespace {ns.name!r} was deleted meanwhile")
-        # from here on no await: the bound checked is the bound kept (all or nothing)
         mine = self.pins.get(ref, {})
-        entries = [pool.ready.get(k) for k in keys]
-        new = [e for e in entries if e is not None and e.key not in mine]
+        present = [k for k in keys if k in pool.ready]
+        new = [k for k in present if k not in mine]
+        bound = self._check_bound(ns, new)
+        loop = asyncio.get_running_loop()
+        expires = loop.time() + ttl
+        for k in present:
+            if k in mine and mine[k].expires < expires:
+                mine[k].expires = expires  # (its heap entry is pushed on when it comes up)
+        pinned = len(present) - len(new)
+        for i in range(0, len(new), CHUNK):
+            if i:
+                await asyncio.sleep(0)
+                if self.store.namespaces.get(ref) is not ns:
+                    raise NamespaceNotFound(f"namespace {ns.name!r} was deleted meanwhile")
+            pinned += sum(self._hold(ref, ns, k, expires, bound) for k in new[i : i + CHUNK])
+        queued = self.store.tiering.write_first(ns.identity, pool, new)
+        self._arm(loop)
+        return {
+            "pinned": pinned,
+            "missing": len(sel.keys) - pinned,
+            "ttl": ttl,
+            "queued_for_tiers": queued,
+            **self.usage(ns.owner),
+        }
+
+    def _check_bound(self, ns: Namespace, new: list[str]) -> int:
+        """The owner's bound in segments; 507 when the pages `new` would go past it."""
+        pool = ns.pool
         held = self.segs.get(ns.owner, Counter())
-        adds = {e.offset // pool.segment_size for e in new} - held.keys()
+        adds = {pool.ready[k].offset // pool.segment_size for k in new} - held.keys()
         bound = self.bound_segments(ns.owner)
         if len(held) + len(adds) > bound:
             seg = self.store.host_pool.segment_size
@@ -202,31 +230,25 @@ class Controls:
                 f"{bound * seg} (half its fair share): unpin some first",
                 **self.usage(ns.owner),
             )
-        loop = asyncio.get_running_loop()
-        expires = loop.time() + ttl
-        for e in entries:
-            if e is not None and e.key in mine and mine[e.key].expires < expires:
-                mine[e.key].expires = expires  # (its heap entry is pushed on when it comes up)
-        for e in new:
-            self._hold(ref, ns, e, expires)
-        queued = self.store.tiering.write_first(ns.identity, pool, [e.key for e in new])
-        self._arm(loop)
-        pinned = sum(e is not None for e in entries)
-        return {
-            "pinned": pinned,
-            "missing": len(sel.keys) - pinned,
-            "ttl": ttl,
-            "queued_for_tiers": queued,
-            **self.usage(ns.owner),
-        }
+        return bound
 
-    def _hold(self, ref: str, ns: Namespace, e: Entry, expires: float) -> None:
-        got = ns.pool.pin(e.key)
+    def _hold(self, ref: str, ns: Namespace, key: str, expires: float, bound: int) -> bool:
+        """Pin one page; False when it is gone, pinned already, or its segment would put
+        the owner past `bound`."""
+        e, mine = ns.pool.ready.get(key), self.pins.get(ref, {})
+        held = self.segs.get(ns.owner, Counter())
+        if e is None or key in mine:
+            return False
+        seg = e.offset // ns.pool.segment_size
+        if seg not in held and len(held) >= bound:
+            return False
+        got = ns.pool.pin(key)
         assert got is e, "a ready page could not be pinned"
         pin = Pin(e, ns.pool, ns.owner, expires, next(self._seq))
-        self.pins.setdefault(ref, {})[e.key] = pin
-        self.segs.setdefault(ns.owner, Counter())[e.offset // ns.pool.segment_size] += 1
-        heapq.heappush(self._heap, (expires, pin.seq, ref, e.key))
+        self.pins.setdefault(ref, {})[key] = pin
+        self.segs.setdefault(ns.owner, Counter())[seg] += 1
+        heapq.heappush(self._heap, (expires, pin.seq, ref, key))
+        return True
 
     def _release(self, ref: str, key: str) -> bool:
         """End one pin (its pool pin given back); False when there was none."""
@@ -247,11 +269,16 @@ class Controls:
         self._compact()
         return True
 
-    def unpin(self, ref: str, who: Caller, sel: Selection | None) -> dict[str, Any]:
-        """End the pins of the selected pages (None: every pin of the namespace)."""
+    async def unpin(self, ref: str, who: Caller, sel: Selection | None) -> dict[str, Any]:
+        """End the pins of the selected pages (None: every pin of the namespace), CHUNK a
+        loop turn."""
         ns = self.owned(ref, who)
         keys = list(self.pins.get(ref, {})) if sel is None else sel.keys
-        n = sum(self._release(ref, k) for k in keys)
+        n = 0
+        for i in range(0, len(keys), CHUNK):
+            if i:
+                await asyncio.sleep(0)
+            n += sum(self._release(ref, k) for k in keys[i : i + CHUNK])
         return {"unpinned": n, **self.usage(ns.owner)}
 
     def listing(self, ref: str, who: Caller, label: str) -> dict[str, Any]:
