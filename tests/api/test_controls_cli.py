@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from api.engine.client import SidecarClient
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 PAGE = 16384
 TOKEN = "op-t0ken"
@@ -144,3 +144,36 @@ def test_plan_sizes_a_node_from_a_running_sidecars_cost(spawn, tmp_path):
         rows[bool(extra)] = cost
     assert rows[False]["base_rss_bytes"] == 0 and rows[True]["base_rss_bytes"] > 2**20
     assert rows[True]["source"].endswith("(100 pages)")
+
+
+def test_pinned_pages_are_written_first_and_outlive_a_kill(spawn, tmp_path):
+    """write_back keeps pages in the host pool only until evicted or flushed; a pin writes
+    its pages at once, so a SIGKILL loses the others, never the pinned ones."""
+    tok = tmp_path / "token"
+    tok.write_text(TOKEN)
+    args = (
+        "--host-pool",
+        "32MiB",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--token-file",
+        str(tok),
+        "--write-policy",
+        "write_back",
+    )
+    p = spawn(*args).wait_ready(TOKEN)
+    op = SidecarClient(p.url, token=TOKEN, timeout=30)
+    op.put_namespace("kv", PAGE)
+    keys = [f"k{i}" for i in range(20)]
+    for k in keys:
+        op.put_page("kv", k, data(k))
+    rc, got = ctl(p, "pin", "kv", *keys[:5])
+    assert rc == 0 and (got["pinned"], got["queued_for_tiers"]) == (5, 5)
+    wait_for(lambda: op.stats()["namespaces"]["kv"]["pages"]["file"] == 5)
+    p.proc.kill()
+    p.proc.wait()
+    q = spawn(*args).wait_ready(TOKEN)
+    op = SidecarClient(q.url, token=TOKEN, timeout=30)
+    op.put_namespace("kv", PAGE)
+    assert op.exists_each("kv", keys) == [True] * 5 + [False] * 15
+    assert op.get_page("kv", "k0") == data("k0")
