@@ -431,7 +431,7 @@ MUTANTS = [
       "        if len(held) + len(adds) > bound:", "        if False:",
       ("tests/api/test_controls.py::test_pins_are_bounded_per_owner_and_take_no_other_owners_share",)),
     M("controls: the pin bound of one owner is the whole pool's half", "sidecar/controls.py",
-      "        owners = {p.owner for p in hp.shared_pools()} | {owner}", "        owners = {owner}",
+      "            sharers = len(owners) + (owner not in owners)", "            sharers = 1",
       ("tests/api/test_controls.py::test_pins_are_bounded_per_owner_and_take_no_other_owners_share",)),
     M("controls: a pin outlives its TTL", "sidecar/controls.py",
       "            if pin.expires > now:  # renewed: its one entry goes back, later",

@@ -36,7 +36,7 @@ import heapq
 import itertools
 import secrets
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -154,15 +154,26 @@ class Controls:
         """Segments `owner`'s pins may hold: PIN_SHARE of its fair share of the shared
         segments (split among the owners of shared pools, itself counted) and of its own
         explicit segments."""
+        return self._bounds()(owner)
+
+    def _bounds(self) -> Callable[[Hashable], int]:
+        """`bound_segments` of any owner, the pools walked once (a recheck asks for every
+        owner holding pins)."""
         hp = self.store.host_pool
-        owners = {p.owner for p in hp.shared_pools()} | {owner}
-        share = (hp.n_segments - hp.explicit_segments) / len(owners)
-        own = sum(
-            len(p.segments)
-            for p in hp.pools.values()
-            if p.owner == owner and p.max_pages is not None
-        )
-        return int(PIN_SHARE * (share + own))
+        owners: set = set()
+        explicit: Counter = Counter()
+        for p in hp.pools.values():
+            if p.max_pages is None:
+                owners.add(p.owner)
+            else:
+                explicit[p.owner] += len(p.segments)
+        shared = hp.n_segments - hp.explicit_segments
+
+        def bound(owner: Hashable) -> int:
+            sharers = len(owners) + (owner not in owners)
+            return int(PIN_SHARE * (shared / sharers + explicit[owner]))
+
+        return bound
 
     def usage(self, owner: Hashable) -> dict[str, int]:
         seg = self.store.host_pool.segment_size
@@ -383,10 +394,10 @@ class Controls:
     def enforce(self) -> int:
         """Owners whose pins hold more segments than their bound (the share shrank as
         owners came) lose their newest pins until within it; the pins ended."""
-        n = 0
+        n, bounds = 0, self._bounds()
         for owner in list(self.segs):
-            over = len(self.segs[owner]) - self.bound_segments(owner)
-            if over <= 0:
+            bound = bounds(owner)
+            if len(self.segs[owner]) <= bound:
                 continue
             newest = sorted(
                 (
@@ -398,7 +409,7 @@ class Controls:
                 reverse=True,
             )
             for _, ref, k in newest:
-                if owner not in self.segs or len(self.segs[owner]) <= self.bound_segments(owner):
+                if owner not in self.segs or len(self.segs[owner]) <= bound:
                     break
                 n += self._release(ref, k)
         self.released += n
