@@ -55,23 +55,23 @@ def registration_ms(c: SidecarClient, kv: torch.Tensor, reps: int = 5) -> tuple[
     return export, times[0], statistics.median(times[1:])
 
 
-def run(c: SidecarClient) -> tuple[list[float], list[float], tuple[float, float, float]]:
+def run(c: SidecarClient, pages: int = PAGES) -> tuple[list[float], list[float], tuple[float, float, float]]:
     c.put_namespace("bench-cuda", PAGE)
     c.put_namespace("bench-cuda-reg", PAGE)
-    kv = torch.randint(0, 256, (PAGES, PAGE), dtype=torch.uint8, device="cuda")
+    kv = torch.randint(0, 256, (pages, PAGE), dtype=torch.uint8, device="cuda")
     back = torch.zeros_like(kv)
     torch.cuda.synchronize()
     reg = registration_ms(c, kv)
-    bid = register_cuda(c, "bench-cuda", [kv], PAGES)
-    into = register_cuda(c, "bench-cuda", [back], PAGES)
+    bid = register_cuda(c, "bench-cuda", [kv], pages)
+    into = register_cuda(c, "bench-cuda", [back], pages)
     sets, gets = [], []
     for r in range(ROUNDS + 1):
-        keys = [f"r{r}-{i}" for i in range(PAGES)]
+        keys = [f"r{r}-{i}" for i in range(pages)]
         t = time.perf_counter()
-        if not all(c.set("bench-cuda", keys, bid, list(range(PAGES)))):
+        if not all(c.set("bench-cuda", keys, bid, list(range(pages)))):
             raise RuntimeError("a set answered false")
         t1 = time.perf_counter()
-        if not all(c.get("bench-cuda", keys, into, list(range(PAGES)))):
+        if not all(c.get("bench-cuda", keys, into, list(range(pages)))):
             raise RuntimeError("a get answered false")
         t2 = time.perf_counter()
         if r:   # the first round opens streams and touches the pool's pages
@@ -108,10 +108,31 @@ def main() -> int:
           f"-> {g / h2d:.2f}x (goal >= {GOAL}x)")
     print(f"registration of a {nbytes >> 20} MiB tensor: export {export:.2f} ms; register "
           f"(sidecar opens the handle) first {first:.2f} ms, then median {again:.2f} ms")
+    sweep(d2h, h2d)
     met = "met" if min(s / d2h, g / h2d) >= GOAL else "NOT met"
     print(f"bench_cuda: set {s / d2h:.2f}x get {g / h2d:.2f}x of torch pinned ({met}); "
           f"register {again:.1f} ms; host registered {registered}")
     return 0
+
+
+def sweep(d2h: float, h2d: float) -> None:
+    """Where the rest goes: the same moves with one copy thread (one stream, no split) and
+    with 256 pages a request (a fixed cost a request shrinks 4x against the bytes)."""
+    for args, pages in (((), 256), (("--copy-threads", "1"), 64), (("--copy-threads", "1"), 256)):
+        side = start_sidecar("--host-pool", "8GiB", "--no-file-tier", *args)
+        try:
+            sets, gets, _ = run(SidecarClient(side.socket_url, timeout=120), pages)
+        except Exception as exc:
+            print(f"sweep {args} {pages}: FAILED {type(exc).__name__}: {exc}")
+            continue
+        finally:
+            side.stop()
+        n = pages * PAGE
+        ms = (statistics.median(sets) * 1e3, statistics.median(gets) * 1e3)
+        floor = (n / d2h / 1e6, n / h2d / 1e6)   # the torch copy of the same bytes, ms
+        print(f"sweep {' '.join(args) or 'default threads'}, {pages} pages: set {ms[0]:.2f} ms "
+              f"({n / ms[0] / 1e6 / d2h:.2f}x, +{ms[0] - floor[0]:.2f} ms over torch), get "
+              f"{ms[1]:.2f} ms ({n / ms[1] / 1e6 / h2d:.2f}x, +{ms[1] - floor[1]:.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ step "linker device path: $(status) (${TOOK}s) $(pytest_tail "$LOGS/linker.log")
 run bench 150 "$PY" -m loadtest.bench_cuda
 if [ $DRY = 1 ] && [ "$RC" -eq 2 ]; then RC=0; fi   # no device: nothing to measure, as expected
 step "bench: $(status) (${TOOK}s) $(grep '^bench_cuda:' "$LOGS/bench.log" | tail -1 | cut -c13-)"
-[ "$RC" -eq 0 ] && grep -E '^(set|get|registration|device)' "$LOGS/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+[ "$RC" -eq 0 ] && grep -E '^(set|get|registration|device|sweep)' "$LOGS/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 
 rm -rf "$SITE"
 line "gpu_check: $( [ $FAILED = 0 ] && echo PASS || echo FAIL) in $(( $(date +%s) - START ))s"

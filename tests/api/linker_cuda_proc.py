@@ -4,7 +4,7 @@ V tensor per layer, rows = tokens, one page = PAGE tokens, a spare page at the e
 through the linker's own `page_views` / `direct_pool` / `gate`.
 
     python -m tests.api.linker_cuda_proc URL NAMESPACE offload|offload-ungated|load
-offload: the "forward pass" writes pages 2, 5, 7 on a side stream behind a 50 ms GPU sleep and
+offload: the "forward pass" writes pages 2, 5, 7 on a side stream behind a ~2 s GPU sleep and
 records an event; the offload thread gates on it and stores them (two rounds: 2, then 5 and 7).
 load: pages stored as 2, 5, 7 loaded into pages 0, 3, 4 of a zeroed pool.
 Prints one JSON line: digests of the pages, the answers, the pool's buffers in the sidecar.
@@ -39,7 +39,7 @@ def offload(client, dev, views, gated: bool) -> dict:
                           generator=g) for v in views]
     torch.cuda.synchronize()
     with torch.cuda.stream(side):   # the forward pass: late writes of the pages to offload
-        torch.cuda._sleep(100_000_000)   # ~50 ms of GPU time before the writes land
+        torch.cuda._sleep(4_000_000_000)   # ~2 s of GPU time (at 2 GHz) before the writes land
         for v, d in zip(views, data, strict=True):
             v[STORED] = d.view(torch.uint8)
         ready = torch.cuda.Event()
