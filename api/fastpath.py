@@ -41,8 +41,12 @@ async def exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> 
     keys = body.get("keys")
     name = ref(ctx, scope, name)
     n, more = ctx.store.local_prefix(name, keys)
+    local = n
     if more:
         n = await ctx.store.remote_prefix(name, keys, n)
+    if body.get("where") is True:   # where the prefix lies: host pool, then local tiers, then remote
+        host = min(ctx.store.namespace(name).pool.prefix(keys), local) if local else 0
+        return b'{"prefix":%d,"host":%d,"local":%d}' % (n, host, local)
     return b'{"prefix":%d}' % n
 
 

@@ -20,6 +20,9 @@ def _obj(required: list[str], **props) -> dict:
 
 SCHEMAS = {
     "keys": _obj(["keys"], keys=KEYS),
+    "exists": _obj(["keys"], keys=KEYS, where={"type": "boolean"}),
+    "skipped": _obj([], loads={"type": "integer", "minimum": 0, "maximum": 4096},
+                    pages={"type": "integer", "minimum": 0, "maximum": 4096 * 4096}),
     "move": _obj(["keys", "buffer_id", "slots"], keys=KEYS, buffer_id={"type": "string"},
                  slots=SLOTS, durable={"type": "boolean"}),
     "namespace": _obj(["page_bytes"], page_bytes={"type": "integer", "minimum": 1},

@@ -6,23 +6,41 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api import fastpath
-from api.deps import context, ref
+from api.deps import context, ref, who
 from api.openapi import PAGE_BODY, body
 from api.wire import flag, json, raw_json, read_json
 from sidecar.context import Context
-from sidecar.errors import KeyNotFound
+from sidecar.errors import BadRequest, KeyNotFound
 
 router = APIRouter(prefix="/v1/namespaces/{name}")
 OCTETS = "application/octet-stream"
+MAX_SKIPPED = 4096   # loads one report counts (an engine reports each, or a few at once)
 
 
-@router.post("/exists", openapi_extra=body("keys"))
+@router.post("/exists", openapi_extra=body("exists"))
 async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
         return json({"present": await ctx.store.present(ref(ctx, request.scope, name),
                                                         body.get("keys"))})
     return raw_json(await fastpath.exists(ctx, request.scope, name, body))
+
+
+@router.post("/skipped", openapi_extra=body("skipped"))
+async def skipped(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+    """An engine recomputed prefixes it could have restored (slower than its prefill):
+    counted on the caller's own namespace (`restores_skipped`)."""
+    body = await read_json(request, ctx.config.max_json_body)
+    loads, pages = bounded(body, "loads", MAX_SKIPPED), bounded(body, "pages", MAX_SKIPPED * 4096)
+    total = ctx.store.count_skipped(ref(ctx, request.scope, name), who(ctx, request.scope), loads, pages)
+    return json({"restores_skipped": total})
+
+
+def bounded(body: dict, field: str, limit: int) -> int:
+    value = body.get(field, 0)
+    if type(value) is not int or not 0 <= value <= limit:
+        raise BadRequest(f"{field!r} must be an integer from 0 to {limit}")
+    return value
 
 
 @router.post("/set", openapi_extra=body("move"))

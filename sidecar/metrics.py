@@ -117,7 +117,8 @@ class _Collector:
         pages = GaugeMetricFamily("kv_sidecar_pages", "pages stored", labels=["namespace", "tier"])
         cap = GaugeMetricFamily("kv_sidecar_capacity_pages", "page capacity", labels=["namespace", "tier"])
         fams = {k: CounterMetricFamily(f"kv_sidecar_{k}", f"{k} per namespace", labels=["namespace"])
-                for k in ("hits", "misses", "evictions", "stored", "no_room", "tier_hits")}
+                for k in ("hits", "misses", "evictions", "stored", "no_room", "tier_hits",
+                          "restores_skipped", "restore_pages_skipped")}
         moved = CounterMetricFamily("kv_sidecar_bytes", "bytes moved", labels=["namespace", "direction"])
         for name, ns in stats["namespaces"].items():
             for tier, n in ns["pages"].items():

@@ -30,7 +30,8 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
             "capacity_bytes": pool.capacity_pages * ns.spec.page_bytes,
             "hits": c.hits, "misses": c.misses, "evictions": pool.evictions,
             "stored": c.stored, "no_room": c.no_room, "buffers": len(ns.buffers),
-            "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
+            "bytes_in": c.bytes_in, "bytes_out": c.bytes_out,
+            "restores_skipped": c.restores_skipped, "restore_pages_skipped": c.restore_pages_skipped}
     out = {"host_pool": {"bytes": hp.arena.size, "segment_size": hp.segment_size,
                          "segments": hp.n_segments, "free_segments": len(hp.free_segments)},
            "tiers": {t.name: t.describe() for t in tiering.tiers},

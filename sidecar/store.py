@@ -47,6 +47,8 @@ class Counters:
     bytes_out: int = 0
     no_room: int = 0
     tier_hits: int = 0
+    restores_skipped: int = 0        # loads an engine recomputed instead (slower than prefill)
+    restore_pages_skipped: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -157,6 +159,17 @@ class Store:
             buf.release()
         self.host_pool.drop(ref)
         return ns
+
+    def count_skipped(self, ref: str, who: Caller, loads: int, pages: int) -> int:
+        """An engine recomputed `loads` prefixes (`pages` pages) rather than restore them
+        (api/engine/restore_cost.py): counted on its own namespace only. The new total."""
+        ns = self.namespace(ref)
+        if isinstance(who, Peer) and ns.owner != who.uid:
+            raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner counts on it")
+        for c in (ns.counters, self.totals):
+            c.restores_skipped += loads
+            c.restore_pages_skipped += pages
+        return ns.counters.restores_skipped
 
     async def drop_tiers(self, ns: Namespace) -> int:
         """Remove a deleted namespace's tier pages (its queued writes cancelled first),

@@ -295,6 +295,17 @@ class SidecarClient:
     def exists(self, namespace: str, keys: Sequence[str]) -> int:
         return self.request("POST", self._ns(namespace, "/exists"), {"keys": keys})[1]["prefix"]
 
+    def exists_where(self, namespace: str, keys: Sequence[str]) -> tuple[int, int, int]:
+        """(prefix, host, local): the stored prefix, how much of it the host pool holds and
+        how much the host pool or a local tier (the rest is on a remote tier)."""
+        out = self.request("POST", self._ns(namespace, "/exists"), {"keys": keys, "where": True})[1]
+        return out["prefix"], out.get("host", out["prefix"]), out.get("local", out["prefix"])
+
+    def skipped(self, namespace: str, loads: int, pages: int) -> int:
+        """Count restores the engine recomputed instead; the namespace's new total."""
+        body = {"loads": loads, "pages": pages}
+        return self.request("POST", self._ns(namespace, "/skipped"), body)[1]["restores_skipped"]
+
     def exists_each(self, namespace: str, keys: Sequence[str]) -> list[bool]:
         return self.request("POST", self._ns(namespace, "/exists?each=1"), {"keys": keys})[1]["present"]
 
