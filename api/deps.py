@@ -8,7 +8,7 @@ from starlette.requests import Request
 from sidecar.context import Context
 from sidecar.errors import NotReady
 from sidecar.peer import PEER_KEY
-from sidecar.tenancy import OPERATOR, Caller
+from sidecar.tenancy import Caller
 
 
 async def context(request: Request) -> Context:
@@ -27,10 +27,10 @@ def ref(ctx: Context, scope: dict, name: str) -> str:
 
 
 def observer(ctx: Context, scope: dict) -> Caller:
-    """Whose counters /v1/stats and /metrics show: a socket peer's own namespaces; on
-    TCP every namespace (names and counts, never a page)."""
-    peer = scope.get(PEER_KEY)
-    return OPERATOR if peer is None else ctx.store.caller(peer)
+    """Whose namespaces /v1/stats, /metrics, /v1/cost and /v1/samples name: the caller's
+    (a peer's or anonymous TCP's own; every one for the operator). Totals without names
+    are the node's for everyone."""
+    return ctx.store.caller(scope.get(PEER_KEY))
 
 
 def ready(state) -> Context:

@@ -12,16 +12,18 @@ from sidecar.context import Context
 from sidecar.peer import scope_peer
 from sidecar.spec import parse_spec
 from sidecar.store import Namespace
+from sidecar.tenancy import owner_uid
 
 router = APIRouter(prefix="/v1/namespaces")
 
 
 def _describe(ctx: Context, ns: Namespace, request: Request) -> dict:
     """A namespace, by the name its caller knows it by, with its owner (a uid; None: made
-    on TCP) and the buffers the caller registered on the engine socket. A buffer
-    registered on TCP (cuda_ipc) is never listed: its id is the capability."""
+    on TCP, by the operator or anonymously) and the buffers the caller registered on the
+    engine socket. A buffer registered on TCP (cuda_ipc) is never listed: its id is the
+    capability."""
     peer = scope_peer(request.scope)
-    return {"name": ctx.store.dir.label(ns, who(ctx, request.scope)), "owner": ns.owner,
+    return {"name": ctx.store.dir.label(ns, who(ctx, request.scope)), "owner": owner_uid(ns.owner),
             "spec": ns.spec.to_json(), "identity": ns.identity,
             "buffers": [b.describe() for b in ns.buffers.values()
                         if b.owner_uid is not None and b.usable_by(peer)]}

@@ -11,8 +11,9 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, Response
 
-from api.deps import context
+from api.deps import context, observer
 from api.wire import json, number
+from sidecar import report
 from sidecar.context import Context
 from sidecar.errors import NotFound
 from sidecar.samples import INTERVAL
@@ -43,7 +44,8 @@ async def status_page() -> Response:
 @router.get("/v1/samples")
 async def samples(request: Request, ctx: Context = Depends(context)) -> Response:
     since = number(request, "since", "0", "unix seconds")
-    return json({"interval_s": INTERVAL, "samples": ctx.sampler.since(since)})
+    samples = report.fill_for(ctx.store, observer(ctx, request.scope), ctx.sampler.since(since))
+    return json({"interval_s": INTERVAL, "samples": samples})
 
 
 @router.get("/docs")

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from loadtest.procs import Proc, free_port
 
@@ -73,14 +73,16 @@ class Attack:
     rss_limit_mib: float = 128.0                         # growth of the sidecar's RSS allowed
 
 
-def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, timeout: float = 120) -> Any:
-    """Run `fn(*args)` in a forked child as `uid` (gid the same, no groups); its result."""
+def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, timeout: float = 120,
+            groups: Sequence[int] = ()) -> Any:
+    """Run `fn(*args)` in a forked child as `uid` (gid the same, supplementary `groups`);
+    its result."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
     def child():
         try:
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(uid)
             os.setuid(uid)
             q.put(("ok", fn(*args)))

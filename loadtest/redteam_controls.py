@@ -64,7 +64,7 @@ def _victim_state(url: str) -> dict:
 
 
 def others_namespace(t: Target, stop: threading.Event) -> dict:
-    as_user(_victim_setup, t.socket_url, uid=NOBODY)
+    as_user(_victim_setup, t.socket_url, uid=NOBODY, groups=[OTHER])   # a member may share
     got = as_user(_attacker, t.socket_url, uid=OTHER)
     after = as_user(_victim_state, t.socket_url, uid=NOBODY)
     want = {f"{v} {ns}": (404 if ns == "kv" else 403) for ns in ("kv", "team") for v in VERBS}

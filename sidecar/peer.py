@@ -6,6 +6,8 @@ sidecar cannot tell who sent it, so it maps no memory for it (see `sidecar.buffe
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import grp
 import os
 import socket
@@ -19,7 +21,8 @@ from sidecar.datadir import check_private
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 PEER_KEY = "kv.peer"          # where the server puts the Peer in an ASGI scope
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-MAX_GROUPS = 1024
+PY_OPTLEN = 1024      # the most CPython's getsockopt asks for (256 gids; more: `_many_groups`)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +56,28 @@ def peer_of(sock: Any) -> Optional[Peer]:
 
 
 def _groups(sock: Any) -> tuple[int, ...]:
-    """The peer's supplementary gids (SO_PEERGROUPS, Linux 4.13+), as its connect saw them."""
+    """The peer's supplementary gids (SO_PEERGROUPS, Linux 4.13+), as the kernel took them at
+    its connect (nothing the peer does later changes them). None on a kernel without it."""
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_GROUPS)
-    except OSError:   # ERANGE: more groups than room (the kernel allows 65,536): none counted
-        return ()
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, PY_OPTLEN)
+    except OSError as exc:
+        if exc.errno != errno.ERANGE:
+            return ()
+        raw = _many_groups(sock.fileno())   # over 256 groups: the size the kernel names
     return struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])
+
+
+def _many_groups(fd: int) -> bytes:
+    """SO_PEERGROUPS past CPython's 1,024-byte bound: ask with no room, and the kernel
+    answers ERANGE with the length it needs (at most 65,536 gids); ask again with that."""
+    size = ctypes.c_uint32(0)
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(max(size.value, 1))
+        if _libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) == 0:
+            return buf.raw[:size.value]
+        if ctypes.get_errno() != errno.ERANGE:
+            break
+    return b""
 
 
 def scope_peer(scope: dict) -> Optional[Peer]:

@@ -51,17 +51,30 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
 def sample(store: "Store", fill_top: int = FILL_TOP) -> dict[str, Any]:
     """What the 1 s sampler reads (sidecar/samples.py), without a walk of every namespace's
     counters: the totals, the pages of the host pool and of each tier, the write queue,
-    and the fill of the `fill_top` namespaces with the most capacity."""
+    and the fill of the `fill_top` namespaces with the most capacity (by ref: `fill_for`
+    names them to each asker)."""
     tiers = store.tiering.tiers
     top = heapq.nlargest(fill_top, store.namespaces.values(), key=lambda ns: ns.pool.capacity_pages)
     return {"totals": asdict(store.totals),
-            "fill": {store.dir.label(ns, OPERATOR): ns.pool.ready_pages / ns.pool.capacity_pages
+            "fill": {ns.ref: ns.pool.ready_pages / ns.pool.capacity_pages
                      for ns in top if ns.pool.capacity_pages},
             "pages": {"host": sum(p.ready_pages for p in store.host_pool.pools.values()),
                       **{t.name: t.pages() for t in tiers}},
             "write_queue": _queue(store),
             "tier_errors": sum(t.stats.write_errors + t.stats.read_errors + t.stats.corrupt
                                for t in tiers)}
+
+
+def fill_for(store: Store, who: Caller, samples: list[dict]) -> list[dict]:
+    """`samples` (of `sample`) with each fill named as `who` knows the namespace now, and
+    only the namespaces `who` reaches (the operator: every one; a gone one by its ref)."""
+    names = {ns.ref: store.dir.label(ns, who) for ns in store.dir.visible(who)}
+    out = []
+    for s in samples:
+        fill = {names.get(ref, ref if who is OPERATOR else None): v for ref, v in s["fill"].items()}
+        fill.pop(None, None)
+        out.append({**s, "fill": fill})
+    return out
 
 
 def _queue(store: "Store") -> dict[str, int]:

@@ -1,32 +1,43 @@
 """Who owns a namespace, and which namespace a name means to whom.
 
 A namespace made on the engine socket belongs to the peer's uid; one made on loopback TCP
-belongs to the operator. Names are per owner: two uids may each have a "kv", and neither
-can take (squat) a name the other will use. Inside the store a namespace is known by its
-`ref`:
+belongs to the operator (a token set), else to the anonymous TCP tenant (TCP_TENANT: anyone
+on the node, capped and shown only its own like any uid). Names are per owner: two uids may
+each have a "kv", and neither can take (squat) a name the other will use. Inside the store a
+namespace is known by its `ref`:
 
     made by          ref          who reaches it by its name
     uid 1000         kv@1000      peers of uid 1000; peers in `share_gid` (when the spec
                                   names one); the operator
-    TCP              kv           the operator; anonymous TCP; peers in `share_gid`
+    TCP, token       kv           the operator; peers in `share_gid`
+    TCP, no token    kv           anonymous TCP (one sidecar has one of these two kinds)
+
+`share_gid: G` is taken only from a member of G (its primary gid or a supplementary one as
+`SO_PEERGROUPS` read them at its connect) or from the operator; anyone else gets 403
+(`check_share`), anonymous TCP included. So a non-member never owns, joins, or has the tier
+identity ("gid:G") of a namespace shared with G. The maker owns a shared namespace (it is
+charged to the maker's share; only the maker or the operator deletes it); other members
+that PUT an equal spec join it.
 
     caller                   name "kv" means
     peer (uid u, groups G)   kv@u, else the oldest kv shared with one of G, else none
     operator (TCP, token)    the operator's kv, else the only kv of any owner (two or
                              more: 409, name one as kv@UID)
-    anonymous (TCP, no token configured)   the operator's kv only
+    anonymous (TCP, no token configured)   its own kv only (TCP_TENANT's)
 
-To anyone else a namespace does not exist (404 on every route, absent from listings).
+To anyone else a namespace does not exist (404 on every route, absent from listings and
+from /v1/stats, /metrics, /v1/cost and /v1/samples: only the operator sees every name).
 Tier identity digests the owner (`owner_tag`), so tier pages stay as far apart as their
 owners: a uid, a share group (every member's namespace of that name and spec is the
-same), or the operator.
+same), the operator, or anonymous TCP ("tcp": a sidecar restarted without its token does
+not hand the operator's tier pages to anyone on the node).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional, Union
 
-from sidecar.errors import Conflict, TooMany
+from sidecar.errors import Conflict, Forbidden, TooMany
 from sidecar.peer import Peer
 
 if TYPE_CHECKING:
@@ -53,6 +64,7 @@ class _Anonymous:
 
 
 OPERATOR, ANONYMOUS = _Operator(), _Anonymous()
+TCP_TENANT = "tcp"   # the owner of what anonymous TCP makes: a tenant (uids are ints)
 Caller = Union[Peer, _Operator, _Anonymous]
 MISSING = "@"   # a ref no namespace has: what an unknown name resolves to where 0 is the answer
 
@@ -65,20 +77,43 @@ def caller(peer: Optional[Peer], operator_tcp: bool) -> Caller:
     return OPERATOR if operator_tcp else ANONYMOUS
 
 
-def owner_of(who: Caller) -> Optional[int]:
-    """The owner a namespace made by `who` gets: a peer's uid, None for TCP."""
-    return who.uid if isinstance(who, Peer) else None
+Owner = Union[int, str, None]   # a uid, TCP_TENANT, or None (the operator)
 
 
-def ref_of(name: str, owner: Optional[int]) -> str:
-    return name if owner is None else f"{name}@{owner}"
+def owner_of(who: Caller) -> Owner:
+    """The owner a namespace made by `who` gets: a peer's uid, None for the operator,
+    TCP_TENANT for anonymous TCP."""
+    if isinstance(who, Peer):
+        return who.uid
+    return None if who is OPERATOR else TCP_TENANT
 
 
-def owner_tag(owner: Optional[int], share_gid: Optional[int]) -> str:
+def ref_of(name: str, owner: Owner) -> str:
+    return name if owner is None or owner == TCP_TENANT else f"{name}@{owner}"
+
+
+def owner_uid(owner: Owner) -> Optional[int]:
+    """What a description shows as `owner`: the uid, None for a namespace made on TCP."""
+    return owner if isinstance(owner, int) else None
+
+
+def owner_tag(owner: Owner, share_gid: Optional[int]) -> str:
     """What a namespace's tier identity digests of its owner (see the module docstring)."""
     if share_gid is not None:
         return f"gid:{share_gid}"
-    return "operator" if owner is None else f"uid:{owner}"
+    if owner is None:
+        return "operator"
+    return "tcp" if owner == TCP_TENANT else f"uid:{owner}"
+
+
+def check_share(who: Caller, share_gid: Optional[int]) -> None:
+    """403 unless `who` may name `share_gid`: a peer in that group, or the operator."""
+    if share_gid is None or who is OPERATOR:
+        return
+    if isinstance(who, Peer) and share_gid in who.groups:
+        return
+    raise Forbidden(f"share_gid {share_gid} names a group this caller is not in; only its "
+                    f"members (on the engine socket) or the operator may share with it")
 
 
 @dataclass(slots=True)
@@ -106,7 +141,7 @@ class Directory:
             del self.by_name[ns.name]
         self.version += 1
 
-    def check_room(self, owner: Optional[int]) -> None:
+    def check_room(self, owner: Owner) -> None:
         """Before a new namespace of `owner`: the caps (429 past either)."""
         if len(self.by_ref) >= MAX_NAMESPACES:
             raise TooMany(f"the sidecar holds {MAX_NAMESPACES} namespaces, its limit; delete some")
@@ -123,7 +158,7 @@ class Directory:
             shared = self.shared(name, who)
             return shared.ref if shared is not None else MISSING
         if name in self.by_ref:
-            return name if (who is OPERATOR or self.by_ref[name].owner is None) else MISSING
+            return name if (who is OPERATOR or self.by_ref[name].owner == TCP_TENANT) else MISSING
         if who is not OPERATOR:
             return MISSING
         same = self.by_name.get(name, ())
@@ -132,10 +167,12 @@ class Directory:
                            f"({sorted(str(ns.owner) for ns in same)}); name one as {name}@UID")
         return same[0].ref if same else MISSING
 
-    def shared(self, name: str, peer: Peer) -> Optional["Namespace"]:
-        """The oldest namespace called `name` that another owner shares with `peer`."""
+    def shared(self, name: str, peer: Peer, spec: object = None) -> Optional["Namespace"]:
+        """The oldest namespace called `name` that another owner shares with `peer` (whose
+        spec is `spec`, when given: the one a PUT joins)."""
         for ns in self.by_name.get(name, ()):
-            if ns.spec.share_gid is not None and ns.spec.share_gid in peer.groups:
+            if ns.spec.share_gid is not None and ns.spec.share_gid in peer.groups \
+                    and (spec is None or ns.spec == spec):
                 return ns
         return None
 
@@ -150,7 +187,7 @@ class Directory:
             return True
         if isinstance(who, Peer):
             return self.ref(ns.name, who) == ns.ref
-        return ns.owner is None
+        return ns.owner == TCP_TENANT
 
     def label(self, ns: "Namespace", who: Caller) -> str:
         """The name `who` knows `ns` by: its name, or its ref for the operator when

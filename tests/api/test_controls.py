@@ -215,7 +215,8 @@ def test_a_tenant_cannot_pin_evict_or_warm_another_owners_namespace(make_server,
     os.chmod(os.path.dirname(srv.config.socket), 0o755)
     a = srv.client()
     a.put_namespace("kv", PAGE)
-    a.put_namespace("team", PAGE, share_gid=B)
+    as_user(lambda url: SidecarClient(url, token=TOKEN).put_namespace("team", PAGE, share_gid=B),
+            srv.socket_url, uid=0, groups=[0, B])   # root in B's group: a member may share
     put(a, "kv", ["k"])
     put(a, "team", ["k"])
     post(a, "/v1/namespaces/kv/pin", {"keys": ["k"]})

@@ -26,7 +26,7 @@ def test_namespaces_are_capped_per_owner_and_in_all(make_server, monkeypatch):
     assert (e.value.status, e.value.code) == (429, "too_many_buffers") and "an owner" in e.value.message
     engine.put_namespace("e0", PAGE)                 # an existing one is no new namespace
     for i in range(4):
-        tcp.put_namespace(f"t{i}", PAGE)             # another owner (the operator): 12 in all
+        tcp.put_namespace(f"t{i}", PAGE)             # another owner (anonymous TCP): 12 in all
     with pytest.raises(SidecarError) as e:
         tcp.put_namespace("t4", PAGE)
     assert e.value.status == 429 and "namespaces, its limit" in e.value.message
@@ -61,6 +61,6 @@ def test_a_scrape_renders_off_the_event_loop(make_server, monkeypatch):
         threads.append(threading.current_thread())
         return real(snap)
     monkeypatch.setattr("api.routes_health.render", spy)
-    text = srv.tcp_client().metrics()
+    text = srv.client().metrics()
     assert 'kv_sidecar_hits_total{namespace="kv"}' in text
     assert threads and threads[0] is not srv.thread   # the server's loop runs in srv.thread

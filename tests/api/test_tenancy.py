@@ -90,7 +90,7 @@ def _tenant_b_probes(url: str) -> dict:
 @root_only
 def test_a_namespace_belongs_to_its_maker(node):
     url = node.socket_url
-    a_sees = as_user(_tenant_a, url, uid=A)
+    a_sees = as_user(_tenant_a, url, uid=A, groups=[B])   # A is in B's group: it may share
     assert a_sees["kv"]["owner"] == A and a_sees["team"]["owner"] == A
     b = as_user(_tenant_b_probes, url, uid=B)
     assert {k: v for k, v in b.items() if type(v) is int and k != "own_exists_of_a_key"} == {
@@ -125,12 +125,12 @@ def test_anonymous_tcp_reaches_only_namespaces_made_on_tcp(make_server):
     assert status(lambda: read(tcp, "engine", "k")) == 404
     assert status(lambda: tcp.delete_namespace("engine")) == 404
     assert [ns["name"] for ns in tcp.list_namespaces()] == []
-    tcp.put_namespace("tool", PAGE)            # a namespace made on TCP: the operator's
+    tcp.put_namespace("tool", PAGE)            # a namespace made on TCP: anonymous TCP's
     tcp.put_page("tool", "k", page("t"))
     assert tcp.get_page("tool", "k") == page("t")
     assert [ns["name"] for ns in tcp.list_namespaces()] == ["tool"]
     assert status(lambda: read(c, "tool", "k")) == 404     # not shared with the socket
-    assert sorted(tcp.stats()["namespaces"]) == ["engine", "tool"]   # counters: every namespace
+    assert sorted(tcp.stats()["namespaces"]) == ["tool"]    # its own (issue 43, item 5)
     assert sorted(c.stats()["namespaces"]) == ["engine"]             # a peer: its own
 
 
@@ -142,7 +142,7 @@ def test_tier_identity_keeps_owners_apart(make_server, tmp_path):
     c, tcp = srv.client(), srv.tcp_client()
     mine = c.put_namespace("kv", PAGE)["identity"]
     ops = tcp.put_namespace("kv", PAGE)["identity"]
-    shared = c.put_namespace("team", PAGE, share_gid=4242)["identity"]
+    shared = c.put_namespace("team", PAGE, share_gid=os.getgid())["identity"]   # a member
     assert len({mine, ops, shared}) == 3
     c.put_page("kv", "k", page("mine"))
     assert c.request("POST", "/v1/flush")[1]["pending"] == 0

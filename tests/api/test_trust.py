@@ -22,6 +22,7 @@ import pytest
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
+from loadtest.redteam import as_user
 from tests.conftest import wait_for
 
 PAGE = 4096
@@ -63,8 +64,10 @@ def open_server(make_server):
     os.chmod(os.path.dirname(srv.config.socket), 0o755)
     c = srv.client()
     # shared with the attacker's group: it reaches the namespace, so what it tries is
-    # refused by the buffer and lease rules themselves (tests/api/test_tenancy.py: not shared)
-    c.put_namespace("victim", PAGE, share_gid=NOBODY)
+    # refused by the buffer and lease rules themselves (tests/api/test_tenancy.py: not shared);
+    # made by root in nobody's group (only a member may share: tests/api/test_trust_round4.py)
+    as_user(lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
+            srv.socket_url, uid=0, groups=[0, NOBODY])
     c.put_page("victim", "secret", pattern("secret"))
     yield srv
     c.close()
