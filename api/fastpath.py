@@ -28,7 +28,7 @@ from api.wire import parse_object, receive_body
 from sidecar import hybrid
 from sidecar.context import Context
 from sidecar.errors import BadRequest, SidecarError
-from sidecar.events import set_meta
+from sidecar.events import check_tokens, set_meta
 from sidecar.peer import scope_peer
 
 Handler = Callable[[Context, dict, Optional[str], dict], Awaitable[bytes]]
@@ -54,8 +54,11 @@ async def set_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) 
     durable = body.get("durable", False)
     if not isinstance(durable, bool):
         raise BadRequest("'durable' must be true or false")
-    stored = await ctx.store.set(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"),
-                                 body.get("slots"), durable, scope_peer(scope), set_meta(body))
+    ns, meta = ref(ctx, scope, name), set_meta(body)
+    if meta is not None:   # token ids a key: the namespace's page_tokens at most
+        check_tokens(meta, ctx.store.namespace(ns).spec.page_tokens)
+    stored = await ctx.store.set(ns, body.get("keys"), body.get("buffer_id"),
+                                 body.get("slots"), durable, scope_peer(scope), meta)
     return orjson.dumps({"stored": stored})
 
 

@@ -69,6 +69,11 @@ _FLAGS = [
                                                "(default 0.02)"),
     ("--kv-events-hwm", "kv_events_hwm", "batches queued to a subscriber that does not read, then "
                                          "dropped for it (1000; shared by all such subscribers)"),
+    ("--kv-events-batch-bytes", "kv_events_batch_bytes", "bytes of one event batch at most (256KiB)"),
+    ("--kv-events-queue-bytes", "kv_events_queue_bytes", "bytes of batches queued to subscribers that "
+                                                         "do not read, at most (64MiB)"),
+    ("--kv-events-mode", "kv_events_mode", "mode of ipc:// event sockets, octal (default 0600: this user)"),
+    ("--kv-events-group", "kv_events_group", "group of ipc:// event sockets (the routers' users are in it)"),
     # lent memory (issue 26): stuck copies, idle lenders, address space
     ("--copy-deadline", "copy_deadline", "seconds a set/get waits for its copy; past it its pages "
                                          "answer false and the buffer is marked bad (default 30)"),
@@ -90,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, dest=dest, help=text)
     serve.add_argument("--no-file-tier", dest="file_tier", action="store_const", const=False,
                        help="keep pages in the host pool only")
+    serve.add_argument("--kv-events-token-ids", dest="kv_events_token_ids", action="store_const",
+                       const=True, help="publish each page's token ids (its prompt) in KV events: "
+                                        "every subscriber reads them (off: block hashes only)")
     serve.add_argument("--shm-dir", dest="shm_dirs", action="append",
                        help="directory engines may register shm files from (repeatable; default /dev/shm)")
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar")

@@ -110,6 +110,11 @@ class Config:
     kv_events_buffer_bytes: int = 256 * 2**20   # and their bytes at most (a mapping, resident)
     kv_events_gather: float = 0.02        # s a batch gathers events before it is sent
     kv_events_hwm: int = 1000             # batches queued to a subscriber, then dropped for it
+    kv_events_batch_bytes: int = 256 * 2**10   # bytes of one batch at most (events split to fit)
+    kv_events_queue_bytes: int = 64 * 2**20    # bytes queued to the PUB's subscribers at most
+    kv_events_mode: int = 0o600           # ipc:// event sockets' mode (this user only)
+    kv_events_group: Optional[str] = None  # and their group (the routers' users are in it)
+    kv_events_token_ids: bool = False     # publish each page's token ids (its prompt): opt in
     # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
     copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad
     lend_idle_timeout: float = 5.0        # s an fd socket connection holding no lease may idle
@@ -140,6 +145,10 @@ class Config:
         if self.kv_events_hwm < 32:   # ZMQ learns of a subscriber's reads in steps: below
             # this it dropped batches for one that kept up (docs/kv-events.md, Limits)
             raise ValueError(f"kv events hwm must be >= 32 batches, got {self.kv_events_hwm!r}")
+        if self.kv_events_batch_bytes < 64 * 2**10 or self.kv_events_queue_bytes < self.kv_events_batch_bytes:
+            raise ValueError("kv events batch bytes must be >= 64KiB and queue bytes >= batch bytes")
+        if not 0 <= self.kv_events_mode <= 0o777:
+            raise ValueError(f"kv events mode must be an octal mode like 0660, got {self.kv_events_mode:o}")
         if not 0 < self.kv_events_gather <= 1:
             raise ValueError(f"kv events gather must be in (0, 1] seconds, got {self.kv_events_gather!r}")
         if not 0 <= self.socket_mode <= 0o777:
@@ -170,14 +179,15 @@ class Config:
 
 
 _SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body",
-          "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid", "kv_events_buffer_bytes"}
-_BOOLS = {"file_tier"}
+          "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid", "kv_events_buffer_bytes",
+          "kv_events_batch_bytes", "kv_events_queue_bytes"}
+_BOOLS = {"file_tier", "kv_events_token_ids"}
 _INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections",
          "kv_events_buffer", "kv_events_hwm", "max_connections_per_uid", "max_header_fields"}
 _FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout", "auth_timeout", "body_timeout",
            "write_timeout", "copy_deadline", "lend_idle_timeout", "kv_events_gather"}
 _OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master",
-             "kv_events", "kv_events_replay")
+             "kv_events", "kv_events_replay", "kv_events_group")
 
 
 def coerce(name: str, value: Any) -> Any:
@@ -190,7 +200,7 @@ def coerce(name: str, value: Any) -> Any:
         return int(value)
     if name in _FLOATS:
         return float(value)
-    if name == "socket_mode":
+    if name in ("socket_mode", "kv_events_mode"):
         return value if isinstance(value, int) else int(str(value), 8)
     if name == "shm_dirs":
         return tuple(value) if isinstance(value, (list, tuple)) else tuple(

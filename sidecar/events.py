@@ -23,7 +23,11 @@ Topic: `<prefix>@<namespace>`, one per namespace (its pages, every medium); a dr
 namespace is `AllBlocksCleared` on its topic. Block hashes are the namespace's keys in the
 form its engine's router knows (`key_format`): `vllm` the bytes of the hex key (vLLM's
 block hash), `sglang` SGLang's int64 of the key (`hash_str_to_int64`), else the key.
-A store carries `parent_block_hash` and `token_ids` when the set that stored it gave them.
+A store carries `parent_block_hash` when the set that stored it gave one, and its
+`token_ids` (a prompt: every subscriber reads them) only with `token_ids` on
+(`--kv-events-token-ids`; else an empty list). A batch is at most `batch_bytes`: a chain's
+event takes half of it at most (`keys_an_event`), and a topic's events past it go in
+several batches.
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ _LIST, _INT = {list}, {int}
 CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
 TIER_KEYS_A_FLUSH = 4096   # tier pages made events in one flush (the rest wait for the next)
 TOKENS = "'tokens' must hold one list of token ids (integers) per key"
+MAX_TOKENS_A_KEY = 4096    # token ids of one key at most (a namespace's page_tokens, if less)
+KEY_BYTES = 131            # a block hash's msgpack at most (a 128-character key as a string)
+EVENT_BYTES = 512          # an event's msgpack beside its arrays, at most (its parent's hash too)
+BATCH_BYTES = 256 * 2**10  # bytes of one batch at most (`--kv-events-batch-bytes`)
 
 
 def block_hash(key: str, key_format: str) -> Any:
@@ -150,6 +158,30 @@ def set_meta(body: dict) -> Optional[tuple]:
     return parent, tokens, packed
 
 
+def tokens_a_key(page_tokens: int) -> int:
+    """Token ids one key may carry: the namespace's `page_tokens` (a page holds no more),
+    MAX_TOKENS_A_KEY where it gives none or more."""
+    return min(page_tokens, MAX_TOKENS_A_KEY) if page_tokens > 0 else MAX_TOKENS_A_KEY
+
+
+def check_tokens(meta: Optional[tuple], page_tokens: int) -> None:
+    """A set's `tokens` (`set_meta`) against its namespace: at most `tokens_a_key` a key
+    (what an event holds is bounded in bytes, docs/kv-events.md, Limits)."""
+    if meta is not None and meta[1] and max(map(len, meta[1])) > tokens_a_key(page_tokens):
+        raise BadRequest(f"'tokens' may hold {tokens_a_key(page_tokens)} token ids a key at most "
+                         f"(the namespace's page_tokens)")
+
+
+def keys_an_event(batch_bytes: int, tokens: int) -> int:
+    """Keys one event may name so that it takes half a batch at most (`tokens` ids a key)."""
+    return max(1, (batch_bytes // 2 - EVENT_BYTES) // (KEY_BYTES + 9 * tokens))
+
+
+def pieces(a: int, b: int, step: int) -> list:
+    """a..b-1 in runs of `step` at most, as (a, b)."""
+    return [(i, min(i + step, b)) for i in range(a, b, step)]
+
+
 class Events:
     """Events of one sidecar, collected on the event loop and flushed every `gather` seconds
     (a batch costs ZMQ some 45 us of CPU, its I/O thread's wake-up and send included, so
@@ -172,6 +204,12 @@ class Events:
         self._tier_at = 0
         self.announced: dict[str, int] = {}   # identity -> its latest announcement's number
         self.identities: dict[str, list] = {}   # identity -> its live namespaces
+        # (both hold live identities only: an identity goes with its last namespace, and
+        # announcement numbers never repeat, so a queued one of a gone identity stays stale)
+        self.numbers = itertools.count(1)
+        self.token_ids = False         # token ids published (`--kv-events-token-ids`)
+        self.batch_bytes = BATCH_BYTES
+        self.dropped_bytes = 0         # bytes of the batches counted in `dropped`
         self.scheduled = False
         self.dropped = 0               # batches ZMQ refused
         self.published = 0
@@ -192,7 +230,7 @@ class Events:
         same = self.identities.setdefault(ns.identity, [])
         same.append(ns)
         if len(same) == 1:   # (an announcement still queued for the identity is replaced)
-            number = self.announced[ns.identity] = self.announced.get(ns.identity, 0) + 1
+            number = self.announced[ns.identity] = next(self.numbers)
             for tier in tiers:
                 self.tier_log.append((ns.identity, tier.held_keys(ns.identity), medium_of(tier),
                                       True, number))
@@ -208,6 +246,9 @@ class Events:
         same = self.identities.get(ns.identity, [])
         if ns in same:
             same.remove(ns)
+        if not same:   # forgotten: what its tiers still log is skipped (no live namespace)
+            self.identities.pop(ns.identity, None)
+            self.announced.pop(ns.identity, None)
         self._add(self.topic(ns), encode_event("AllBlocksCleared", {}, self.fmt))
 
     def stored_chain(self, pool, keys: list, idx: Optional[list], meta: tuple) -> None:
@@ -255,21 +296,32 @@ class Events:
         self._drain_tiers()
         if not self.pending:
             return
-        ts, buf, encode_into = time.time(), self.buf, self.encoder.encode_into
+        ts = time.time()
         for topic, events in self.pending.items():
-            try:   # into the same buffer each time: ZMQ and the ring copy it before the next
-                encode_into([ts, events], buf)
-            except (TypeError, ValueError, OverflowError):
-                # no event is known to do this; one that did costs its topic's batch
-                # (counted), not the other topics' batches nor every flush after it
-                log.exception("kv events: a batch of %r could not be encoded: dropped", topic)
-                self.dropped += 1
-                continue
-            if self.publisher.send(topic, buf):
-                self.published += 1
-            else:
-                self.dropped += 1
+            self._send(topic, ts, events)
         self.pending.clear()
+
+    def _send(self, topic: bytes, ts: float, events: list) -> None:
+        """One batch of `events`, or, past `batch_bytes`, the two halves' batches in
+        order (an event takes half a batch at most: `keys_an_event`)."""
+        buf = self.buf
+        try:   # into the same buffer each time: ZMQ and the ring copy it before the next
+            self.encoder.encode_into([ts, events], buf)
+        except (TypeError, ValueError, OverflowError):
+            # no event is known to do this; one that did costs its topic's batch
+            # (counted), not the other topics' batches nor every flush after it
+            log.exception("kv events: a batch of %r could not be encoded: dropped", topic)
+            self.dropped += 1
+            return
+        if len(buf) > self.batch_bytes and len(events) > 1:
+            half = len(events) // 2
+            self._send(topic, ts, events[:half])
+            self._send(topic, ts, events[half:])
+        elif self.publisher.send(topic, buf):
+            self.published += 1
+        else:
+            self.dropped += 1
+            self.dropped_bytes += len(buf)
 
     def _drain_pool(self, pool) -> None:
         ns, entries = self.by_pool.get(pool), pool.log
@@ -281,7 +333,8 @@ class Events:
         for kind, run in itertools.groupby(entries, type):   # grouped in C
             if kind is str:            # keys evicted or deleted, in a row
                 gone = list(run)
-                out.append(removed_event(hash_array(gone, 0, len(gone), kf, self.raw), MEDIUM_HOST, self.fmt))
+                out.extend(removed_event(hash_array(gone, a, b, kf, self.raw), MEDIUM_HOST, self.fmt)
+                           for a, b in pieces(0, len(gone), keys_an_event(self.batch_bytes, 0)))
                 continue
             for present, key in run:
                 if present is CHAIN:   # a set's stores, built at its commit
@@ -292,16 +345,21 @@ class Events:
     def _chains(self, ns, keys: list, idx: Optional[list], parent: Optional[str],
                 tokens: Optional[list], packed: Optional[bytes]) -> Iterator[Any]:
         """One BlockStored for each run of consecutive positions in `idx` (None: all of
-        `keys`, with the tokens `packed` already where they are): its parent is the key
-        before it (the set's `parent` before the first), its tokens theirs."""
+        `keys`, with the tokens `packed` already where they are), split into pieces of
+        half a batch at most: its parent is the key before it (the set's `parent` before
+        the first), its tokens theirs where token ids are published (else none)."""
         kf, raw = ns.spec.key_format, self.raw
-        for a, b in [(0, len(keys))] if idx is None else runs_of(idx):
-            up = keys[a - 1] if a else parent
-            if idx is None and packed is not None:   # the whole set: its ids packed at parse
-                toks = raw(packed)
-            else:
-                toks = token_array(tokens, a, b, raw) if tokens else []
-            yield self._stored(ns, hash_array(keys, a, b, kf, raw), up, toks)
+        tokens = tokens if self.token_ids else None
+        step = keys_an_event(self.batch_bytes, tokens_a_key(ns.spec.page_tokens) if tokens else 0)
+        whole = idx is None and packed is not None and tokens is not None and len(keys) <= step
+        for run in [(0, len(keys))] if idx is None else runs_of(idx):
+            for a, b in pieces(*run, step):
+                up = keys[a - 1] if a else parent
+                if whole:   # the whole set in one event: its ids packed at parse
+                    toks = raw(packed)
+                else:
+                    toks = token_array(tokens, a, b, raw) if tokens else []
+                yield self._stored(ns, hash_array(keys, a, b, kf, raw), up, toks)
 
     def _stored(self, ns, block_hashes: Any, parent: Optional[str], tokens: Any) -> Any:
         """The host pool's BlockStored of `block_hashes` (made already), after key `parent`."""
@@ -340,8 +398,9 @@ class Events:
                 for key in keys:
                     self._add(topic, stored_event([block_hash(key, kf)], None, [],
                                                   ns.spec.page_tokens, medium, self.fmt))
-            elif keys:
-                self._add(topic, removed_event(hashes(keys, kf), medium, self.fmt))
+            else:
+                for a, b in pieces(0, len(keys), keys_an_event(self.batch_bytes, 0)):
+                    self._add(topic, removed_event(hashes(keys[a:b], kf), medium, self.fmt))
 
 
 def medium_of(tier) -> str:
@@ -353,16 +412,39 @@ def start(config, loop, tiers: list) -> Events:
     """The publisher (its thread) and the collector for `config`, tiers wired to it."""
     import socket
     replay = config.kv_events_replay or _next_port(config.kv_events)
-    unix = functools.partial(bind_unix, mode=config.socket_mode, group=config.socket_group)
+    unix = functools.partial(bind_unix, mode=config.kv_events_mode, group=config.kv_events_group)
     events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer,
-                              config.kv_events_buffer_bytes, Limits(hwm=config.kv_events_hwm), unix),
+                              config.kv_events_buffer_bytes, Limits(hwm=queue_hwm(config)), unix),
                     config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
                     config.kv_events_format, loop, config.kv_events_gather)
+    events.token_ids, events.batch_bytes = config.kv_events_token_ids, config.kv_events_batch_bytes
     for tier in tiers:
         tier.listener = lambda ident, keys, present, m=medium_of(tier): \
             events.tier_changed(ident, keys, m, present)
-    log.info("kv events on %s (replay %s), %s encoding", config.kv_events, replay, config.kv_events_format)
+    log.info("kv events on %s (replay %s), %s encoding, token ids %s", config.kv_events, replay,
+             config.kv_events_format, "on" if events.token_ids else "off")
+    for endpoint in (config.kv_events, replay):
+        if endpoint and not endpoint.startswith("ipc://"):
+            log.warning(open_endpoint(endpoint, events.token_ids))
     return events
+
+
+def queue_hwm(config) -> int:
+    """The PUB's high-water mark: `--kv-events-hwm` batches, fewer where that many batches
+    of `--kv-events-batch-bytes` would pass `--kv-events-queue-bytes` (32 at least: below,
+    ZMQ dropped batches for a subscriber that kept up)."""
+    return max(32, min(config.kv_events_hwm, config.kv_events_queue_bytes // config.kv_events_batch_bytes))
+
+
+def open_endpoint(endpoint: str, token_ids: bool) -> str:
+    """What a TCP endpoint shows, and to whom (logged at start)."""
+    host = endpoint.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    who = "every user on this node" if host in ("127.0.0.1", "localhost", "::1") \
+        else "every user on this node and every host that routes to it"
+    what = "namespace names, block hashes and token ids (the prompts)" if token_ids \
+        else "namespace names and block hashes"
+    return (f"kv events: {endpoint} is open to {who}: they read every tenant's {what}; bind "
+            f"ipc:// paths with --kv-events-group to name who may (docs/security.md, KV events)")
 
 
 def _next_port(endpoint: str) -> Optional[str]:

@@ -31,7 +31,7 @@ from pools.joint import held_by, table
 from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.joints import joint_bits
 from sidecar.keys import MAX_BATCH
-from sidecar.events import set_meta
+from sidecar.events import check_tokens, set_meta
 from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
@@ -376,7 +376,8 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,
         seen.add(name)
         item = Item(store.resolve(name, who), it.get("keys"), it.get("buffer_id"), it.get("slots"),
                     set_meta(it))
-        _, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
+        ns, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
+        check_tokens(item.meta, ns.spec.page_tokens)
         runs += len(item.keys) * len(buf.chunks)
         items.append(item)
     if runs > MAX_RUNS:   # the copy plans of one request, all items together

@@ -12,7 +12,8 @@ may hang with its connection open), bounded:
 - PUB: ZMQ queues each subscriber's batches until its high-water mark (`hwm` batches),
   then drops them for that subscriber (it sees the gap in `seq` and replays). The queued
   batches are shared by every subscriber behind (ZMQ counts references), so memory is at
-  most `hwm` batches however many there are. vLLM's publisher keeps 100,000: tens of GB
+  most `hwm` batches however many there are; a batch is bounded in bytes (events.py
+  splits them), and `hwm` is set from a byte budget (`events.queue_hwm`). vLLM's publisher keeps 100,000: tens of GB
   of this sidecar's batches for one subscriber that stopped (docs/kv-events.md, Limits).
 - ROUTER: a replay is copied out of the ring batch by batch, `replay_hwm` batches queued
   to its client at most, one replay at a time, at `rate` bytes a second at most (the
@@ -23,8 +24,9 @@ may hang with its connection open), bounded:
 
 Not bounded: what a process that speaks ZMTP itself can send (a message whose parts
 never end is kept whole). So the endpoints are for routers the operator trusts: an
-`ipc://` endpoint is a Unix socket made as the engine socket is (`unix`: its mode and
-group), which other users cannot connect to; loopback TCP is open to every user.
+`ipc://` endpoint is a Unix socket made by `unix` (`--kv-events-mode`, `--kv-events-group`:
+not the engine socket's), which other users cannot connect to; loopback TCP is open to
+every user.
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
     if store.events is not None:
         pub = store.events.publisher
         out["events"] = {"published": store.events.published, "dropped": store.events.dropped,
+                         "dropped_bytes": store.events.dropped_bytes,
+                         "identities": len(store.events.identities),
                          "replay_batches": len(pub.ring), "replay_bytes": pub.ring.bytes,
                          "replays": pub.replays, "replays_given_up": pub.replays_given_up}
     return out

@@ -6,10 +6,6 @@ The events are decoded generically here (msgpack); tests/engines/vllm/test_kv_ev
 decodes them with vLLM's own classes."""
 from __future__ import annotations
 
-import errno
-import os
-import socket
-import stat
 import threading
 
 import orjson
@@ -20,7 +16,6 @@ from loadtest.procs import free_port
 from sidecar import events as events_mod
 from sidecar.events import block_hash
 from tests.conftest import replay_frames, wait_for
-from tests.deploy.as_uid import run_as
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -108,7 +103,7 @@ def evented(make_server, tmp_path):
     port, replay = endpoints()
     srv = make_server(file_tier=True, data_dir=str(tmp_path / "data"), kv_events=f"tcp://127.0.0.1:{port}",
                       kv_events_replay=f"tcp://127.0.0.1:{replay}", kv_events_topic="t",
-                      write_queue_pages=8)
+                      write_queue_pages=8, kv_events_token_ids=True)
     wait_for(lambda: srv.ctx.ready)
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     yield srv, sub, replay
@@ -327,36 +322,3 @@ def test_parents_and_tokens_are_checked(make_server):
         assert status == 400 and orjson.loads(out)["error"]["code"] == "bad_request", bad
     assert c.request("POST", "/v1/namespaces/kv/set", {**body, "parent": "z",
                                                         "tokens": [[1, 2], []]})[1] == {"stored": [True, True]}
-
-
-def _connect(path: str) -> str:
-    s = socket.socket(socket.AF_UNIX)
-    try:
-        s.connect(path)
-        return "connected"
-    except OSError as exc:
-        return errno.errorcode[exc.errno]
-    finally:
-        s.close()
-
-
-def test_ipc_event_sockets_have_the_engine_sockets_mode(make_server, scratch):
-    """`ipc://` endpoints are Unix sockets with `--socket-mode` and `--socket-group`, as
-    the engine socket: another user cannot connect (so cannot flood them); they go at exit."""
-    d = scratch(prefix="kvs-")
-    os.chmod(d, 0o755)            # others may enter: only the sockets' mode keeps them out
-    pub, rep = os.path.join(d, "pub"), os.path.join(d, "replay")
-    srv = make_server(kv_events=f"ipc://{pub}", kv_events_replay=f"ipc://{rep}", kv_events_topic="t",
-                      socket_mode=0o600)
-    wait_for(lambda: srv.ctx.ready)
-    for path in (pub, rep):
-        st = os.stat(path)
-        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
-        assert run_as(65534, [], _connect, path) == "EACCES"      # uid nobody
-    c = srv.client()
-    c.put_namespace("kv", PAGE, key_format="vllm")
-    c.put_page("kv", f"{7:064x}", b"p" * PAGE)
-    srv.on_loop(srv.ctx.events.flush)
-    assert [t for t, _, _ in replay_frames(f"ipc://{rep}")] == [b"t@kv"]   # its own user: served
-    srv.stop()
-    assert not os.path.lexists(pub) and not os.path.lexists(rep)

@@ -53,7 +53,7 @@ def test_vllm_decodes_the_sidecars_events(make_server, tmp_path, fmt):
                                             KVEventBatch)
     port = free_port()
     srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_format=fmt, kv_events_topic="node",
-                      kv_events_replay=f"tcp://127.0.0.1:{free_port()}")
+                      kv_events_replay=f"tcp://127.0.0.1:{free_port()}", kv_events_token_ids=True)
     wait_for(lambda: srv.ctx.ready)
     c = srv.client()
     keys = ["11" * 32, "22" * 32]
