@@ -50,7 +50,7 @@ def slice_trace(args, outdir: Path) -> tuple[list[dict], Path]:
 
 def plan(path: Path, capacity: int, engines: int) -> dict:
     """`sidecar plan` on the slice: the shared and the per-engine block hit rates."""
-    out = subprocess.run([sys.executable, "-m", "sidecar", "plan", str(path), "--capacities", str(capacity),
+    out = subprocess.run([sys.executable, "-m", "api.cli", "plan", str(path), "--capacities", str(capacity),
                           "--engines", str(engines), "--json"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     row = json.loads(out.strip().splitlines()[-1])["rows"][0]
@@ -95,8 +95,8 @@ def share_phase(args, tmp: str, out) -> None:
                                      "hit": lib.blocks_for(got["cached"], BLOCK)})
             if k % 25 == 0:
                 print(f"sharing: {k + 1}/{len(reqs)} requests", flush=True)
-        stats = {"shared": [SidecarClient(shared.url).stats()],
-                 "split": [SidecarClient(s.url).stats() for s in split]}
+        stats = {"shared": [SidecarClient(shared.socket_url).stats()],
+                 "split": [SidecarClient(s.socket_url).stats() for s in split]}
     cap = sum(ns["capacity_pages"] for st in stats["shared"] for ns in st["namespaces"].values())
     want = plan(path, cap, n)
     for arm in ("shared", "split"):

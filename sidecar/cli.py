@@ -1,16 +1,15 @@
-"""`sidecar serve` (and `python -m sidecar serve`)."""
+"""`sidecar serve` (and `python -m sidecar serve`): the server's flags and its start.
+
+The `sidecar` command's other subcommands (replay, plan, the operator controls) are clients
+of the API and live above the sidecar, in `api/cli/`, which builds on this parser.
+"""
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from sidecar import __version__
-
-REPLAY = "loadtest.replay"  # a client of the API: loaded by name, sidecar never imports it
-PLAN = "loadtest.plan"  # the offline capacity planner, loaded the same way
-CTL = "loadtest.ctl"    # pin|unpin|evict|warm|pins: a client of the API, loaded the same way
 from sidecar.config import load
 
 _FLAGS = [
@@ -86,6 +85,12 @@ _FLAGS = [
 
 
 def parser() -> argparse.ArgumentParser:
+    return commands()[0]
+
+
+def commands() -> tuple[argparse.ArgumentParser, Any]:
+    """The `sidecar` parser with its `serve` command, and its subparsers (for `api.cli` to
+    add the clients' commands to)."""
     p = argparse.ArgumentParser(prog="sidecar", description="kv-sidecar: a per-node KV-cache sidecar")
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -100,30 +105,21 @@ def parser() -> argparse.ArgumentParser:
                                         "every subscriber reads them (off: block hashes only)")
     serve.add_argument("--shm-dir", dest="shm_dirs", action="append",
                        help="directory engines may register shm files from (repeatable; default /dev/shm)")
-    replay = sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar")
-    importlib.import_module(REPLAY).parser(replay)
-    importlib.import_module(PLAN).parser(sub.add_parser("plan", help="hit rate vs capacity for a trace (offline)"))
-    importlib.import_module(CTL).add_parsers(sub)
-    return p
+    return p, sub
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the sidecar from parsed `serve` arguments; its exit code."""
+    from sidecar.server import serve
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        config = load(args.config, overrides=overrides)
+    except (ValueError, OSError) as exc:
+        print(f"sidecar: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser().parse_args(argv)
-    if args.command == "serve":
-        from sidecar.server import serve
-        overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-        try:
-            config = load(args.config, overrides=overrides)
-        except (ValueError, OSError) as exc:
-            print(f"sidecar: bad configuration: {exc}", file=sys.stderr)
-            return 2
-        return serve(config)
-    if args.command == "replay":
-        replay = importlib.import_module(REPLAY)
-        replay.print_report(replay.run(args), args.json)
-        return 0
-    if args.command == "plan":
-        return importlib.import_module(PLAN).cli(args)
-    if args.command in importlib.import_module(CTL).VERBS:
-        return importlib.import_module(CTL).cli(args)
-    return 2
+    """`python -m sidecar serve ...` (the whole `sidecar` command is `api.cli.main`)."""
+    return run_serve(parser().parse_args(argv))

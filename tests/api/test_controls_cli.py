@@ -1,4 +1,4 @@
-"""`sidecar pin|unpin|evict|warm|pins` (loadtest/ctl.py) against a real sidecar process
+"""`sidecar pin|unpin|evict|warm|pins` (api/cli/ctl.py) against a real sidecar process
 with a data dir and a token, across a restart; the warm's progress bar on a terminal."""
 
 import hashlib
@@ -21,7 +21,7 @@ def data(key: str) -> bytes:
 def ctl(p, *args: str, stderr=None) -> tuple[int, dict]:
     env = {**os.environ, "SIDECAR_TOKEN": TOKEN}
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar", *args, "--url", p.url],
+        [sys.executable, "-m", "api.cli", *args, "--url", p.url],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -117,7 +117,7 @@ def test_plan_sizes_a_node_from_a_running_sidecars_cost(spawn, tmp_path):
             [
                 sys.executable,
                 "-m",
-                "sidecar",
+                "api.cli",
                 "plan",
                 str(trace),
                 "--capacities",

@@ -1,4 +1,4 @@
-from loadtest.lru_sim import LruSim
+from api.cli.lru_sim import LruSim
 
 
 def test_request_semantics():

@@ -6,9 +6,9 @@ import sys
 import orjson
 import pytest
 
-from loadtest import plan
-from loadtest.lru_sim import LruSim
-from loadtest.progress import Progress
+from api.cli import plan
+from api.cli.lru_sim import LruSim
+from api.cli.progress import Progress
 from tests.conftest import ROOT
 from tests.loadtest.test_replay import trace_path
 
@@ -21,7 +21,7 @@ def write_trace(path, requests):
 
 
 def run_cli(*args):
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "sidecar", "plan", *args, "--json"],
+    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "api.cli", "plan", *args, "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == ""  # no progress bar when stderr is not a terminal
@@ -105,7 +105,7 @@ def test_replay_draws_its_progress_bar_on_a_terminal(spawn):
     p = spawn("--host-pool", "16MiB", "--no-file-tier").wait_ready()
     main, sub = pty.openpty()
     try:
-        out = subprocess.run([sys.executable, "-W", "ignore", "-m", "sidecar", "replay", trace_path(),
+        out = subprocess.run([sys.executable, "-W", "ignore", "-m", "api.cli", "replay", trace_path(),
                               "--url", p.socket_url, "--capacity-pages", "100", "--page-bytes", "1024",
                               "--limit", "50"], cwd=ROOT, stdout=subprocess.PIPE, stderr=sub,
                              timeout=120)

@@ -22,7 +22,7 @@ def trace_path() -> str:
 
 
 def replay(url, *args):
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "sidecar", "replay", trace_path(),
+    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "api.cli", "replay", trace_path(),
                           "--url", url, "--json", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -23,7 +23,7 @@ import time
 from typing import Any, TextIO
 
 from api.engine.client import SidecarClient, SidecarError
-from loadtest.progress import Progress
+from api.cli.progress import Progress
 
 BATCH = 4096
 VERBS = ("pin", "unpin", "evict", "warm", "pins")

@@ -17,9 +17,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from loadtest.lru_sim import LruSim
-from loadtest.progress import Progress
-from loadtest.replay import BLOCK_TOKENS, read_trace
+from api.cli.lru_sim import LruSim
+from api.cli.progress import Progress
+from api.cli.replay import BLOCK_TOKENS, read_trace
 
 # KV bytes per token of Qwen3-8B in bf16: 36 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes
 DEFAULT_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2

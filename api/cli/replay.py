@@ -19,8 +19,8 @@ from typing import Iterator, Optional
 import orjson
 
 from api.engine.client import SidecarClient
-from loadtest.lru_sim import LruSim
-from loadtest.progress import Progress
+from api.cli.lru_sim import LruSim
+from api.cli.progress import Progress
 
 BLOCK_TOKENS = 512
 
