@@ -1,6 +1,6 @@
 """Chaos soak: engine-shaped Locust traffic on real sidecars while a seeded driver breaks them.
 
-    python -m loadtest.chaos --seed 7 --duration 600 [--workdir DIR]
+    python -m loadtest.chaos --seed 7 --duration 600 [--workdir DIR] [--events]
 
 Two sidecar processes (a write_through one and a write_back one, two namespaces each) keep
 their file tier on a small tmpfs (root; else a plain directory, said in the summary). Locust
@@ -15,7 +15,8 @@ seconds, injects one fault, cycling the kinds in a seeded order:
 
 A flusher answers `POST /v1/flush` every 2 s (a 200 makes write_through pages durable).
 At the end the users stop, every node is checked, stopped with SIGTERM, started and checked
-again. Exit status 1 on any violation (see chaos_ledger.VIOLATIONS); the last line printed
+again. `--events` turns KV events on in both (`ipc://` sockets in the workdir, no
+subscriber). Exit status 1 on any violation (see chaos_ledger.VIOLATIONS); the last line printed
 is `CHAOS-SUMMARY {json}`.
 """
 from __future__ import annotations
@@ -64,6 +65,10 @@ class Soak:
             # write_through with a short write queue: sets wait for room while the other
             # tenant's sets evict (issue 26, item 1: acknowledged pages lost there before)
             more = ["--write-queue-pages", "8"] if policy == "write_through" else []
+            if args.events:   # KV events on ipc:// sockets in the (private) workdir
+                ev = os.path.join(self.workdir, f"{name}-ev")
+                more += ["--kv-events", f"ipc://{ev}.pub", "--kv-events-replay", f"ipc://{ev}.replay",
+                         "--kv-events-buffer-bytes", "8MiB"]
             self.procs[name] = SidecarProcess(node, os.path.join(self.disk.root, name),
                                               os.path.join(self.workdir, f"{name}.log"), extra + more)
         self.tenant = None
@@ -434,6 +439,7 @@ def main(argv=None) -> int:
     p.add_argument("--gap", type=float, default=0.0,
                    help="mean seconds between faults (default: duration/16, 2..20)")
     p.add_argument("--keep", action="store_true", help="keep the temp workdir")
+    p.add_argument("--events", action="store_true", help="KV events on (ipc:// sockets, no subscriber)")
     return run(p.parse_args(argv))
 
 

@@ -44,7 +44,7 @@ from loadtest.procs import Proc, free_port
 
 NOBODY = 65534
 MODULES = ("loadtest.redteam_conn", "loadtest.redteam_lend", "loadtest.redteam_store",
-           "loadtest.redteam_controls")
+           "loadtest.redteam_controls", "loadtest.redteam_events")
 HEALTHZ_LIMIT_MS = 50.0
 
 
@@ -164,7 +164,8 @@ def start_sidecar(attack: Attack, workdir: str) -> tuple[Proc, Target]:
     token = attack.token
     cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--socket", sock,
            "--socket-mode", "0666", "--log-level", "warning", "--host-pool", "64MiB",
-           "--data-dir", os.path.join(own, "data"), *attack.sidecar_args]
+           "--data-dir", os.path.join(own, "data"),
+           *(a.replace("{own}", own) for a in attack.sidecar_args)]   # {own}: the sidecar's dir
     env_token = {"SIDECAR_TOKEN": token} if token else {}
     os.environ.update(env_token)
     try:
