@@ -146,7 +146,7 @@ class Memcpy:
 
 
 def counters(sidecar) -> Optional[lib.Counters]:
-    return lib.Counters.of(SidecarClient(sidecar.url).stats()) if sidecar is not None else None
+    return lib.Counters.of(SidecarClient(sidecar.socket_url).stats()) if sidecar is not None else None
 
 
 def settle(sidecar, seconds: float) -> None:
@@ -157,7 +157,7 @@ def settle(sidecar, seconds: float) -> None:
         return
     last, deadline = None, time.monotonic() + 60
     while time.monotonic() < deadline:
-        now = sum(ns["stored"] for ns in SidecarClient(sidecar.url).stats()["namespaces"].values())
+        now = sum(ns["stored"] for ns in SidecarClient(sidecar.socket_url).stats()["namespaces"].values())
         if now == last:
             return
         last = now
@@ -272,7 +272,7 @@ def restore_phase(args, tmp: str, out: Out) -> None:
                 throughput_round(args, engines, arms, rnd, kept, runs)
         (Path(args.out) / "bench-engines-runs.json").write_text(json.dumps(runs))
         for sc in sidecars.values():
-            got = {ns["page_bytes"] for ns in SidecarClient(sc.url).stats()["namespaces"].values()}
+            got = {ns["page_bytes"] for ns in SidecarClient(sc.socket_url).stats()["namespaces"].values()}
             assert got <= {page_bytes}, f"pages of {got} bytes, the bench counts {page_bytes}"
         for rec in restore_figures(runs, arms, args.lengths, page_bytes):
             out.emit(rec)

@@ -197,7 +197,7 @@ MUTANTS = [
       " or self.per_uid[conn.uid] >= MAX_CONNECTIONS_PER_UID:", ":",
       ("tests/api/test_lending.py::test_fd_connections_leave_room_for_other_uids",)),
     M("buffers: one uid may hold every buffer", "sidecar/store.py",
-      "                or (capped and quota.buffers[uid] >= MAX_BUFFERS_PER_UID):",
+      "                or (quota.buffers[uid] >= MAX_BUFFERS_PER_UID and self.capped(uid)):",
       "                or False:",
       ("tests/api/test_lending.py::test_buffers_leave_room_for_other_uids",)),
     M("buffers: mapped bytes of one uid unbounded", "sidecar/buffers.py",

@@ -26,8 +26,8 @@ from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, Owner, caller, check_share,
-                             owner_of, owner_tag, ref_of)
+from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, Owner, caller, owner_of,
+                             owner_tag, ref_of)
 from sidecar.transports.base import check_runs, check_slots
 
 log = logging.getLogger("kv_sidecar.store")
@@ -57,8 +57,7 @@ class Namespace:
     spec: NamespaceSpec
     pool: PagePool
     identity: str
-    owner: Owner = None                  # the uid that made it; None: the operator (TCP);
-    #                                      tenancy.TCP_TENANT: anonymous TCP
+    owner: Owner = None                  # its maker's uid; None: the operator; TCP_TENANT
     ref: str = ""                        # its key in the store (`tenancy.ref_of`)
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
@@ -99,6 +98,9 @@ class Store:
     def caller(self, peer: Optional[Peer]) -> Caller:
         return caller(peer, self.operator_tcp)
 
+    def capped(self, uid: Optional[int]) -> bool:   # a tenant: a peer's uid, anonymous TCP
+        return uid is not None or not self.operator_tcp
+
     def resolve(self, name: str, who: Caller) -> str:
         """The ref of the namespace `name` means to `who`; 404 when none (sidecar/tenancy.py)."""
         ref = self.dir.ref(name, who) if isinstance(name, str) else MISSING
@@ -108,15 +110,10 @@ class Store:
         return ref
 
     def put_namespace(self, name: str, spec: NamespaceSpec, who: Caller = OPERATOR) -> tuple[Namespace, bool]:
-        """(namespace, created): the caller's own namespace `name`, or the one another owner
-        shares with it under the same spec, or a new one. 409 on a different spec; 403 on
-        a `share_gid` the caller is not a member of (`tenancy.check_share`)."""
+        """(namespace, created): the caller's own `name`, one shared with it under the same
+        spec, or a new one (`Directory.landing`: 403 on another group). 409: another spec."""
         check_name(name)
-        check_share(who, spec.share_gid)
-        owner = owner_of(who)
-        ns = self.namespaces.get(ref_of(name, owner))
-        if ns is None and isinstance(who, Peer):
-            ns = self.dir.shared(name, who, spec)
+        ns, owner = self.dir.landing(name, spec, who), owner_of(who)
         if ns is not None:
             if ns.spec != spec:
                 raise Conflict(f"namespace {name!r} exists with a different spec; delete it "
@@ -186,9 +183,8 @@ class Store:
         `open_buffer`). Buffers are capped a namespace, a uid and in all (429)."""
         ns = self.namespace(name)
         quota, uid = self.sources.quota, (peer.uid if peer is not None else None)
-        capped = uid is not None or not self.operator_tcp   # anonymous TCP: a tenant too
         if len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE or quota.total_buffers >= MAX_BUFFERS \
-                or (capped and quota.buffers[uid] >= MAX_BUFFERS_PER_UID):
+                or (quota.buffers[uid] >= MAX_BUFFERS_PER_UID and self.capped(uid)):
             raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace, "
                           f"{MAX_BUFFERS_PER_UID} a user and {MAX_BUFFERS} in all; release "
                           f"unused ones first")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 from sidecar.errors import Conflict, Forbidden, TooMany
 from sidecar.peer import Peer
+from sidecar.spec import NamespaceSpec
 
 if TYPE_CHECKING:
     from sidecar.store import Namespace
@@ -167,7 +168,17 @@ class Directory:
                            f"({sorted(str(ns.owner) for ns in same)}); name one as {name}@UID")
         return same[0].ref if same else MISSING
 
-    def shared(self, name: str, peer: Peer, spec: object = None) -> Optional["Namespace"]:
+    def landing(self, name: str, spec: NamespaceSpec, who: Caller) -> Optional["Namespace"]:
+        """Where a PUT of `name` with `spec` by `who` lands, if it exists: `who`'s own, else
+        (a peer) the one shared with it under that spec. 403 first on a `share_gid` that
+        `who` may not name (`check_share`)."""
+        check_share(who, spec.share_gid)
+        ns = self.by_ref.get(ref_of(name, owner_of(who)))
+        if ns is None and isinstance(who, Peer):
+            ns = self.shared(name, who, spec)
+        return ns
+
+    def shared(self, name: str, peer: Peer, spec: Optional[NamespaceSpec] = None) -> Optional["Namespace"]:
         """The oldest namespace called `name` that another owner shares with `peer` (whose
         spec is `spec`, when given: the one a PUT joins)."""
         for ns in self.by_name.get(name, ()):
