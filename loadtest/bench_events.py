@@ -129,7 +129,8 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
     evented = () if gather is None else \
         ("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{free_port()}",
          "--kv-events-gather", str(gather),   # (the replay port: port + 1 may be another's)
-         "--kv-events-buffer-bytes", str(ring or 256 << 20))
+         "--kv-events-buffer-bytes", str(ring or 256 << 20),
+         "--kv-events-token-ids")   # the most a set's events carry (off by default)
     flags = {"on": evented, "off": ()}
     started = {name: start_sidecar("--host-pool", pool, "--no-file-tier", *flags[name])
                for name in (("on", "off") if on_first else ("off", "on"))}
