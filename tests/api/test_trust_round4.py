@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from api.engine.client import SidecarClient, SidecarError
+from api.engine.shm import page_first_chunks
 from loadtest.redteam import as_user
 from sidecar import report
 from sidecar.peer import peer_of
@@ -229,3 +230,24 @@ def test_anonymous_tcp_and_the_operator_never_share_tier_identity(make_server):
     operator = make_server(token=TOKEN).tcp_client().put_namespace("kv", PAGE, model="m")
     assert anonymous["owner"] is None and operator["owner"] is None  # both: made on TCP
     assert anonymous["identity"] != operator["identity"]
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_anonymous_tcp_buffers_count_against_one_tenants_share(make_server, token):
+    """TCP registers only CUDA IPC handles; anonymous TCP holds at most a uid's buffers.
+    The 256 it holds are set in the quota (no GPU here): the next is 429 before the
+    transport is looked at; the operator, uncapped, gets to the transport (403 for shm)."""
+    srv = make_server(token=token)
+    tcp = srv.tcp_client()
+    tcp.put_namespace("tool", PAGE)
+    srv.ctx.store.sources.quota.buffers[None] = 256
+    body = {
+        "transport": "shm",
+        "size": PAGE,
+        "slots": 1,
+        "path": "/dev/shm/x",
+        "chunks": page_first_chunks(PAGE),
+    }
+    with pytest.raises(SidecarError) as e:
+        tcp.request("POST", "/v1/namespaces/tool/buffers", body)
+    assert e.value.status == (429 if token is None else 403), e.value
