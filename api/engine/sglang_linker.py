@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from sglang.srt.runtime_context import get_parallel
 
 from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
+from api.engine.restore_cost import HOST, RestoreCost
 from api.engine.sglang_linker_cuda import DevicePool, direct_pool, gate
 from api.engine.sglang_linker_pools import (PoolLayout, device_pool_group, is_mla, page_rows,
                                             plan_staging)
@@ -120,6 +121,7 @@ class SidecarLinker(UnifiedCacheLinker):
                       "load_failures": 0, "offload_failures": 0, "failures": 0}
         self._down_until = 0.0
         self._last_warning = 0.0
+        self.cost = _restore_cost(extra)
         self._register_quietly()
         self.threads = [threading.Thread(target=fn, daemon=True, name=f"kv-sidecar-{what}-tp{self.tp_rank}")
                         for what, fn in (("load", self._load_loop), ("offload", self._offload_loop))]
@@ -250,8 +252,23 @@ class SidecarLinker(UnifiedCacheLinker):
                 return []
             raise
         restorable = [int(p) for p in res.get("restorable") or []]
+        if restorable and self.cost is not None:
+            restorable = self._worth(restorable)
         self.stats["hits"] += bool(restorable)
         return restorable
+
+    def _worth(self, restorable: list[int]) -> list[int]:
+        """The prefix lengths whose restore beats their prefill (api/engine/restore_cost.py);
+        a longest prefix not worth it is counted skipped by the sidecar."""
+        page = sum(lay.page_bytes for lay in self.layouts.values())
+        keep = [p for p in restorable if self.cost.worth(p * self.page_size, {HOST: p * page})]
+        if len(keep) < len(restorable):
+            self.stats["skipped"] = self.stats.get("skipped", 0) + 1
+            try:
+                self.lookups.skipped(self.names[PoolName.KV], 1, max(restorable) - max(keep, default=0))
+            except Exception as exc:
+                log.debug("kv-sidecar linker: reporting a skipped restore failed: %s", exc)
+        return keep
 
     # -- loads ------------------------------------------------------------------------------
     @_quiet(False)
@@ -301,6 +318,7 @@ class SidecarLinker(UnifiedCacheLinker):
         """Every page of the batch into its device slots, then every layer is done; any page
         missing (evicted, corrupt, sidecar down) fails the whole counter index."""
         items = _merge(batch.values())
+        started = time.monotonic()
         try:
             for round_items in self._rounds(items):
                 loaded = self._call(self.client.batch_get, round_items, True)
@@ -314,6 +332,9 @@ class SidecarLinker(UnifiedCacheLinker):
             if self._on_device():  # the copies into device pages are queued on this thread's stream
                 torch.cuda.current_stream().synchronize()
             self.stats["pages_loaded"] += sum(len(keys) for _, keys, _ in items)
+            if self.cost is not None:   # the restore cost learns the load's rate
+                self.cost.observe_restore({HOST: sum(len(k) * self.layouts[n].page_bytes for n, k, _ in items)},
+                                          time.monotonic() - started)
             for layer in range(self.layer_done_counter.num_layers):
                 self.layer_done_counter.complete(index, layer)
         except Exception as exc:
@@ -485,6 +506,18 @@ class SidecarLinker(UnifiedCacheLinker):
             log.info("kv-sidecar linker stats: %s", self.stats)
         except Exception as exc:
             self._failed("close", exc)
+
+
+def _restore_cost(extra: dict) -> Optional[RestoreCost]:
+    """The linker's restore cost (`restore_cost`, on by default). SGLang's forward times do
+    not reach the linker: the prefill rate is `prefill_tokens_per_s` when given, and until
+    then every restore is worth it (loads are still timed)."""
+    if str(extra.get("restore_cost", True)).lower() in ("0", "false", "no", "off"):
+        return None
+    cost = RestoreCost(probe_s=float(extra.get("restore_probe_s", 60.0)))
+    if extra.get("prefill_tokens_per_s"):
+        cost.prefill.add(float(extra["prefill_tokens_per_s"]))
+    return cost
 
 
 def _merge(requests) -> list:

@@ -12,6 +12,10 @@ worker computes it from its KV tensors and hands it to the scheduler in the star
 handshake. Nothing raises into the engine: a failure is a miss, a failed load is reported
 through `get_block_ids_with_load_errors` and vLLM recomputes those blocks.
 
+A prefix loads only when restoring it should beat computing it (api/engine/restore_cost.py,
+`restore_cost`, on by default): the worker times its loads and the forwards and hands the
+timings to the scheduler through vLLM's connector stats (`SidecarStats`).
+
 Hybrid models (several KV cache groups: sliding window, Mamba / linear attention) go
 through vLLM's hybrid KV cache manager (`SupportsHMA`): one namespace per group, each with
 its pool kind and hit rule (`api.engine.vllm_groups`).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -32,7 +37,13 @@ try:
 except ImportError:  # a vLLM without the hybrid allocator interface: one group only
     SupportsHMA = object  # type: ignore[misc,assignment]
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # a vLLM without connector stats: no timings reach the scheduler
+    KVConnectorStats = None  # type: ignore[misc,assignment]
+
 from api.engine.client import ENGINE_URL, SidecarClient
+from api.engine.restore_cost import RestoreCost
 from api.engine.vllm_groups import (MAMBA, HybridScheduler, HybridWorker, is_hybrid, kind_of,
                                     plan_groups, transfer_results_type)
 from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
@@ -49,6 +60,31 @@ class SidecarConnectorMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    prefill: int = 0            # prompt tokens this step computes (0: not a prefill step)
+
+
+if KVConnectorStats is not None:
+    @dataclass
+    class SidecarStats(KVConnectorStats):
+        """The worker's timings for the scheduler's restore cost, as vLLM's connector
+        stats carry them (worker -> scheduler, every step that has some)."""
+
+        def reset(self) -> None:
+            self.data = {"restores": [], "prefill": []}
+
+        def aggregate(self, other) -> "SidecarStats":
+            for k, rows in (getattr(other, "data", None) or {}).items():
+                self.data.setdefault(k, []).extend(rows)
+            return self
+
+        def reduce(self) -> dict:
+            return {"sidecar_restores_timed": len(self.data.get("restores", ())),
+                    "sidecar_prefill_steps_timed": len(self.data.get("prefill", ()))}
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
+else:
+    SidecarStats = None  # type: ignore[misc,assignment]
 
 
 @dataclass
@@ -131,6 +167,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
                   lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
         self.sched = (HybridScheduler(self.client, block_size, plans=plans, **kw) if plans
                       else SchedulerSide(self.client, block_size, **kw))
+        if not plans and SidecarStats is not None and self._flag("restore_cost", True):
+            self.sched.cost = RestoreCost(probe_s=float(self.extra.get("restore_probe_s", 60.0)))
 
     def _flag(self, key: str, default: bool) -> bool:
         value = self.extra.get(key, default)
@@ -280,6 +318,31 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if self._sides is not None and isinstance(meta, SidecarConnectorMetadata) and meta.loads:
             self._sides.load(meta.loads)
+            self._forward = time.monotonic()   # loads precede the forward: time it from here
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._forward = time.monotonic()   # the step starts (vLLM starts loads-free steps' at
+        #                                    the forward's end): the forward's time is the prefill's
+
+    def _time_prefill(self, meta) -> None:
+        """Time a prefill step's forward (loads excluded) for the restore cost."""
+        started, self._forward = getattr(self, "_forward", None), None
+        if self.worker is None or started is None or not getattr(meta, "prefill", 0):
+            return
+        if self.worker.cuda:
+            import torch
+            torch.cuda.current_stream().synchronize()
+        self.worker.timing("prefill", [meta.prefill, time.monotonic() - started])
+
+    @never_raises(None)
+    def get_kv_connector_stats(self):
+        timings = self.worker.take_timings() if self.worker is not None else None
+        return SidecarStats(data=timings) if timings and SidecarStats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return SidecarStats(data=dict(data or {})) if SidecarStats is not None else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward starts
@@ -291,6 +354,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         meta = self._connector_metadata
         if self._sides is not None and isinstance(meta, SidecarConnectorMetadata):
+            self._time_prefill(meta)
             self._sides.save(meta.saves)  # also when empty: it ends the step's load failures
 
     @never_raises((None, None))
@@ -380,12 +444,20 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             log.exception("kv-sidecar: planning this step's saves failed (they are skipped)")
             saves = []
-        return SidecarConnectorMetadata(loads, saves)
+        prefill = 0
+        try:
+            prefill = self.sched.prefill_tokens(scheduler_output.num_scheduled_tokens)
+        except Exception:
+            log.exception("kv-sidecar: counting the step's prefill tokens failed")
+        return SidecarConnectorMetadata(loads, saves, prefill)
 
     @never_raises(None)
     def update_connector_output(self, connector_output):
         if self.sched is None:
             return
+        timings = getattr(getattr(connector_output, "kv_connector_stats", None), "data", None)
+        if timings and self.sched.cost is not None:
+            self.sched.observe(timings)
         failed = getattr(connector_output, "failed_recving", None)
         if failed:
             self.sched.loads_failed(set(failed))

@@ -18,6 +18,11 @@ runs on a worker thread: by the time the scheduler asks, the answer is usually t
 scheduler waits at most `lookup_wait_ms` for it and otherwise answers None (vLLM asks again
 next step); an answer later than `lookup_timeout_ms` counts as a miss. Every failure is a
 miss (0), never an exception.
+
+With `cost` (api/engine/restore_cost.py), the exists call also says where the prefix lies
+(host pool, local tier, remote) and a prefix loads only when restoring it is expected to
+beat computing it: else the engine recomputes (its host-pool run may still load) and the
+sidecar is told (`restores_skipped`). The worker's timings feed the estimates back.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from api.engine.client import SidecarClient, SidecarError
+from api.engine.restore_cost import RestoreCost, by_tier
 from api.engine.vllm_layout import block_keys
 
 log = logging.getLogger("kv_sidecar.vllm")
@@ -44,6 +50,7 @@ class Transfer:
     parent: Optional[str] = None                 # KV events: the key before keys[0]
     tokens: Optional[list[list[int]]] = None     # KV events: each key's token ids (saves)
     group: int = 0                               # the KV cache group (hybrid models)
+    tiers: Optional[dict[str, int]] = None       # loads: bytes by serving tier (restore cost)
 
 
 @dataclass
@@ -82,12 +89,22 @@ class Tracked:
     tail: Optional[Tail] = None
 
 
+Where = tuple[int, int, int]   # (prefix, of it in the host pool, in the host pool or a local tier)
+
+
+def _where(answer) -> Where:
+    """An exists answer as `Where` (a bare prefix: all of it in the host pool, as far as known)."""
+    if isinstance(answer, tuple):
+        return answer
+    return int(answer), int(answer), int(answer)
+
+
 def _answer(future: Future) -> Optional[int]:
     """The lookup's answer if it is in (a failed or cancelled lookup is a miss), else None."""
     if not future.done():
         return None
     try:
-        return int(future.result())
+        return int(future.result()[0])
     except BaseException:
         return 0
 
@@ -100,12 +117,16 @@ class SchedulerSide:
     lookup_wait: float = 0.002
     lookup_timeout: float = 1.0
     tail_key: Optional[Callable[[Any, int], Optional[str]]] = None  # (request, full blocks) -> key
+    cost: Optional[RestoreCost] = None  # load only what restores faster than it computes
     specs: dict[str, dict] = field(default_factory=dict)    # namespace -> spec, rank order
     lookups: dict[str, Lookup] = field(default_factory=dict)
     hits: dict[str, Hit] = field(default_factory=dict)
     tracked: dict[str, Tracked] = field(default_factory=dict)
     loads: list[Transfer] = field(default_factory=list)
-    stats: dict[str, int] = field(default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0})
+    stats: dict[str, int] = field(default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0,
+                                                            "skipped": 0})
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)   # rid -> its load's bytes by tier
+    skipped: set[str] = field(default_factory=set)                    # rids whose skip was reported
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "sidecar-exists"))
     async_loads = False                 # loads land in the step's forward (hybrid: a step later)
 
@@ -159,38 +180,77 @@ class SchedulerSide:
         if look is None or self._loadable(look, len(look.keys)) <= num_computed:
             self.hits[rid] = Hit(num_computed, None)  # nothing past vLLM's own blocks to load
             return 0
+        where: Where = (0, 0, 0)
         try:
-            present = int(look.future.result(timeout=self.lookup_wait))
+            where = look.future.result(timeout=self.lookup_wait)
         except FutureTimeout:
             if time.monotonic() - look.started < self.lookup_timeout:
                 self.stats["late"] += 1
                 return None
             log.warning("kv-sidecar exists took over %.0f ms: a miss", self.lookup_timeout * 1e3)
-            present = 0
         except BaseException:  # cancelled
-            present = 0
+            pass
+        present = where[0]
         self.hits[rid] = Hit(num_computed, present)
-        return max(self._loadable(look, present) - num_computed, 0)
+        tokens = max(self._loadable(look, present) - num_computed, 0)
+        return self._worth(rid, look, where, num_computed, tokens) if tokens and self.cost else tokens
 
-    def _exists(self, keys: list[str]) -> int:
+    def _worth(self, rid: str, look: Lookup, where: Where, start: int, tokens: int) -> int:
+        """Of `tokens` loadable past `start`, those worth loading (`cost`): all of them,
+        the host pool's run, or none; a load not made in full is reported skipped."""
+        try:
+            present, host, local = where
+            page = next(iter(self.specs.values()))["page_bytes"]
+            bs = self.block_size
+            first = start // bs
+            options = [(tokens, by_tier(-(-(start + tokens) // bs), host, local, page, first))]
+            short = self._loadable(look, host) - start
+            if 0 < short < tokens:
+                options.append((short, by_tier(-(-(start + short) // bs), host, local, page, first)))
+            chosen = self.cost.choose(options)
+            self.tiers[rid] = dict(next(b for t, b in options if t == chosen)) if chosen else {}
+            if chosen < tokens and rid not in self.skipped:
+                self.skipped.add(rid)
+                self.stats["skipped"] += 1
+                pages = -(-(start + tokens) // bs) - (-(-(start + chosen) // bs))
+                self.pool.submit(self._report_skip, pages)
+            return chosen
+        except Exception:
+            log.exception("kv-sidecar restore cost failed: the request recomputes")
+            return 0
+
+    def _report_skip(self, pages: int) -> None:
+        try:
+            self.client.skipped(next(iter(self.specs)), 1, pages)
+        except Exception as exc:
+            log.debug("kv-sidecar: reporting a skipped restore failed: %s", exc)
+
+    def _exists(self, keys: list[str]) -> Where:
         """Stored prefix present in every rank's namespace: one call, never per block."""
         try:
-            return self._exists_once(keys)
+            started = time.monotonic()
+            where = _where(self._exists_once(keys))
+            if self.cost is not None:
+                self.cost.observe_rtt(time.monotonic() - started)
+            return where
         except SidecarError as exc:
             if exc.code != "namespace_not_found":
                 log.warning("kv-sidecar exists failed (a miss): %s", exc)
-                return 0
+                return 0, 0, 0
         try:  # the sidecar restarted: register the namespaces again, ask once more
             for ns, spec in self.specs.items():
                 self.client.put_namespace(ns, **spec)
-            return self._exists_once(keys)
+            return _where(self._exists_once(keys))
         except Exception as exc:
             log.warning("kv-sidecar exists failed (a miss): %s", exc)
-            return 0
+            return 0, 0, 0
 
-    def _exists_once(self, keys: list[str]) -> int:
+    def _exists_once(self, keys: list[str]):
+        """The prefix (int), or with `cost` and one namespace where it lies (`Where`)."""
         names = list(self.specs)
         if len(names) == 1:
+            if self.cost is not None:
+                return self.client.exists_where(names[0], keys)
             return int(self.client.exists(names[0], keys))
         extra = [{"namespace": n, "policy": "all_pages"} for n in names[1:]]
         return int(self.client.batch_exists(keys, names[0], extra)["hit"])
@@ -223,6 +283,8 @@ class SchedulerSide:
         first, last = hit.local // bs, -(-(hit.local + num_external) // bs)
         assert hit.local % bs == 0 and present is not None and last <= present, (hit, num_external)
         self._queue_load(rid, look.keys, range(first, last), block_ids)
+        if self.loads:
+            self.loads[-1].tiers = self.tiers.pop(rid, None)
         self.stats["load_blocks"] += last - first
 
     def _queue_load(self, rid: str, keys: list[str], index: range, block_ids) -> None:
@@ -326,8 +388,29 @@ class SchedulerSide:
         if look is not None:
             look.future.cancel()
         self.hits.pop(rid, None)
+        self.tiers.pop(rid, None)
+        self.skipped.discard(rid)
         t = self.tracked.pop(rid, None)
         return bool(t and t.saving)
+
+    # -- restore cost -----------------------------------------------------------------
+    def prefill_tokens(self, scheduled: dict[str, int]) -> int:
+        """Prompt tokens a step computes, when they are most of it (else 0: a decode step
+        times no prefill)."""
+        prompt = 0
+        for rid, n in scheduled.items():
+            t = self.tracked.get(rid)
+            if t is not None and t.request.num_computed_tokens < t.request.num_prompt_tokens:
+                prompt += n
+        total = sum(scheduled.values())
+        return prompt if prompt >= self.block_size and 2 * prompt >= total else 0
+
+    def observe(self, timings: dict) -> None:
+        """The worker's timings (`WorkerSide.take_timings`) into the restore cost."""
+        for tokens, seconds in timings.get("prefill", ()):
+            self.cost.observe_prefill(int(tokens), float(seconds))
+        for tiers, seconds in timings.get("restores", ()):
+            self.cost.observe_restore({str(k): int(v) for k, v in dict(tiers).items()}, float(seconds))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -156,6 +156,7 @@ class WorkerSide:
         self.pending: list[Future] = []
         self.stats = {"loaded": 0, "load_failed": 0, "saved": 0, "save_failed": 0}
         self._last_warning = 0.0
+        self.timings: dict[str, list] = {"restores": [], "prefill": []}   # restore cost's
 
     @property
     def direct(self) -> bool:
@@ -225,9 +226,12 @@ class WorkerSide:
         """Load every page of this step; blocks that did not load become load errors."""
         self.failed_reqs = set()
         for t in transfers:
+            started = time.monotonic()
             ok = self._load_one(t)
             failed = [b for b, good in zip(t.block_ids, ok) if not good]
             failed += t.block_ids[len(ok):]
+            if t.tiers and t.keys and not failed:
+                self.timing("restores", [t.tiers, time.monotonic() - started])
             self.stats["loaded"] += len(t.block_ids) - len(failed)
             if failed:
                 self.stats["load_failed"] += len(failed)
@@ -332,6 +336,19 @@ class WorkerSide:
         """Reported done by a caller that reads `save_state` of several sides."""
         with self.lock:
             self.saving -= rids
+
+    def timing(self, kind: str, row: list) -> None:
+        """Keep a timing for the scheduler's restore cost (at most 256 a step's report)."""
+        rows = self.timings[kind]
+        if len(rows) < 256:
+            rows.append(row)
+
+    def take_timings(self) -> Optional[dict[str, list]]:
+        """The timings since the last call (None when there are none)."""
+        if not any(self.timings.values()):
+            return None
+        out, self.timings = self.timings, {"restores": [], "prefill": []}
+        return out
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
