@@ -40,10 +40,10 @@ HOT = "kv_sidecar.hot"  # scope key: the matched (route, namespace), until the G
 async def exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
     keys = body.get("keys")
     name = ref(ctx, scope, name)
-    n, more = ctx.store.local_prefix(name, keys)
+    n, more = ctx.store.lookup.local_prefix(name, keys)
     local = n
     if more:
-        n = await ctx.store.remote_prefix(name, keys, n)
+        n = await ctx.store.lookup.remote_prefix(name, keys, n)
     if body.get("where") is True:   # where the prefix lies: host pool, then local tiers, then remote
         host = min(ctx.store.namespace(name).pool.prefix(keys), local) if local else 0
         return b'{"prefix":%d,"host":%d,"local":%d}' % (n, host, local)

@@ -11,7 +11,7 @@ from api.wire import json, read_json
 from sidecar.context import Context
 from sidecar.peer import scope_peer
 from sidecar.spec import parse_spec
-from sidecar.store import Namespace
+from sidecar.namespace import Namespace
 from sidecar.tenancy import owner_uid
 
 router = APIRouter(prefix="/v1/namespaces")

@@ -21,7 +21,7 @@ MAX_SKIPPED = 4096   # loads one report counts (an engine reports each, or a few
 async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
-        return json({"present": await ctx.store.present(ref(ctx, request.scope, name),
+        return json({"present": await ctx.store.lookup.present(ref(ctx, request.scope, name),
                                                         body.get("keys"))})
     return raw_json(await fastpath.exists(ctx, request.scope, name, body))
 

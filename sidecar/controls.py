@@ -38,15 +38,16 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pools.page_pool import Entry, PagePool
 from sidecar.errors import BadRequest, Forbidden, JobNotFound, NamespaceNotFound, PinBound, TooMany
 from sidecar.keys import check_key, check_keys
-from sidecar.tenancy import OPERATOR, Caller, owner_of
-
-if TYPE_CHECKING:
-    from sidecar.store import Namespace, Store
+from pools import HostPool
+from sidecar.lookup import Lookup
+from sidecar.namespace import Namespace
+from sidecar.tenancy import OPERATOR, Caller, Directory, owner_of
+from sidecar.tiering import Tiering
 
 PIN_SHARE = 0.5  # of an owner's fair share of segments, its pins may hold at most
 TTL_DEFAULT = 3600.0  # seconds
@@ -124,10 +125,25 @@ class WarmJob:
         return out
 
 
+class Holder(Protocol):
+    """What the controls act through: the store that makes them (`sidecar.store.Store`),
+    named by this protocol so that the store may import the controls and not the reverse."""
+
+    host_pool: HostPool
+    tiering: Tiering
+    dir: Directory
+    namespaces: dict[str, Namespace]
+    lookup: Lookup
+
+    def namespace(self, ref: str) -> Namespace: ...
+
+    async def delete(self, name: str, keys: list[str]) -> tuple[int, int]: ...
+
+
 class Controls:
     """Every pin and warm job of one store (on the event loop only)."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Holder):
         self.store = store
         self.pins: dict[str, dict[str, Pin]] = {}  # ns ref -> key -> pin
         self.segs: dict[Hashable, Counter] = {}  # owner -> segment -> pinned pages in it
@@ -194,7 +210,7 @@ class Controls:
         ns = self.owned(ref, who)
         keys = sel.keys
         if sel.chain:
-            keys = keys[: await self.store.prefix(ref, keys)]
+            keys = keys[: await self.store.lookup.prefix(ref, keys)]
         pool = ns.pool
         missing = [k for k in keys if not pool.contains(k)]
         if missing and self.store.tiering.enabled:
@@ -440,11 +456,11 @@ class Controls:
                 f"{WARM_RUNNING_PER_OWNER}: wait for one to end"
             )
         if sel.chain:
-            keys = sel.keys[: await self.store.prefix(ref, sel.keys)]
+            keys = sel.keys[: await self.store.lookup.prefix(ref, sel.keys)]
         else:
             keys = [
                 k
-                for k, hit in zip(sel.keys, await self.store.present(ref, sel.keys), strict=True)
+                for k, hit in zip(sel.keys, await self.store.lookup.present(ref, sel.keys), strict=True)
                 if hit
             ]
         ns = self.owned(ref, who)

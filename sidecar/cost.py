@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from pools.page_pool import Entry, PagePool
 
 if TYPE_CHECKING:
-    from sidecar.store import Namespace, Store
+    from sidecar.namespace import Namespace
+    from sidecar.store import Store
     from sidecar.tenancy import Caller
 
 SAMPLE = 32

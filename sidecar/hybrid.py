@@ -133,7 +133,7 @@ class Presence:
         if i < self.lo:
             lo = max(0, min(i, 2 * self.lo - self.top, self.lo - MIN_CHUNK, self.floor))
             self.floor = self.top
-            self.bits = self.store.local_mask(self.name, self.keys[lo:self.lo]) + self.bits
+            self.bits = self.store.lookup.local_mask(self.name, self.keys[lo:self.lo]) + self.bits
             self.lo = lo
 
     def last_window(self, p: int, window: int) -> int:
@@ -157,7 +157,7 @@ class Presence:
         if self.lo > 0:
             below = min(p, self.lo)
             if self.run < below and not self.run_ends:
-                self.run = self.store.local_run(self.name, self.keys, below, self.run)
+                self.run = self.store.lookup.local_run(self.name, self.keys, below, self.run)
                 self.run_ends = self.run < below
             if self.run < below or p <= self.lo:
                 return min(self.run, p)
@@ -249,20 +249,20 @@ _PLANS: dict[tuple, tuple] = {}   # (id(extra), kv, who) -> (extra, its Director
 async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -> dict[str, Any]:
     kv, extra, remote = plan.kv, plan.extra, store.tiering.remote
     names = [] if remote else plan.names
-    joint = store.joint(kv, names) if names else None
+    joint = store.lookup.joint(kv, names) if names else None
     if joint is not None and joint.built:   # one walk for the KV pool and every extra pool
-        top, more, masks = store.joint_walk(kv, keys, joint, plan.bits[0])
+        top, more, masks = store.lookup.joint_walk(kv, keys, joint, plan.bits[0])
         if not store.tiering.enabled:   # the host pool is all there is: the masks say it all
             return rule_on_masks((masks, plan.tables), extra, top, restorable)
         held = run_of(masks, plan.bits, extra)
     else:
-        (top, more), held = store.local_prefix(kv, keys), 0  # validates the keys past the prefix
+        (top, more), held = store.lookup.local_prefix(kv, keys), 0  # validates the keys past the prefix
         if names and joint is None:  # the request passed its checks: the next ones walk a joint
-            store.make_joint(kv, names)
+            store.lookup.make_joint(kv, names)
     if more:
-        top = await store.remote_prefix(kv, keys, top)
+        top = await store.lookup.remote_prefix(kv, keys, top)
     if remote and extra:  # one remote look-up per pool, all at once
-        found = await asyncio.gather(*(store.mask(pool.namespace, keys[:top]) for pool in extra))
+        found = await asyncio.gather(*(store.lookup.mask(pool.namespace, keys[:top]) for pool in extra))
         seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, found)]
     elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": [top] * len(extra)}
@@ -308,13 +308,13 @@ def restores_top(store: Store, extra: Sequence[ExtraPool], keys: list[str], top:
     prefix, those pools are asked first, from there (the likelier miss, one look-up)."""
     alls = [pool.namespace for pool in extra if pool.policy == ALL_PAGES]
     short = 0 < held < top
-    if short and any(store.local_run(name, keys, top, held) < top for name in alls):
+    if short and any(store.lookup.local_run(name, keys, top, held) < top for name in alls):
         return False
     for pool in extra:
-        if pool.policy != ALL_PAGES and 0 in store.local_mask(pool.namespace,
+        if pool.policy != ALL_PAGES and 0 in store.lookup.local_mask(pool.namespace,
                                                               keys[max(0, top - pool.window):top]):
             return False
-    return short or held >= top or all(store.local_run(name, keys, top) >= top for name in alls)
+    return short or held >= top or all(store.lookup.local_run(name, keys, top) >= top for name in alls)
 
 
 def hit_rule(extra: Sequence[ExtraPool], seen: list[Presence], top: int,

@@ -10,11 +10,9 @@ import ctypes
 import logging
 import secrets
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
-from pools.joint import Joint
 from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.controls import Controls
@@ -22,11 +20,13 @@ from sidecar.copier import Copier
 from sidecar.errors import (BufferNotFound, Conflict, Forbidden, GeometryMismatch,
                             NamespaceNotFound, NoRoom, TicketNotFound, TooMany)
 from sidecar.joints import Joints
+from sidecar.lookup import Lookup
+from sidecar.namespace import Counters, Namespace
 from sidecar.tiering import Tiering
 from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, Owner, caller, owner_of,
+from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, caller, owner_of,
                              owner_tag, ref_of)
 from sidecar.transports.base import check_runs, check_slots
 
@@ -34,41 +34,6 @@ log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
 MAX_BUFFERS = 1024               # each is a mapping or an open fd
 MAX_BUFFERS_PER_UID = 256        # one uid's share: the others keep room
-
-
-@dataclass(slots=True)
-class Counters:
-    """Per-namespace totals since start (exported by /v1/stats and /metrics)."""
-
-    hits: int = 0
-    misses: int = 0
-    stored: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    no_room: int = 0
-    tier_hits: int = 0
-    restores_skipped: int = 0        # loads an engine recomputed instead (slower than prefill)
-    restore_pages_skipped: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class Namespace:
-    name: str
-    spec: NamespaceSpec
-    pool: PagePool
-    identity: str
-    owner: Owner = None                  # its maker's uid; None: the operator; TCP_TENANT
-    ref: str = ""                        # its key in the store (`tenancy.ref_of`)
-    buffers: dict[str, Buffer] = field(default_factory=dict)
-    counters: Counters = field(default_factory=Counters)
-
-    def buffer(self, buffer_id: Any, peer: Optional[Peer] = None) -> Buffer:
-        """The buffer `buffer_id`, if `peer` may use it (another user's reads as unknown)."""
-        buf = self.buffers.get(buffer_id) if isinstance(buffer_id, str) else None
-        if buf is None or not buf.usable_by(peer):
-            raise BufferNotFound(f"buffer {str(buffer_id)[:40]!r} is not registered in "
-                                 f"namespace {self.name!r}; register it with POST .../buffers")
-        return buf
 
 
 class Store:
@@ -87,6 +52,8 @@ class Store:
         self.namespaces: dict[str, Namespace] = self.dir.by_ref   # by ref (sidecar/tenancy.py)
         self.operator_tcp = False   # TCP callers are the operator (a token guards TCP)
         self.joints = Joints()
+        # is this key present? every route asks here (sidecar/lookup.py)
+        self.lookup = Lookup(self.namespaces, self.namespace, self.tiering, self.joints)
         self.events = None          # sidecar.events.Events with --kv-events
         self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
         self.controls = Controls(self)   # operator pins and warm jobs (sidecar/controls.py)
@@ -222,117 +189,11 @@ class Store:
                 gone.append(buf.id)
         return gone
 
-    # -- lookups ----------------------------------------------------------------------
-    # A key found in the index was validated when it was stored, so look-ups validate only
-    # the keys they do not find (an unhashable entry falls through to the full check).
-    # The host pool and local tiers answer on the event loop: only a remote tier (Mooncake)
-    # is awaited, and only for keys found nowhere else.
-    def local_prefix(self, name: str, keys: list[str]) -> tuple[int, bool]:
-        """(n, more): the leading run of keys in the host pool or a local tier, and whether
-        a remote tier must still be asked about the rest (then call `remote_prefix`)."""
-        ns = self.namespace(name)
-        try:
-            n = ns.pool.prefix(check_batch(keys))
-        except TypeError:
-            n = 0
-        return self._local_past(ns, keys, n)
-
-    def joint(self, kv: str, others: list[str]) -> Optional[Joint]:
-        """The joint of namespace `kv`'s pool and the pools of `others` (`sidecar.joints`)."""
-        return self.joints.get(kv, others)
-
-    def make_joint(self, kv: str, others: list[str]) -> Optional[Joint]:
-        """Make that joint when there is none and the bounds allow (ready now, or built
-        over the next few loop turns); the joint, or None."""
-        self.joints.make(kv, others, self.namespaces)
-        return self.joints.get(kv, others)
-
-    def joint_walk(self, name: str, keys: list[str], joint: Joint, bit: int) -> tuple[int, bool, bytes]:
-        """`local_prefix(name, keys)`, and the masks (`pools.joint`) of the keys of the
-        leading run `name`'s pool (`bit` in `joint`, built) holds in the host pool: which
-        pools of the joint hold each, in one walk for all of them."""
-        ns = self.namespace(name)
-        try:
-            masks = joint.walk(check_batch(keys), bit)
-        except TypeError:  # an unhashable key: the full check below names it
-            masks = b""
-        return (*self._local_past(ns, keys, len(masks)), masks)
-
-    def _local_past(self, ns: Namespace, keys: list[str], n: int) -> tuple[int, bool]:
-        """`local_prefix` for a host-pool run of n keys: the local tiers go on from there."""
-        if n == len(keys):
-            return n, False
-        check_keys(keys[n:])
-        tiering = self.tiering
-        if not tiering.enabled:
-            return n, False
-        n += tiering.local_prefix(ns.identity, keys[n:], ns.pool.ready)
-        return n, n < len(keys) and tiering.remote
-
-    async def remote_prefix(self, name: str, keys: list[str], n: int) -> int:
-        """`local_prefix`'s n, extended by what the remote tiers hold."""
-        ns = self.namespace(name)
-        return n + await self.tiering.remote_prefix(ns.identity, keys[n:], ns.pool.ready)
-
-    async def prefix(self, name: str, keys: list[str]) -> int:
-        """Longest run of keys from index 0 present in the host pool or any tier."""
-        n, more = self.local_prefix(name, keys)
-        return await self.remote_prefix(name, keys, n) if more else n
-
-    async def present(self, name: str, keys: list[str]) -> list[bool]:
-        ns = self.namespace(name)
-        try:
-            found = ns.pool.present(check_batch(keys))
-        except TypeError:
-            check_keys(keys)
-            raise AssertionError("an unhashable key passed validation")
-        missing = [k for k, hit in zip(keys, found) if not hit]
-        check_keys(missing)
-        if self.tiering.enabled and missing:
-            elsewhere = iter(await self.tiering.present(ns.identity, missing))
-            found = [hit or next(elsewhere) for hit in found]
-        return found
-
-    def local_mask(self, name: str, keys: list[str]) -> bytes:
-        """One byte per key, 1 when in the host pool or a local tier; for keys already
-        validated (a KV prefix). A namespace that does not exist holds nothing."""
-        ns = self.namespaces.get(name)
-        if ns is None:
-            return bytes(len(keys))
-        found = bytes(map(ns.pool.ready.__contains__, keys))
-        if self.tiering.enabled and 0 in found:
-            missing = [k for k, hit in zip(keys, found) if not hit]
-            elsewhere = iter(self.tiering.local_present(ns.identity, missing))
-            found = bytes(hit or next(elsewhere) for hit in found)
-        return found
-
-    def local_run(self, name: str, keys: list[str], hi: int, known: int = 0) -> int:
-        """The leading run of `keys[:hi]` in the host pool or a local tier, for keys already
-        validated; stops at the first miss. `known`: a run the caller knows is there (the
-        walk starts after it). A namespace that does not exist holds nothing."""
-        ns = self.namespaces.get(name)
-        if ns is None:
-            return 0
-        n = known + ns.pool.prefix(keys[known:hi])
-        if n < hi and self.tiering.enabled:
-            n += self.tiering.local_prefix(ns.identity, keys[n:hi], ns.pool.ready)
-        return n
-
-    async def mask(self, name: str, keys: list[str]) -> bytes:
-        """`local_mask`, with the remote tiers asked about what no local tier holds."""
-        found = self.local_mask(name, keys)
-        ns = self.namespaces.get(name)
-        if ns is not None and self.tiering.remote and 0 in found:
-            missing = [k for k, hit in zip(keys, found) if not hit]
-            elsewhere = iter(await self.tiering.present(ns.identity, missing))
-            found = bytes(hit or next(elsewhere) for hit in found)
-        return found
-
     async def delete(self, name: str, keys: list[str]) -> tuple[int, int]:
         """Drop keys from the host pool and every tier: (keys that were present anywhere,
         keys some tier failed to remove and still holds)."""
         ns = self.namespace(name)
-        was = await self.present(name, keys)  # validates every key it does not find
+        was = await self.lookup.present(name, keys)  # validates every key it does not find
         self.controls.forget(name, keys)      # a pinned page is deleted too, its slot freed
         for k in keys:
             ns.pool.delete(k)
@@ -571,7 +432,7 @@ class Store:
     async def prefetch(self, name: str, keys: list[str]) -> dict[str, Any]:
         """Start bringing the leading run of present keys up to the host pool."""
         ns = self.namespace(name)
-        n = await self.prefix(name, keys)
+        n = await self.lookup.prefix(name, keys)
         ticket = "t-" + secrets.token_hex(8)
         state = {"state": "running", "done": 0, "pages": n}
         self.tickets[ticket] = state

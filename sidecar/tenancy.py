@@ -35,14 +35,12 @@ not hand the operator's tier pages to anyone on the node).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 from sidecar.errors import Conflict, Forbidden, TooMany
+from sidecar.namespace import Namespace, Owner
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec
-
-if TYPE_CHECKING:
-    from sidecar.store import Namespace
 
 MAX_PER_OWNER = 256        # namespaces one uid (or the operator) may hold
 MAX_NAMESPACES = 4096      # in all
@@ -78,7 +76,6 @@ def caller(peer: Optional[Peer], operator_tcp: bool) -> Caller:
     return OPERATOR if operator_tcp else ANONYMOUS
 
 
-Owner = Union[int, str, None]   # a uid, TCP_TENANT, or None (the operator)
 
 
 def owner_of(who: Caller) -> Owner:

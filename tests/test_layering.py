@@ -1,22 +1,29 @@
-"""Dependencies point one way: api -> sidecar -> pools. Only the CUDA transport touches CUDA."""
+"""Dependencies point one way: loadtest -> api -> sidecar -> pools, with no circles, and a
+module named in a string counts as an import. Only the CUDA transport touches CUDA."""
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def imports_of(path: pathlib.Path):
+    """(file, top package, module) of every absolute import in `path` (type-only ones too);
+    `from a.b import c` also yields `a.b.c`, which is a module where c is one."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            yield path.relative_to(ROOT).as_posix(), name.split(".")[0], name
+
+
 def imports(package: str):
     for path in (ROOT / package).rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                yield path.relative_to(ROOT).as_posix(), name.split(".")[0], name
+        yield from imports_of(path)
 
 
 def test_pools_import_neither_sidecar_nor_api():
@@ -47,3 +54,100 @@ def test_engine_side_imports_no_server_code():
            if top in ("sidecar", "pools", "fastapi", "starlette", "uvicorn")
            or (top == "api" and not n.startswith("api.engine"))]
     assert bad == []
+
+
+MODULE_NAME = re.compile(r"(?:pools|sidecar|api|loadtest)(?:\.\w+)+")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Every module of the product's packages by dotted name."""
+    out = {}
+    for pkg in ("pools", "sidecar", "api"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def named_by_string(path: pathlib.Path):
+    """Module names a file holds as strings (an import by name: `importlib.import_module`,
+    a uvicorn `module:attr`), where they name a module of this project."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value.split(":")[0]
+            if MODULE_NAME.fullmatch(name) and (ROOT / (name.replace(".", "/") + ".py")).exists():
+                yield name
+
+
+# The one import by name allowed upward: the composition root, where the server process
+# builds its app (sidecar/server.py names `api.app:create_app`; the sidecar cannot import the
+# routes, which import it).
+COMPOSITION_ROOT = {("sidecar/server.py", "api.app")}
+
+
+def test_no_upward_import_by_string():
+    """Floors are `loadtest -> api -> sidecar -> pools`: a module named as a string counts as
+    an import (the CLI once loaded `loadtest.replay` by name from the sidecar)."""
+    floor = {"pools": 0, "sidecar": 1, "api": 2, "loadtest": 3}
+    bad = []
+    for pkg in ("pools", "sidecar", "api"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            for name in named_by_string(path):
+                if floor[name.split(".")[0]] > floor[pkg] and (rel, name) not in COMPOSITION_ROOT:
+                    bad.append((rel, name))
+    assert bad == []
+
+
+def test_no_import_circles():
+    """No module imports (directly or through others, type-only imports included) a module
+    that imports it back."""
+    mods = modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        rel = path.relative_to(ROOT).as_posix()
+        edges[m] |= {name for _, _, name in imports_of(path) if name in mods and name != m}
+        edges[m] |= {n for n in named_by_string(path) if n in mods and (rel, n) not in COMPOSITION_ROOT}
+    assert circles(edges) == []
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out

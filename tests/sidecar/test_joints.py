@@ -58,13 +58,13 @@ def test_joints_stay_bounded(store, monkeypatch):
     for name in ["kv", "a", "b", "c", "d"]:
         fill(store, name, KEYS[:3])
     for others in ([], ["kv"], ["missing"], [f"n{i}" for i in range(joints_mod.MAX_POOLS)]):
-        assert store.make_joint("kv", others) is None   # no other pool, or no such one
-    first = store.make_joint("kv", ["b", "a"])
-    assert first.built and first is store.joint("a", ["b", "kv", "a"])  # one per set of names
-    assert store.make_joint("kv", ["c"]) is not None
-    assert store.make_joint("kv", ["d"]) is None     # kv is in PER_POOL joints already
-    assert store.make_joint("c", ["d"]) is not None
-    assert store.make_joint("b", ["d"]) is None      # MAX_JOINTS: none evicted, none made
+        assert store.lookup.make_joint("kv", others) is None   # no other pool, or no such one
+    first = store.lookup.make_joint("kv", ["b", "a"])
+    assert first.built and first is store.lookup.joint("a", ["b", "kv", "a"])  # one per set of names
+    assert store.lookup.make_joint("kv", ["c"]) is not None
+    assert store.lookup.make_joint("kv", ["d"]) is None     # kv is in PER_POOL joints already
+    assert store.lookup.make_joint("c", ["d"]) is not None
+    assert store.lookup.make_joint("b", ["d"]) is None      # MAX_JOINTS: none evicted, none made
     assert len(store.joints.by_names) == 3 and store.namespace("a").pool.joints == [first]
 
 
@@ -85,7 +85,7 @@ def test_a_cancelled_build_drops_its_joint(store, monkeypatch):
         fill(store, name)
 
     async def scenario():
-        joint = store.make_joint("kv", ["idx"])
+        joint = store.lookup.make_joint("kv", ["idx"])
         assert not joint.built and store.joints._building
         for task in list(store.joints._building):
             task.cancel()
@@ -102,12 +102,12 @@ def test_no_new_joint_while_one_builds(store, monkeypatch):
         fill(store, name)
 
     async def scenario():
-        building = store.make_joint("kv", ["a"])
-        assert not building.built and store.make_joint("kv", ["b"]) is None
+        building = store.lookup.make_joint("kv", ["a"])
+        assert not building.built and store.lookup.make_joint("kv", ["b"]) is None
         while not building.built:
             await asyncio.sleep(0)
-        nxt = store.make_joint("kv", ["b"])
-        assert nxt is not None and store.make_joint("a", ["b"]) is None  # one at a time
+        nxt = store.lookup.make_joint("kv", ["b"])
+        assert nxt is not None and store.lookup.make_joint("a", ["b"]) is None  # one at a time
         while not nxt.built:
             await asyncio.sleep(0)
         nxt.invariants()
@@ -118,7 +118,7 @@ def test_deleting_a_namespace_drops_its_joints(store):
     for name in ["kv", "idx", "other"]:
         fill(store, name)
     asyncio.run(batch_exists(store, KEYS, "kv", [IDX]))
-    kept = store.make_joint("other", ["kv"])
+    kept = store.lookup.make_joint("other", ["kv"])
     store.delete_namespace("idx")
     assert list(store.joints.by_names) == [("kv", "other")]
     assert store.namespace("kv").pool.joints == [kept]

@@ -62,7 +62,7 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
             for j, (where, _, _) in enumerate(pools):
                 fill(store, tier, f"p{j}", where)
             extra = [ExtraPool(f"p{j}", policy, w) for j, (_, policy, w) in enumerate(pools)]
-            prefix = asyncio.run(store.prefix("kv", KEYS))
+            prefix = asyncio.run(store.lookup.prefix("kv", KEYS))
             got = asyncio.run(batch_exists(store, KEYS, "kv", extra, restorable=True))
             short = asyncio.run(batch_exists(store, KEYS, "kv", extra))
             walked = asyncio.run(batch_exists(store, KEYS, "kv", extra))  # through the joint made
