@@ -44,8 +44,8 @@ from loadtest.procs import Proc, free_port
 
 NOBODY = 65534
 MODULES = ("loadtest.redteam_conn", "loadtest.redteam_lend", "loadtest.redteam_store",
-           "loadtest.redteam_controls", "loadtest.redteam_events",
-           "loadtest.redteam_tenancy", "loadtest.redteam_skipped")
+           "loadtest.redteam_controls", "loadtest.redteam_pipe",
+           "loadtest.redteam_events", "loadtest.redteam_tenancy", "loadtest.redteam_skipped")
 HEALTHZ_LIMIT_MS = 50.0
 
 

@@ -6,12 +6,14 @@ import importlib
 import json
 import logging
 import os
+import re
 import resource
 import socket
 from typing import Optional
 
 import httptools
 import uvicorn
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from sidecar.config import Config
@@ -30,10 +32,30 @@ def build_app(config: Config):
 
 LINGER_BYTES = 1 << 20    # after a refusal or a 401: what is read and dropped before closing
 LINGER_SECONDS = 2.0
+# Pipelining (issue 43): bytes are fed to the parser a piece at a time, each ending where a
+# request head ends (or, inside a chunked body, at the first head end CHUNKED_PIECE bytes on,
+# so that a body of CRLFs is not fed 4 bytes at a time); once a request is whole, the rest of
+# the read waits, unparsed, until its answer is out. At most CHUNKED_PIECE / 18 + 2 requests
+# are ever parsed ahead of their answers; PIPELINE_MAX is the bound past which the connection
+# is cut (no client reaches it).
+PIPELINE_MAX = 16
+CHUNKED_PIECE = 128
+HEAD_END = b"\r\n\r\n"
+_BLANK_LINES = re.compile(rb"[\r\n]*")   # what the parser skips between two requests
 
 
 class _Refused(Exception):
     """Raised from a parser callback to stop the parser; `_refusal` says what to answer."""
+
+
+class _Flow(FlowControl):
+    """uvicorn's flow control, plus `hold`: while the protocol keeps bytes it has not parsed
+    (the next pipelined request), reading stays paused whoever asks to resume it."""
+    hold = False
+
+    def resume_reading(self) -> None:
+        if not self.hold:
+            super().resume_reading()
 
 
 class PeerHttpProtocol(HttpToolsProtocol):
@@ -49,10 +71,14 @@ class PeerHttpProtocol(HttpToolsProtocol):
     - a head or body that stalls for `read_timeout` seconds, or a body not whole within
       `body_timeout` of its head, closes the connection (the app sees a disconnect: a
       stalled upload's reservation is aborted);
-    - writing paused (the client reads no answers) for `write_timeout` seconds: aborted."""
+    - writing paused (the client reads no answers) for `write_timeout` seconds: aborted;
+    - pipelining: a request is parsed only once the answer before it is out (the bytes after
+      a whole request wait, unparsed, reading paused), and those bytes count against the
+      next request's head from its first byte (see PIPELINE_MAX)."""
 
     settings: Config
     registry: Registry
+    flow: _Flow
 
     def connection_made(self, transport) -> None:
         sock = transport.get_extra_info("socket")
@@ -66,6 +92,11 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self._pending = self._listener == TCP and self.settings.token is not None
         self._unauthorized = self._lingering = False
         self._linger_left = 0
+        self._held: Optional[bytes] = None      # a read not yet parsed, from `_held_at` on
+        self._held_at = self._piece = 0          # `_piece`: the length of what is being fed
+        self._body_left: Optional[int] = None    # of a body of declared length, while read
+        self._in_message = self._ended_in_piece = self._release_due = self._drain_due = False
+        self._limits = (0, 0)                    # the write buffer's (high, low), while draining
         why = self.registry.admit(self, self._listener, self._uid, self._pending)
         self._admitted = why is None
         if why is not None:      # refused before uvicorn's own set-up: a flood costs little
@@ -74,12 +105,14 @@ class PeerHttpProtocol(HttpToolsProtocol):
             transport.close()
             return
         super().connection_made(transport)
+        self.flow = _Flow(transport)
         if self._pending:
             self.timeout_keep_alive = min(self.timeout_keep_alive, self.settings.auth_timeout)
         self._arm(self._head_timeout())
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._held = None
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
@@ -105,30 +138,98 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def on_response_complete(self) -> None:
-        if not self._unauthorized:
-            return super().on_response_complete()
-        self.pipeline.clear()              # requests sent behind it are not served
+        if self._unauthorized:
+            self.pipeline.clear()              # requests sent behind it are not served
+            super().on_response_complete()
+            return self._linger()
         super().on_response_complete()
-        self._linger()
+        if self._held is None or self._release_due or self._drain_due or self._answer_due() \
+                or self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()    # the next request is here: not idle
+        if not self.transport.get_write_buffer_size():
+            return self._release_soon()
+        # the answer is not all out (the client is not reading): wait until it is, so that
+        # a client that never reads holds one answer here, not one a request it sent
+        self._drain_due, (low, high) = True, self.transport.get_write_buffer_limits()
+        self._limits = (high, low)
+        self.transport.set_write_buffer_limits(high=0, low=0)   # pause_writing now, resume once out
 
-    # -- bytes in: the head budget ---------------------------------------------------------
+    def _release_soon(self) -> None:
+        self._release_due = True               # parse the next on the loop's next turn
+        self.loop.call_soon(self._release)
+
+    # -- bytes in: the head budget and one request at a time ------------------------------
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             return self._drop(data)
-        left = self._head_left
-        if len(data) <= left:          # the common case: one feed
-            self._head_left = left - len(data)
-            return self._feed(data)
-        view = memoryview(data)        # past the budget: feed it a budget at a time
-        while view:
-            left = self._head_left
-            if left <= 0:
+        if self._held is not None:     # a read under way as reading paused: it waits too
+            self._held, self._held_at = self._held[self._held_at:] + data, 0
+            return
+        self._consume(data, 0)
+        self._idle_check()
+
+    def _consume(self, data: bytes, pos: int) -> None:
+        """Feed `data[pos:]` a piece at a time (each charged to the head budget; body bytes
+        are given back by `on_body`), until a whole request waits for its answer: the rest
+        is held, unparsed, and reading paused."""
+        while pos < len(data):
+            if self._answer_due():
+                return self._hold(data, pos)
+            if self._head_left <= 0:
                 return self._refuse_head()
-            piece, view = view[:left], view[left:]
-            self._head_left = left - len(piece)
-            self._feed(piece)
+            end = self._piece_end(data, pos)
+            self._head_left -= end - pos
+            self._piece, self._ended_in_piece = end - pos, False
+            self._feed(data if end - pos == len(data) else memoryview(data)[pos:end])
+            self._piece = 0
             if self._lingering or self.transport.is_closing():
                 return
+            pos = end
+
+    def _piece_end(self, data: bytes, pos: int) -> int:
+        """Where the next piece of `data` ends: a body of declared length, exactly; else the
+        next head end (within the budget), so that a request ends where its piece does."""
+        limit = min(len(data), pos + self._head_left)
+        if self._body_left:
+            return min(limit, pos + self._body_left)
+        if not self._in_message:
+            blank = _BLANK_LINES.match(data, pos, limit)
+            start = blank.end() if blank else pos
+        else:   # mid-head; or chunk framing and data, at least CHUNKED_PIECE bytes a piece
+            start = pos + CHUNKED_PIECE - len(HEAD_END) if self._body_end else pos
+        i = data.find(HEAD_END, min(start, limit), limit)
+        return limit if i < 0 else i + len(HEAD_END)
+
+    def _answer_due(self) -> bool:
+        """A whole request (or more, parsed from one piece) is waiting for its answer."""
+        cycle = self.cycle
+        return bool(self.pipeline) or (cycle is not None and not cycle.more_body
+                                       and not cycle.response_complete)
+
+    def _hold(self, data: bytes, pos: int) -> None:
+        self._held, self._held_at = data, pos
+        self.flow.hold = True
+        self.flow.pause_reading()
+
+    def _release(self) -> None:
+        """The answer is out: parse what was held, up to the next whole request."""
+        self._release_due = False
+        data, pos = self._held, self._held_at
+        if data is None or self._lingering or self.transport.is_closing():
+            return
+        self._held, self.flow.hold = None, False
+        self._consume(data, pos)
+        if self._held is None and not self._lingering and not self._answer_due() and \
+                not (self.cycle is not None and len(self.cycle.body) > HIGH_WATER_LIMIT):
+            self.flow.resume_reading()
+        self._idle_check()
+
+    def _idle_check(self) -> None:
+        """Between requests with no timer (blank lines cancelled keep-alive's): arm one."""
+        if self._held is None and not (self._in_message or self._timer or self._lingering
+                                       or self._answer_due() or self.transport.is_closing()):
+            self._arm(self._head_timeout())
 
     def _feed(self, data) -> None:
         self._unset_keepalive_if_required()
@@ -170,6 +271,7 @@ class PeerHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._lingering, self._linger_left = True, LINGER_BYTES
+        self._held, self.flow.hold = None, False
         self.flow.resume_reading()
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -182,6 +284,12 @@ class PeerHttpProtocol(HttpToolsProtocol):
 
     # -- parser callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= PIPELINE_MAX:
+            self._refusal = (429, "pipeline_full", f"over {PIPELINE_MAX} requests sent ahead")
+            raise _Refused()
+        self._in_message = True
+        if self._ended_in_piece:    # begun in the piece that ended the one before: all its bytes count
+            self._head_left = self.settings.max_head - self._piece
         super().on_message_begin()
         if self.peer is not None:
             self.scope[PEER_KEY] = self.peer
@@ -202,6 +310,7 @@ class PeerHttpProtocol(HttpToolsProtocol):
         now = self.loop.time()
         self._body_end, self._last = now + self.settings.body_timeout, now
         self._head_left = self.settings.max_head    # for chunk framing and trailers
+        self._body_left = _declared_length(self.headers)
         due = min(now + self.settings.read_timeout, self._body_end)
         if self._timer is None or self._timer.when() > due:
             self._arm(due - now)
@@ -212,6 +321,8 @@ class PeerHttpProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
         self._head_left += len(body)                # body bytes are not head bytes
+        if self._body_left is not None:
+            self._body_left -= len(body)
         self._last = self.loop.time()
 
     def on_message_complete(self) -> None:
@@ -219,6 +330,8 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self._disarm()   # the whole request is in: the app's own time is not limited here
         self._body_end = 0.0
         self._head_left = self.settings.max_head
+        self._body_left, self._in_message = None, False
+        self._ended_in_piece = self._piece > 0      # the rest of this piece is the next request's
 
     # -- bytes out -------------------------------------------------------------------------
     def pause_writing(self) -> None:
@@ -231,6 +344,12 @@ class PeerHttpProtocol(HttpToolsProtocol):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+        if self._drain_due:                     # the answer is out: the next request may be read
+            self._drain_due = False
+            high, low = self._limits
+            self.transport.set_write_buffer_limits(high=high, low=low)
+            if self._held is not None and not self.transport.is_closing():
+                self._release_soon()
 
     def _write_stalled(self) -> None:
         self._write_timer = None
@@ -266,6 +385,17 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self.registry.tally.note(reason)
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
+    """The body's Content-Length (the parser checked it), None when chunked or not given."""
+    length = None
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    return length
 
 
 def listeners(config: Config) -> list[socket.socket]:
