@@ -9,7 +9,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from pools import Arena, HostPool
 from sidecar import datadir, report
@@ -29,12 +29,15 @@ from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
 from sidecar.tiers.writer import TierWriter
 from sidecar.transports import cuda_ipc
 
+if TYPE_CHECKING:   # pyzmq and msgspec: the `events` extra
+    from sidecar.events import Events
+
 log = logging.getLogger("kv_sidecar")
 REAP_INTERVAL = 1.0
 
 
 def build_tiers(config: Config) -> list[Tier]:
-    tiers = []
+    tiers: list[Tier] = []
     if config.file_tier:
         tiers.append(file_tier(config))
     if config.hf3fs_dir:
@@ -77,9 +80,9 @@ class Context:
     started: float = field(default_factory=time.time)
     cuda_registered: bool = False
     ready: bool = False
-    loop: Optional[asyncio.AbstractEventLoop] = None
+    _loop: Optional[asyncio.AbstractEventLoop] = None
     lend_server: Optional[LendServer] = None
-    events: Optional[Any] = None          # sidecar.events.Events with --kv-events
+    events: Optional[Events] = None       # with --kv-events
     _tasks: list = field(default_factory=list)
 
     @classmethod
@@ -116,9 +119,15 @@ class Context:
     def tiering(self) -> Tiering:
         return self.store.tiering
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop `start` ran on; every caller runs after it."""
+        assert self._loop is not None, "used before start"
+        return self._loop
+
     def start(self) -> None:
         """Start background work (from the running loop); ready once the tiers are recovered."""
-        self.loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         if self.config.socket:
             path = fd_socket_path(self.config.socket)
             sock = bind_unix(path, self.config.socket_mode, self.config.socket_group,

@@ -19,7 +19,7 @@ for a ref that does not exist (an extra pool the caller named, not yet made).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Optional
+from typing import Any, Optional
 
 from pools.joint import Joint
 from sidecar.joints import Joints
@@ -39,9 +39,10 @@ class Lookup:
         self.joints = joints
 
     # -- runs ---------------------------------------------------------------------------
-    def local_prefix(self, name: str, keys: list[str]) -> tuple[int, bool]:
+    def local_prefix(self, name: str, keys: Any) -> tuple[int, bool]:
         """(n, more): the leading run of keys in the host pool or a local tier, and whether
-        a remote tier must still be asked about the rest (then call `remote_prefix`)."""
+        a remote tier must still be asked about the rest (then call `remote_prefix`).
+        `keys`: a request's JSON, validated here (BadRequest, InvalidKey)."""
         ns = self.namespace(name)
         try:
             n = ns.pool.prefix(check_batch(keys))

@@ -10,7 +10,7 @@ import ctypes
 import logging
 import secrets
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from pools import HostPool, PagePool, PoolFull
 from pools.page_pool import BUSY, PRESENT, Entry
@@ -29,6 +29,9 @@ from sidecar.spec import NamespaceSpec, check_name
 from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, caller, owner_of,
                              owner_tag, ref_of)
 from sidecar.transports.base import check_runs, check_slots
+
+if TYPE_CHECKING:   # pyzmq and msgspec: the `events` extra
+    from sidecar.events import Events
 
 log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
@@ -54,7 +57,7 @@ class Store:
         self.joints = Joints()
         # is this key present? every route asks here (sidecar/lookup.py)
         self.lookup = Lookup(self.namespaces, self.namespace, self.tiering, self.joints)
-        self.events = None          # sidecar.events.Events with --kv-events
+        self.events: Optional[Events] = None   # with --kv-events
         self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
         self.controls = Controls(self)   # operator pins and warm jobs (sidecar/controls.py)
         self._base = host_pool.arena.address
@@ -211,10 +214,11 @@ class Store:
         check_runs(len(keys), len(buf.chunks))
         return ns, buf
 
-    async def set(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
+    async def set(self, name: str, keys: Any, buffer_id: Any, slots: Any,
                   durable: bool = False, peer: Optional[Peer] = None,
                   meta: Optional[tuple] = None) -> list[bool]:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
+        `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         Under write_through a page is True only once it is pinned on the writer's queue
         (in the loop turn of its commit); with `durable`, only once every tier has it.
         `meta`: `events.set_meta` (parent key, token ids per key) for the KV events of the
@@ -242,6 +246,7 @@ class Store:
                 else:
                     ns.pool.abort(e)
             if chain and committed:   # (all of `keys` stored, the common case: no positions)
+                assert self.events is not None and meta is not None, "a chain without events"
                 self.events.stored_chain(ns.pool, keys, None if len(committed) == len(keys)
                                          else [i for i, _ in todo if stored[i]], meta)
             queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits) \
@@ -261,7 +266,10 @@ class Store:
     async def _reserve_all(self, ns: Namespace, keys: list[str]) -> tuple[list[bool], list, list]:
         """Reserve a slot for each key of a set: (stored, todo: (i, entry) to copy,
         repeats: (i, first i) of a key named twice). Present keys are stored already."""
-        stored, todo, mine, repeats = [False] * len(keys), [], {}, []
+        stored = [False] * len(keys)
+        todo: list[tuple[int, Entry]] = []
+        mine: dict[str, int] = {}
+        repeats: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
             r = ns.pool.reserve(key)
             if r is None and self.tiering.backlogged():
@@ -289,7 +297,7 @@ class Store:
         room and still no slot is free, or the namespace is gone."""
         r = None
         while r is None and self.tiering.backlogged() and not ns.pool.closed:
-            await self.tiering.writer.wait_change()
+            await self.tiering.queue.wait_change()
             r = None if ns.pool.closed else ns.pool.reserve(key)
         return r
 
@@ -301,9 +309,10 @@ class Store:
             fut = futures.get(key)
             stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
 
-    async def get(self, name: str, keys: list[str], buffer_id: Any, slots: Any,
+    async def get(self, name: str, keys: Any, buffer_id: Any, slots: Any,
                   peer: Optional[Peer] = None) -> list[bool]:
         """Copy pages into engine slots, promoting tier-only pages first; misses are False.
+        `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         With tiers, a long get goes in chunks of a quarter of the pool, so promoting its
         pages never needs more free slots than the pool can give."""
         ns, buf = self.check_move(name, keys, buffer_id, slots, peer)

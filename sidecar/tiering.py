@@ -41,6 +41,13 @@ class Tiering:
     def enabled(self) -> bool:
         return bool(self.tiers)
 
+    @property
+    def queue(self) -> TierWriter:
+        """The writer, on the paths only a write policy (or a page it pinned) leads to: a
+        policy needs tiers, and tiers come with a writer (`Context`)."""
+        assert self.writer is not None, "a write policy without a tier writer"
+        return self.writer
+
     async def locate(self, identity: str, keys: list[str]) -> list[Optional[Tier]]:
         """The first tier (in lookup order) holding each key, or None."""
         where: list[Optional[Tier]] = [None] * len(keys)
@@ -150,9 +157,9 @@ class Tiering:
         if identity in self.dropping:
             await asyncio.shield(self.dropping[identity])
         while self._crowded(pool, n):
-            await self.writer.wait_change()
+            await self.queue.wait_change()
         self.writing[pool.name] = self.writing.get(pool.name, 0) + n
-        self.writer.promised += n
+        self.queue.promised += n
         return n
 
     def queue_committed(self, identity: str, pool: PagePool, entries: list[Entry],
@@ -162,19 +169,19 @@ class Tiering:
         which pages became durable."""
         assert len(entries) <= credits, "more pages than write credits"
         self.writing[pool.name] -= credits      # each queued page counts again, pinned
-        self.writer.promised -= credits
+        self.queue.promised -= credits
         futures = [self._queue_pinned(identity, pool, e.key) for e in entries]
         if len(entries) < credits:
-            self.writer.wake()
+            self.queue.wake()
         return futures
 
     def release(self, pool: PagePool, credits: int) -> None:
         """Give back credits that no page will use (aborted copies, a failed request)."""
         if credits:
             self.writing[pool.name] -= credits
-            self.writer.promised -= credits
-            assert self.writing[pool.name] >= 0 and self.writer.promised >= 0, "credits below zero"
-            self.writer.wake()
+            self.queue.promised -= credits
+            assert self.writing[pool.name] >= 0 and self.queue.promised >= 0, "credits below zero"
+            self.queue.wake()
 
     async def write_through(self, identity: str, pool: PagePool, entries: list[Entry]) -> list:
         """Queue committed pages that took no credits before (benchmarks, tools): waits for
@@ -187,7 +194,7 @@ class Tiering:
         return [f for f in self.queue_committed(identity, pool, entries, credits) if f is not None]
 
     def _crowded(self, pool: PagePool, n: int = 1) -> bool:
-        w = self.writer
+        w = self.queue
         busy = self.writing.get(pool.name, 0)
         pool_full = busy and busy + n > max(1, pool.capacity_pages // 2)
         queue_full = (w.pending + w.promised) and w.pending + w.promised + n > w.max_pages
@@ -196,7 +203,7 @@ class Tiering:
     async def _room(self, pool: PagePool) -> None:
         """Wait until the writer takes a page and `pool` may pin one more for writing."""
         while self._crowded(pool):
-            await self.writer.wait_change()
+            await self.queue.wait_change()
 
     def _queue_pinned(self, identity: str, pool: PagePool, key: str):
         """Pin `key` and queue it, counted in `writing` until written; None when absent."""
@@ -205,7 +212,7 @@ class Tiering:
             return None
         view = self.host_pool.view(pinned.offset, pool.page_bytes)
         self.writing[pool.name] = self.writing.get(pool.name, 0) + 1
-        return self.writer.enqueue(identity, key, view, lambda p=pinned: self._written(pool, p))
+        return self.queue.enqueue(identity, key, view, lambda p=pinned: self._written(pool, p))
 
     def write_first(self, identity: str, pool: PagePool, keys: list[str]) -> int:
         """Queue now the pages of `keys` no tier holds and none is writing (operator pins,
@@ -228,7 +235,7 @@ class Tiering:
 
     def backlogged(self) -> bool:
         """write_back with a full write queue: evictions wait for the writer."""
-        return self.policy == "write_back" and self.writer.full
+        return self.policy == "write_back" and self.queue.full
 
     async def dirty(self, identity: str, pool: PagePool) -> list[str]:
         """write_back: host pages in no tier yet and not queued (what a restart would lose),
@@ -243,7 +250,7 @@ class Tiering:
                 if pool.closed:
                     return []
             out += [k for k in keys[i:i + DIRTY_CHUNK] if k in pool.ready
-                    and not self.writer.queued(identity, k) and not self.durable(identity, k)]
+                    and not self.queue.queued(identity, k) and not self.durable(identity, k)]
         return out
 
     async def write_dirty(self, identity: str, pool: PagePool, deadline: float) -> int:
@@ -262,7 +269,7 @@ class Tiering:
                     return len(todo) - n
             if pool.closed:
                 return 0
-            if not self.writer.queued(identity, key):
+            if not self.queue.queued(identity, key):
                 self._queue_pinned(identity, pool, key)
         return 0
 
@@ -270,12 +277,12 @@ class Tiering:
         """For write_back: a page in no tier may leave the host pool only once a staged
         copy of it is queued; with the queue full the pool keeps it (and evicts another)."""
         def evicted(pool: PagePool, e: Entry) -> bool:
-            if self.writer.queued(identity, e.key) or self.durable(identity, e.key):
+            if self.queue.queued(identity, e.key) or self.durable(identity, e.key):
                 return True
             if identity in self.dropping:   # written now, it would be dropped: keep it
                 return False
             page = bytes(self.host_pool.view(e.offset, pool.page_bytes))
-            return self.writer.try_submit(identity, e.key, page)
+            return self.queue.try_submit(identity, e.key, page)
         return evicted
 
     # -- promotion --------------------------------------------------------------------
@@ -324,7 +331,7 @@ class Tiering:
         todo: list = []
         try:
             while found and not pool.closed:
-                later = []
+                later: list[tuple[str, Tier]] = []
                 for key, tier in found:
                     if pool.contains(key):   # another request loaded it
                         continue
@@ -339,7 +346,7 @@ class Tiering:
                 if not later or left <= 0 or not (self.writing.get(pool.name) or self.backlogged()):
                     break
                 self.room_waits += 1
-                await asyncio.wait_for(self.writer.changed(), left)
+                await asyncio.wait_for(self.queue.changed(), left)
                 found = later
         except asyncio.TimeoutError:
             pass

@@ -45,6 +45,7 @@ class Tier:
     shared = False          # other nodes publish into it: `recover` runs again every rescan
     remote_lookup = False   # `lookup` does network I/O: Tiering calls it off the event loop
     where = ""              # a directory or an address, for logs
+    degraded: Optional[str] = None   # why the tier serves misses now (/v1/stats), else None
     # told (from any thread, in order) when pages join or leave the index: KV events
     listener: Optional[Callable[[str, list, bool], None]] = None
 
