@@ -9,8 +9,9 @@ from the engine's own forward timings, restore bytes/s by the tier the pages cam
 (`HOST`: the sidecar's host pool, `LOCAL`: a file tier, 3FS included, `REMOTE`: Mooncake),
 and the round trip of the lookups. Cold start is optimistic: with no measurement of the
 prefill or of a tier, the prefix loads and the load is measured. A tier judged too slow
-is tried again (one load) after `probe_s`, so a tier that recovers is seen to. Nothing
-here raises: the callers answer "recompute" (the adapters' rule) on any error.
+is tried again (one load) after `probe_s`, then after twice as long each time it is still
+slow (at most an hour), so a tier that recovers is seen to and one that does not costs
+one slow request an hour at most. Nothing here raises: the callers answer "recompute" (the adapters' rule) on any error.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class RestoreCost:
     rtt: Ewma = field(init=False)              # seconds
     rates: dict[str, Ewma] = field(init=False)  # bytes/s by tier
     judged: dict[str, float] = field(default_factory=dict)  # tier -> when last judged too slow
+    waits: dict[str, float] = field(default_factory=dict)   # tier -> seconds until its next probe
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -78,7 +80,6 @@ class RestoreCost:
                 if t != slowest and self.rates[t].value:
                     rest -= b / self.rates[t].value
             self.rates[slowest].add(moved[slowest] / max(rest, self.min_seconds))
-            self.judged.pop(slowest, None)
 
     # -- decisions ---------------------------------------------------------------------
     def restore_seconds(self, nbytes: dict[str, int]) -> Optional[float]:
@@ -101,13 +102,17 @@ class RestoreCost:
             restore = self.restore_seconds(nbytes)
             if rate is None or restore is None:
                 return True
+            slow = max((t for t, b in nbytes.items() if b > 0 and t in self.rates), key=TIERS.index)
             if restore < tokens / rate:
+                self.judged.pop(slow, None)
+                self.waits.pop(slow, None)
                 return True
             now = self.clock()
-            slow = max((t for t, b in nbytes.items() if b > 0 and t in self.rates), key=TIERS.index)
             since = self.judged.setdefault(slow, now)
-            if now - since >= self.probe_s:   # try it once more: the tier may have recovered
+            wait = self.waits.get(slow, self.probe_s)
+            if now - since >= wait:   # try it once more: the tier may have recovered
                 self.judged[slow] = now
+                self.waits[slow] = min(2 * wait, 3600.0)
                 return True
             return False
 

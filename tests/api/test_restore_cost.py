@@ -77,6 +77,11 @@ def test_a_tier_judged_slow_is_probed_again():
     clock.now = 61
     assert est.worth(100, {LOCAL: MiB})                  # one probe
     assert not est.worth(100, {LOCAL: MiB})              # then judged again
+    est.observe_restore({LOCAL: MiB}, 1.0)               # still slow: the next probe waits twice as long
+    clock.now = 61 + 119
+    assert not est.worth(100, {LOCAL: MiB})
+    clock.now = 61 + 121
+    assert est.worth(100, {LOCAL: MiB})
     est.observe_restore({LOCAL: MiB}, 0.001)             # the probe was fast: it recovered
     assert est.worth(100, {LOCAL: MiB})
 
