@@ -46,7 +46,8 @@ from sidecar.publisher import Limits, Publisher
 try:   # C (sidecar/_evpack.c), built at install where a compiler is: the same bytes, sooner
     from sidecar import _evpack
 except ImportError:   # pragma: no cover - a build without a compiler
-    _evpack = None
+    # the stub (_evpack.pyi) types the module; without it every use checks for None
+    _evpack = None  # type: ignore[assignment]
 
 log = logging.getLogger("kv_sidecar.events")
 MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
@@ -124,7 +125,7 @@ def removed_event(hashes: Any, medium: str, fmt: str) -> Any:
     return encode_event("BlockRemoved", {"block_hashes": hashes, "medium": medium}, fmt)
 
 
-def runs_of(idx: list) -> list:
+def runs_of(idx: list) -> list[tuple[int, int]]:
     """The runs of consecutive positions in `idx` (ascending, not empty), as (a, b): a..b-1."""
     runs, start = [], 0
     if idx[-1] - idx[0] + 1 != len(idx):    # a gap: keys present before, or refused
@@ -177,7 +178,7 @@ def keys_an_event(batch_bytes: int, tokens: int) -> int:
     return max(1, (batch_bytes // 2 - EVENT_BYTES) // (KEY_BYTES + 9 * tokens))
 
 
-def pieces(a: int, b: int, step: int) -> list:
+def pieces(a: int, b: int, step: int) -> list[tuple[int, int]]:
     """a..b-1 in runs of `step` at most, as (a, b)."""
     return [(i, min(i + step, b)) for i in range(a, b, step)]
 
@@ -356,6 +357,7 @@ class Events:
             for a, b in pieces(*run, step):
                 up = keys[a - 1] if a else parent
                 if whole:   # the whole set in one event: its ids packed at parse
+                    assert packed is not None, "whole without packed ids"
                     toks = raw(packed)
                 else:
                     toks = token_array(tokens, a, b, raw) if tokens else []

@@ -4,7 +4,7 @@ thread (`render`: the part that grew with namespaces and stalled the loop 1.6 s 
 20,000 of them), so serving a page costs no metrics lock and a scrape no stall."""
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,7 +26,7 @@ class RequestStats:
     def __init__(self) -> None:
         self.count: Counter = Counter()
         self.hist: dict[str, list[int]] = {}
-        self.sums: Counter = Counter()
+        self.sums: defaultdict[str, float] = defaultdict(float)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.count[(method, route, str(status))] += 1

@@ -35,10 +35,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from sidecar.peer import unlink_if_ours
 from sidecar.replay_ring import ReplayRing
+
+if TYPE_CHECKING:   # the `events` extra
+    import zmq
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_SUBSCRIPTION = 4096   # bytes of a subscription message (a topic prefix) at most
@@ -63,7 +66,8 @@ class Publisher:
         """`unix(path)`: the listening Unix socket an `ipc://` endpoint gets (its mode and
         group: `peer.bind_unix`, as the engine socket's); None: ZMQ makes it (umask)."""
         import zmq   # the `events` extra: imported only when events are on
-        self.zmq, self.ctx, self.limits, self.unix = zmq, zmq.Context.instance(), limits, unix
+        self.zmq, self.limits, self.unix = zmq, limits, unix
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.files: list[tuple[str, int]] = []   # the ipc:// socket files made here
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(limits.hwm)
@@ -72,12 +76,20 @@ class Publisher:
         self.ring = ReplayRing(keep, keep_bytes)
         self.seq = 0
         self.replays = self.replays_given_up = 0
-        self.router, self.thread, self.running = None, None, True
+        self.router: Optional[zmq.Socket] = None
+        self.thread: Optional[threading.Thread] = None
+        self.running = True
         if replay:
             self.router = self._router(replay)
             self.thread = threading.Thread(target=self._serve_replay, name="kv-events-replay",
                                            daemon=True)
             self.thread.start()
+
+    @property
+    def replies(self) -> zmq.Socket:
+        """The ROUTER: made with the replay thread, its one user (and `close`'s after it)."""
+        assert self.router is not None, "a replay without a replay endpoint"
+        return self.router
 
     def _router(self, endpoint: str):
         zmq, limits = self.zmq, self.limits
@@ -122,7 +134,7 @@ class Publisher:
 
     def _serve_replay(self) -> None:
         while self.running:
-            if self.router.poll(100):
+            if self.replies.poll(100):
                 self._replay()
 
     def _replay(self) -> None:
@@ -130,7 +142,7 @@ class Publisher:
         given up (counted) when the client is gone or kept the thread waiting `stall`
         seconds in all (one that reads slowly holds it no longer than one that reads
         nothing: ZMQ frees queue slots in steps, so no single wait need be long)."""
-        frames = self.router.recv_multipart()
+        frames = self.replies.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             return
         client, _, start = frames
@@ -139,10 +151,11 @@ class Publisher:
                 for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")))
         due, left = time.monotonic(), self.limits.stall
         for reply in itertools.chain(kept, [(b"", END_SEQ, b"")]):
-            left = self._reply(client, reply, left)
-            if left is None:
+            rest = self._reply(client, reply, left)
+            if rest is None:
                 self.replays_given_up += 1
                 return
+            left = rest
             due += len(reply[2]) / self.limits.rate
             time.sleep(max(0.0, due - time.monotonic()))   # (and the GIL to the loop)
 
@@ -153,7 +166,7 @@ class Publisher:
         t = time.monotonic()
         while self.running:
             try:
-                self.router.send_multipart((client, b"", *frames), flags=self.zmq.NOBLOCK)
+                self.replies.send_multipart((client, b"", *frames), flags=self.zmq.NOBLOCK)
                 return left - (time.monotonic() - t)
             except self.zmq.Again:     # its queue is full: it has not read
                 if time.monotonic() - t > left:
@@ -167,7 +180,7 @@ class Publisher:
         self.running = False
         if self.thread is not None:
             self.thread.join(5)
-            self.router.close(linger=0)
+            self.replies.close(linger=0)
         self.pub.close(linger=0)
         self.ring.close()
         for path, inode in self.files:
