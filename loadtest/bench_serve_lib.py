@@ -1,0 +1,197 @@
+"""The arithmetic of `make bench-serve` (issue 44), free of vLLM and Locust so the core
+suite checks it: trace -> conversations, the `vllm serve` command from the manifest, and the
+per-level report with its targets.
+
+    conversation: requests of the trace sharing a prefix of 2+ blocks
+                  (bench_engines_lib.conversations), 2+ turns, in trace order
+    turn k:       prompt_k = prompt_{k-1} + answer_{k-1} + new user tokens; the new tokens'
+                  count is the trace's growth scaled down (input_k - input_{k-1} - output_{k-1},
+                  over `scale`, at least 1), their ids a function of (conversation, turn) only
+    targets:      at 4 users an engine, the shared sidecar's TTFT p50 <= 0.8x LMCache's and
+                  <= 0.5x no connector's; req/s >= LMCache's; TTFT p99 <= no connector's at
+                  every level
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest import bench_engines_lib as lib
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "deploy" / "engine-vllm.yaml"
+TARGET_P50_VS_LMCACHE = 0.8
+TARGET_P50_VS_NONE = 0.5
+TARGET_LEVEL = 4
+
+
+@dataclass(frozen=True)
+class Turn:
+    new_tokens: int      # user tokens appended after the previous prompt and answer
+    max_tokens: int      # the answer's length
+
+
+@dataclass(frozen=True)
+class Conversation:
+    cid: int             # the trace index of its first request
+    turns: tuple[Turn, ...]
+
+
+def scaled(n: int, scale: int) -> int:
+    return max(1, -(-n // scale))
+
+
+def conversations(rows: Sequence[dict], scale: int = 16, max_prompt: int = 4096,
+                  min_turns: int = 2) -> list[Conversation]:
+    """The trace's multi-turn conversations, turns scaled by `scale` (512-token trace
+    blocks become 32 tokens at 16). A conversation is cut where a turn's prompt plus answer
+    would pass `max_prompt` tokens; those left with fewer than `min_turns` turns are dropped."""
+    conv = lib.conversations(rows)
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(conv):
+        members.setdefault(c, []).append(i)
+    out = []
+    for c in sorted(members):
+        turns, length, prev_in, prev_out = [], 0, 0, 0
+        for i in members[c]:
+            grown = scaled(rows[i]["input_length"], scale) - scaled(prev_in, scale) - scaled(prev_out, scale) \
+                if turns else scaled(rows[i]["input_length"], scale)
+            turn = Turn(max(1, grown), scaled(rows[i]["output_length"], scale))
+            if length + turn.new_tokens + turn.max_tokens > max_prompt:
+                break
+            length += turn.new_tokens + turn.max_tokens
+            turns.append(turn)
+            prev_in, prev_out = rows[i]["input_length"], rows[i]["output_length"]
+        if len(turns) >= min_turns:
+            out.append(Conversation(c, tuple(turns)))
+    return out
+
+
+def user_tokens(cid: int, turn: int, n: int, vocab: int = 1024) -> list[int]:
+    """The new user tokens of one turn: ids 2..vocab-1 (0/1 are BOS/EOS), seeded by sha256
+    of (conversation, turn) so every arm and run sends the same ones."""
+    seed = int.from_bytes(hashlib.sha256(f"{cid}:{turn}".encode()).digest()[:8], "big")
+    r = random.Random(seed)
+    return [r.randrange(2, vocab) for _ in range(n)]
+
+
+def next_prompt(prev_prompt: list[int], prev_answer: list[int], conv: Conversation, k: int) -> list[int]:
+    """Turn k's prompt: turn k-1's prompt and answer, then turn k's new user tokens."""
+    new = user_tokens(conv.cid, k, conv.turns[k].new_tokens)
+    return (prev_prompt + prev_answer + new) if k else new
+
+
+def assign(convs: Sequence[Conversation], users: int, offset: int = 0) -> list[list[Conversation]]:
+    """User u's conversations: offset+u, offset+u+users, ... (a fixed set per level, the
+    same in every arm)."""
+    pool = list(convs[offset:])
+    return [pool[u::users] for u in range(users)]
+
+
+def route(policy: str, seq: int, cid: int, engines: int) -> int:
+    """Round-robin: the request's global sequence number; sticky: the conversation's
+    sha256 (never Python's hash()), so a conversation stays on one engine."""
+    if policy == "rr":
+        return seq % engines
+    if policy == "sticky":
+        return int.from_bytes(hashlib.sha256(str(cid).encode()).digest()[:4], "big") % engines
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def manifest_args(path: Path = MANIFEST) -> list[str]:
+    """The `vllm serve` args of the engine manifest's vllm container (model first)."""
+    import yaml
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc.get("kind") == "Pod":
+            for c in doc["spec"]["containers"]:
+                if c["name"] == "vllm":
+                    return list(c["args"])
+    raise ValueError(f"no vllm container in {path}")
+
+
+def serve_args(model: str, port: int, connector: dict | None, extra: Sequence[str] = (),
+               manifest: Sequence[str] = ()) -> list[str]:
+    """`vllm serve` args: the manifest's flags (its model, host and port replaced; its
+    --kv-transfer-config replaced by `connector`, or left out when None), then `extra`."""
+    args = [model, "--host=127.0.0.1", f"--port={port}"]
+    for a in (manifest or manifest_args())[1:]:
+        name = a.split("=", 1)[0]
+        if name in ("--host", "--port"):
+            continue
+        if name == "--kv-transfer-config":
+            if connector is not None:
+                args.append("--kv-transfer-config=" + json.dumps(connector))
+            continue
+        args.append(a)
+    return args + list(extra)
+
+
+def sidecar_connector(socket_url: str, manifest: Sequence[str] = ()) -> dict:
+    """The manifest's --kv-transfer-config with the bench's sidecar socket."""
+    for a in (manifest or manifest_args()):
+        if a.startswith("--kv-transfer-config="):
+            cfg = json.loads(a.split("=", 1)[1])
+            cfg["kv_connector_extra_config"]["sidecar_url"] = socket_url
+            return cfg
+    raise ValueError("the manifest has no --kv-transfer-config")
+
+
+def level_summary(recs: Sequence[dict], warmup: int) -> dict:
+    """One level's figures from its request records (in completion order): the first
+    `warmup` records are dropped; req/s and tokens/s over the kept requests' span."""
+    kept = list(recs[warmup:])
+    ok = [r for r in kept if not r.get("error")]
+    ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+    e2e = [r["e2e"] for r in ok]
+    span = (max(r["end"] for r in kept) - min(r["start"] for r in kept)) if kept else 0.0
+    return {"requests": len(kept), "errors": len(kept) - len(ok), "ttft_p50_s": lib.percentile(ttft, 50),
+            "ttft_p90_s": lib.percentile(ttft, 90), "ttft_p99_s": lib.percentile(ttft, 99),
+            "e2e_p50_s": lib.percentile(e2e, 50), "e2e_p99_s": lib.percentile(e2e, 99),
+            "req_s": len(ok) / span if span > 0 else None,
+            "out_tok_s": sum(r["out_tokens"] for r in ok) / span if span > 0 else None,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+            "cached_tokens": sum(r.get("cached_tokens") or 0 for r in ok)}
+
+
+def counters_agree(sidecar_pages: int, external_tokens: int, loads: int, block: int) -> bool:
+    """The sidecar's page hits against vLLM's external_kv_transfer tokens: each load of e
+    tokens reads ceil(e / block) pages (a partial last page is the prompt's tail), so
+    pages x block - tokens lies in [0, block x loads)."""
+    gap = sidecar_pages * block - external_tokens
+    return 0 <= gap < block * max(loads, 1) if sidecar_pages or external_tokens else True
+
+
+def targets(rows: Sequence[dict], policy: str = "rr", level: int = TARGET_LEVEL) -> list[dict]:
+    """The issue's targets from the report rows of one run: each with its ratio, limit and
+    met (None where an arm or level is missing)."""
+    at = {(r["arm"], r["policy"], r["users_per_engine"]): r for r in rows}
+    shared, lm, none = (at.get((a, policy, level)) for a in ("shared", "lmcache", "none"))
+
+    def one(name: str, a: float | None, b: float | None, limit: float, above: bool = False) -> dict:
+        ratio = lib.ratio(a, b)
+        met = None if ratio is None else (ratio >= limit if above else ratio <= limit)
+        return {"target": name, "ratio": ratio, "limit": limit, "met": met}
+    out = [one(f"shared p50 TTFT / LMCache's at {level} users/engine",
+               shared and shared["ttft_p50_s"], lm and lm["ttft_p50_s"], TARGET_P50_VS_LMCACHE),
+           one(f"shared p50 TTFT / no connector's at {level} users/engine",
+               shared and shared["ttft_p50_s"], none and none["ttft_p50_s"], TARGET_P50_VS_NONE),
+           one(f"shared req/s / LMCache's at {level} users/engine",
+               shared and shared["req_s"], lm and lm["req_s"], 1.0, above=True)]
+    for (arm, pol, lvl), r in sorted(at.items()):
+        if arm == "shared" and pol == policy and (arm, pol, lvl) and ("none", pol, lvl) in at:
+            out.append(one(f"shared p99 TTFT / no connector's at {lvl} users/engine", r["ttft_p99_s"],
+                           at[("none", pol, lvl)]["ttft_p99_s"], 1.0))
+    return out
+
+
+def targets_text(ts: Sequence[dict]) -> str:
+    lines = []
+    for t in ts:
+        state = "no figure" if t["met"] is None else "met" if t["met"] else "NOT met"
+        r = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        lines.append(f"- {t['target']}: {r} (limit {t['limit']}) {state}")
+    return "\n".join(lines)

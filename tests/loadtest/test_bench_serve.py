@@ -1,0 +1,115 @@
+"""`make bench-serve`'s arithmetic (loadtest/bench_serve_lib.py): the trace's conversations
+made into token prompts, the `vllm serve` command kept in step with deploy/engine-vllm.yaml,
+and the report's figures and targets."""
+from __future__ import annotations
+
+import json
+
+from loadtest import bench_serve_lib as sl
+
+ROWS = [  # two conversations (shared prefixes of 2+ blocks) and one lone request
+    {"input_length": 1000, "output_length": 100, "hash_ids": [0, 1]},
+    {"input_length": 600, "output_length": 10, "hash_ids": [0, 9]},
+    {"input_length": 1600, "output_length": 50, "hash_ids": [0, 1, 2, 3]},
+    {"input_length": 2100, "output_length": 30, "hash_ids": [0, 1, 2, 3, 4, 5]},
+    {"input_length": 700, "output_length": 20, "hash_ids": [0, 7, 8]},
+    {"input_length": 900, "output_length": 20, "hash_ids": [0, 7, 8, 6]},
+]
+
+
+def test_turns_grow_by_the_traces_new_tokens():
+    convs = sl.conversations(ROWS, scale=16)
+    assert [c.cid for c in convs] == [0, 4]
+    first = convs[0]
+    # 1000/16 -> 63; then 1600/16 = 100 minus 63 and the answer's 100/16 = 7 -> 30; then 2100/16 = 132
+    # minus 100 and 50/16 = 4 -> 28
+    assert first.turns == (sl.Turn(63, 7), sl.Turn(30, 4), sl.Turn(132 - 100 - 4, 2))
+    prompt, answer = [], []
+    for k, turn in enumerate(first.turns):
+        nxt = sl.next_prompt(prompt, answer, first, k)
+        assert nxt[:len(prompt) + len(answer)] == prompt + answer, "turn k extends turn k-1 and its answer"
+        assert len(nxt) == len(prompt) + len(answer) + turn.new_tokens
+        prompt, answer = nxt, [5] * turn.max_tokens
+    assert all(2 <= t < 1024 for t in prompt)
+
+
+def test_user_tokens_are_deterministic_and_distinct():
+    assert sl.user_tokens(3, 1, 40) == sl.user_tokens(3, 1, 40)
+    assert sl.user_tokens(3, 1, 40) != sl.user_tokens(3, 2, 40)
+    assert sl.user_tokens(3, 1, 40) != sl.user_tokens(4, 1, 40)
+
+
+def test_conversations_are_cut_at_the_length_limit():
+    convs = sl.conversations(ROWS, scale=16, max_prompt=120)
+    assert [len(c.turns) for c in convs] == [2, 2]    # conversation 0 cut after 2 of its 3 turns
+    assert sum(t.new_tokens + t.max_tokens for t in convs[0].turns) <= 120
+
+
+def test_routes_and_assignment():
+    assert [sl.route("rr", s, 7, 4) for s in range(5)] == [0, 1, 2, 3, 0]
+    sticky = {sl.route("sticky", s, cid, 4) for s in range(10) for cid in [11]}
+    assert len(sticky) == 1
+    assert len({sl.route("sticky", 0, cid, 4) for cid in range(40)}) == 4
+    convs = [sl.Conversation(i, ()) for i in range(10)]
+    users = sl.assign(convs, 3, offset=1)
+    assert [[c.cid for c in u] for u in users] == [[1, 4, 7], [2, 5, 8], [3, 6, 9]]
+
+
+def test_serve_args_keep_the_manifests_flags():
+    manifest = sl.manifest_args()
+    conn = sl.sidecar_connector("unix:///tmp/x.sock")
+    args = sl.serve_args("/m", 9000, conn, ["--max-model-len=512"])
+    names = {a.split("=", 1)[0] for a in args}
+    for a in manifest[1:]:
+        name = a.split("=", 1)[0]
+        assert name in names, f"the bench's vllm serve lacks the manifest's {name}"
+        if name not in ("--host", "--port", "--kv-transfer-config"):
+            assert a in args
+    cfg = json.loads(next(a for a in args if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+    want = json.loads(next(a for a in manifest if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+    want["kv_connector_extra_config"]["sidecar_url"] = "unix:///tmp/x.sock"
+    assert cfg == want
+    assert args[:3] == ["/m", "--host=127.0.0.1", "--port=9000"]
+    bare = sl.serve_args("/m", 9000, None)
+    assert not any(a.startswith("--kv-transfer-config") for a in bare)
+
+
+def rec(start: float, ttft: float, e2e: float, out: int = 4, error: str = "") -> dict:
+    return {"start": start, "end": start + e2e, "ttft": ttft, "e2e": e2e, "out_tokens": out,
+            "prompt_tokens": 100, "cached_tokens": 50, **({"error": error} if error else {})}
+
+
+def test_level_summary_drops_the_warm_up_and_counts_errors():
+    recs = [rec(0, 9.0, 9.0)] + [rec(10 + i, 0.1 * (i + 1), 1.0) for i in range(10)] + [rec(20, 0, 1, error="500")]
+    s = sl.level_summary(recs, warmup=1)
+    assert s["requests"] == 11 and s["errors"] == 1
+    assert s["ttft_p50_s"] == 0.5 and s["ttft_p99_s"] == 1.0       # the 9 s warm-up is gone
+    assert abs(s["req_s"] - 10 / 11) < 1e-9                          # 10 ok over 10.0 .. 21.0
+    assert abs(s["out_tok_s"] - 40 / 11) < 1e-9
+    assert s["cached_tokens"] == 500
+
+
+def test_counters_agree_within_a_page_a_load():
+    assert sl.counters_agree(4, 127, loads=1, block=32)       # 3 blocks and a 31-token tail
+    assert not sl.counters_agree(3, 127, loads=1, block=32)   # fewer pages than tokens
+    assert not sl.counters_agree(6, 127, loads=1, block=32)   # pages nobody counted
+    assert sl.counters_agree(0, 0, loads=0, block=32)
+
+
+def row(arm: str, level: int, p50: float, p99: float, rps: float) -> dict:
+    return {"arm": arm, "policy": "rr", "users_per_engine": level, "ttft_p50_s": p50, "ttft_p99_s": p99,
+            "req_s": rps}
+
+
+def test_targets_ratios_and_verdicts():
+    rows = [row("shared", 4, 0.4, 1.0, 10), row("lmcache", 4, 0.6, 1.0, 9), row("none", 4, 1.0, 1.1, 5),
+            row("shared", 1, 0.2, 0.9, 3), row("none", 1, 0.3, 0.8, 2)]
+    ts = {t["target"]: t for t in sl.targets(rows)}
+    lm = ts["shared p50 TTFT / LMCache's at 4 users/engine"]
+    assert abs(lm["ratio"] - 0.4 / 0.6) < 1e-9 and lm["met"] is True
+    assert ts["shared p50 TTFT / no connector's at 4 users/engine"]["met"] is True     # 0.4 <= 0.5
+    assert ts["shared req/s / LMCache's at 4 users/engine"]["met"] is True
+    assert ts["shared p99 TTFT / no connector's at 1 users/engine"]["met"] is False    # 0.9 > 0.8
+    assert ts["shared p99 TTFT / no connector's at 4 users/engine"]["met"] is True
+    missing = sl.targets([row("shared", 4, 0.4, 1.0, 10)])
+    assert missing[0]["met"] is None and "no figure" in sl.targets_text(missing)
