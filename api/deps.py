@@ -3,7 +3,10 @@
 It is `async` on purpose: FastAPI runs a sync dependency in a worker thread per request."""
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
+from starlette.types import Scope
 
 from sidecar.context import Context
 from sidecar.errors import NotReady
@@ -15,25 +18,25 @@ async def context(request: Request) -> Context:
     return ready(request.app.state)
 
 
-def who(ctx: Context, scope: dict) -> Caller:
+def who(ctx: Context, scope: Scope) -> Caller:
     """Who asks (sidecar/tenancy.py): the engine socket's peer, else the operator (TCP
     behind a token) or an anonymous TCP caller."""
     return ctx.store.caller(scope.get(PEER_KEY))
 
 
-def ref(ctx: Context, scope: dict, name: str) -> str:
+def ref(ctx: Context, scope: Scope, name: str) -> str:
     """The namespace `name` means to the caller of this request (404 when none)."""
     return ctx.store.resolve(name, ctx.store.caller(scope.get(PEER_KEY)))
 
 
-def observer(ctx: Context, scope: dict) -> Caller:
+def observer(ctx: Context, scope: Scope) -> Caller:
     """Whose namespaces /v1/stats, /metrics, /v1/cost and /v1/samples name: the caller's
     (a peer's or anonymous TCP's own; every one for the operator). Totals without names
     are the node's for everyone."""
     return ctx.store.caller(scope.get(PEER_KEY))
 
 
-def ready(state) -> Context:
+def ready(state: Any) -> Context:
     """The app's context once it is ready, else 503."""
     ctx = getattr(state, "ctx", None)
     if ctx is None or not ctx.ready:

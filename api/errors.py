@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi.exceptions import RequestValidationError
@@ -71,7 +73,8 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal", "internal error; see the sidecar log")
 
 
-HANDLERS = {
+# each handler takes the class it is keyed by (which a dict's type cannot say: Any)
+HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
     e.SidecarError: on_domain_error,
     HTTPException: on_http_error,
     RequestValidationError: on_validation_error,

@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 import orjson
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import Scope
 
 from api.deps import ready, ref, who
 from api.errors import on_disconnect, on_domain_error, on_unexpected
@@ -31,14 +32,16 @@ from sidecar.errors import BadRequest, SidecarError
 from sidecar.events import check_tokens, set_meta
 from sidecar.peer import scope_peer
 
-Handler = Callable[[Context, dict, Optional[str], dict], Awaitable[bytes]]
+# (ctx, scope, namespace: None for batch/exists alone, request body)
+Handler = Callable[[Context, Scope, Optional[str], dict], Awaitable[bytes]]
 JSON = (b"content-type", b"application/json")
 PREFIX = "/v1/namespaces/"
 HOT = "kv_sidecar.hot"  # scope key: the matched (route, namespace), until the Guard lets it in
 
 
-async def exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
-    keys = body.get("keys")
+async def exists(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+    assert name is not None, "a page route without its namespace"
+    keys: Any = body.get("keys")   # the request's JSON: local_prefix validates it
     name = ref(ctx, scope, name)
     n, more = ctx.store.lookup.local_prefix(name, keys)
     local = n
@@ -50,7 +53,8 @@ async def exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> 
     return b'{"prefix":%d}' % n
 
 
-async def set_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
+async def set_pages(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+    assert name is not None, "a page route without its namespace"
     durable = body.get("durable", False)
     if not isinstance(durable, bool):
         raise BadRequest("'durable' must be true or false")
@@ -62,13 +66,14 @@ async def set_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) 
     return orjson.dumps({"stored": stored})
 
 
-async def get_pages(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
+async def get_pages(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+    assert name is not None, "a page route without its namespace"
     loaded = await ctx.store.get(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"), body.get("slots"),
                                  scope_peer(scope))
     return orjson.dumps({"loaded": loaded})
 
 
-async def batch_exists(ctx: Context, scope: dict, name: Optional[str], body: dict) -> bytes:
+async def batch_exists(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
     extra = hybrid.parse_extra(body.get("extra"))
     restorable = body.get("restorable", False)
     if not isinstance(restorable, bool):
@@ -90,7 +95,7 @@ PAGE_ROUTES = {op: Route(PREFIX + "{name}/" + op, h)
 BATCH_EXISTS = Route("/v1/batch/exists", batch_exists)
 
 
-def match(scope: dict) -> tuple[Optional[Route], Optional[str]]:
+def match(scope: Scope) -> tuple[Optional[Route], Optional[str]]:
     """(route, namespace) for a hot request, (None, None) for FastAPI."""
     if scope["method"] != "POST" or scope["query_string"]:
         return None, None
@@ -129,9 +134,9 @@ class FastPath:
             body = parse_object(await receive_body(receive, ctx.config.max_json_body))
             out = await route.handler(ctx, scope, name, body)
         except SidecarError as exc:
-            return await (await on_domain_error(None, exc))(scope, receive, send)
+            return await (await on_domain_error(Request(scope), exc))(scope, receive, send)
         except ClientDisconnect as exc:
-            return await (await on_disconnect(None, exc))(scope, receive, send)
+            return await (await on_disconnect(Request(scope), exc))(scope, receive, send)
         except Exception as exc:  # as FastAPI's ServerErrorMiddleware: answer 500, re-raise
             await (await on_unexpected(Request(scope), exc))(scope, receive, send)
             raise

@@ -56,6 +56,7 @@ class Guard:
                 auth = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
             conn = scope.get(CONN_KEY)    # a TCP connection yet to show the token
+            assert self.basic is not None, "a token makes both forms (Bearer and Basic)"
             auth = auth or b""
             if not (hmac.compare_digest(auth, self.expected) or hmac.compare_digest(auth, self.basic)):
                 if conn is not None:

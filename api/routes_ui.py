@@ -18,11 +18,20 @@ from sidecar.context import Context
 from sidecar.errors import NotFound
 from sidecar.samples import INTERVAL
 
+
+def package_dir(name: str) -> Path:
+    """The directory of the installed package `name`, found without importing it."""
+    spec = find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{name} is not installed (a dependency of kv-sidecar)")
+    return Path(spec.submodule_search_locations[0])
+
+
 router = APIRouter(include_in_schema=False)
 STATIC = resources.files("api") / "static"
 # Swagger UI 5 (it reads OpenAPI 3.1) as the fastapi-offline package ships it; only its
 # files are used, found without importing it. /docs serves these names and nothing else.
-SWAGGER_DIR = Path(find_spec("fastapi_offline").submodule_search_locations[0]) / "static"
+SWAGGER_DIR = package_dir("fastapi_offline") / "static"
 SWAGGER_FILES = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript",
                  "favicon.png": "image/png"}
 DOCS_PAGE = """<!doctype html>

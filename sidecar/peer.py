@@ -14,7 +14,7 @@ import socket
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sidecar.datadir import check_private
 
@@ -80,7 +80,7 @@ def _many_groups(fd: int) -> bytes:
     return b""
 
 
-def scope_peer(scope: dict) -> Optional[Peer]:
+def scope_peer(scope: Mapping[str, Any]) -> Optional[Peer]:
     """The Peer the server attached to an ASGI scope, or None (TCP)."""
     return scope.get(PEER_KEY)
 
