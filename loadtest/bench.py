@@ -29,6 +29,7 @@ import time
 import orjson
 import torch
 
+from api.cli.stats import pct
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.procs import Proc, start_bare, start_sidecar
@@ -36,12 +37,6 @@ from loadtest.procs import Proc, start_bare, start_sidecar
 TARGETS = {"exists": 1.0, "exists_p99": 1.2, "set": 1.0, "get": 1.0, "batch_exists": 0.9, "client": 1.2,
            "batch_partial": 0.9,
            "shm_set": 0.85, "shm_get": 0.85}
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile of `values` (0.0 for none)."""
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 def _connect(url: str) -> socket.socket:

@@ -36,6 +36,15 @@ def test_sidecar_does_not_import_api():
     assert bad == []
 
 
+def test_product_never_imports_loadtest():
+    """No import statement in api/, sidecar/ or pools/ names loadtest: at the top of a file,
+    in a function (the replay command once imported its quantile from the bench there), or
+    behind `if TYPE_CHECKING`."""
+    bad = [(f, n) for pkg in ("pools", "sidecar", "api") for f, top, n in imports(pkg)
+           if top == "loadtest"]
+    assert bad == []
+
+
 def test_only_cuda_ipc_touches_cuda():
     """In the sidecar, only the CUDA transport; on the engine side, only its exporter."""
     users = {f for pkg in ("pools", "sidecar", "api") for f, top, _ in imports(pkg) if top == "cuda"}

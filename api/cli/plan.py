@@ -194,6 +194,7 @@ def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np   # matplotlib's own dependency: the axis functions get arrays
 
     rows = res["rows"]
     x = [r["capacity_pages"] for r in rows]
@@ -211,8 +212,8 @@ def plot(res: dict, path: str) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    top = ax.secondary_xaxis("top", functions=(lambda p: p * res["page_bytes"] / 2**30,
-                                               lambda g: g * 2**30 / res["page_bytes"]))
+    top = ax.secondary_xaxis("top", functions=(lambda p: np.asarray(p) * res["page_bytes"] / 2**30,
+                                               lambda g: np.asarray(g) * 2**30 / res["page_bytes"]))
     top.set_xlabel(f"GiB at {human_bytes(res['page_bytes'])} per page")
     ax.set_title(f"{res['requests']} requests, {res['unique_pages']} unique pages", fontsize=9)
     fig.tight_layout()

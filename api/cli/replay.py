@@ -21,6 +21,7 @@ import orjson
 from api.engine.client import SidecarClient
 from api.cli.lru_sim import LruSim
 from api.cli.progress import Progress
+from api.cli.stats import pct
 
 BLOCK_TOKENS = 512
 
@@ -76,7 +77,6 @@ class Replay:
         tt["sim_hit_tokens"] += min(sim_hit * BLOCK_TOKENS, tokens)
 
     def report(self, elapsed: float, stats: dict) -> dict:
-        from loadtest.bench import pct
         tt = self.totals
         moved = (tt["loaded"] + tt["stored"]) * self.page_bytes
         ns = stats["namespaces"][self.ns]

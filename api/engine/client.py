@@ -18,11 +18,12 @@ import http.client
 import socket
 import threading
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 from urllib.parse import quote, urlsplit
 
 import orjson
 
+Body = Union[bytes, bytearray, memoryview]   # a request's body, sent as it is
 
 class SidecarError(Exception):
     """An error answer: `status`, `code` and `message` from the error body of API.md."""
@@ -55,7 +56,7 @@ class _Connection:
             self.sock = None
         self.buf.clear()
 
-    def roundtrip(self, head: bytes, body: Optional[bytes]) -> tuple[int, bytes]:
+    def roundtrip(self, head: bytes, body: Optional[Body]) -> tuple[int, bytes | bytearray]:
         if self.sock is None:
             self.sock = self._connect()
         if body is not None and memoryview(body).nbytes < _ONE_WRITE:
@@ -102,27 +103,34 @@ class _Connection:
                 raise http.client.HTTPException(f"unexpected Transfer-Encoding {value.strip()}")
         return int(lines[0].split(" ", 2)[1]), length, close
 
+    @property
+    def _sock(self) -> socket.socket:
+        """The socket `roundtrip` connected: answers are read inside it."""
+        assert self.sock is not None, "an answer read outside a roundtrip"
+        return self.sock
+
     def _fill(self) -> None:
-        chunk = self.sock.recv(1 << 16)   # under malloc's mmap threshold: no mmap/munmap a call
+        chunk = self._sock.recv(1 << 16)   # under malloc's mmap threshold: no mmap/munmap a call
         if not chunk:
             raise http.client.RemoteDisconnected("the sidecar closed the connection")
         self.buf += chunk
 
-    def _take(self, n: int) -> bytes:
+    def _take(self, n: int) -> bytes | bytearray:
+        """The next n bytes; a large body as the bytearray it was read into (no copy)."""
         if len(self.buf) < n:  # a large body: one buffer, filled in place
             out, have = bytearray(n), len(self.buf)
             out[:have] = self.buf
             self.buf.clear()
             view = memoryview(out)
             while have < n:
-                got = self.sock.recv_into(view[have:])
+                got = self._sock.recv_into(view[have:])
                 if not got:
                     raise http.client.RemoteDisconnected("the sidecar closed mid-answer")
                 have += got
             return bytes(out) if n < _ONE_WRITE else out
-        out = bytes(self.buf[:n])
+        small = bytes(self.buf[:n])
         del self.buf[:n]
-        return out
+        return small
 
 
 _ONE_WRITE = 256 << 10
@@ -183,7 +191,7 @@ class SidecarClient:
         with self._lend_lock:
             for attempt in (0, 1):
                 try:
-                    return self._lend_locked(fd)
+                    return self._lend_locked(fd, self.socket_path)
                 except (OSError, ValueError) as exc:
                     if self._lender is not None:
                         self._lender.close()
@@ -192,12 +200,12 @@ class SidecarClient:
                         raise SidecarUnavailable(f"lending an fd: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _lend_locked(self, fd: int) -> str:
+    def _lend_locked(self, fd: int, path: str) -> str:
         if self._lender is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             sock.settimeout(self.timeout)
             try:
-                sock.connect(self.socket_path + ".fds")
+                sock.connect(path + ".fds")
             except OSError:
                 sock.close()
                 raise
@@ -239,7 +247,7 @@ class SidecarClient:
             return status, payload
         return status, orjson.loads(payload) if payload else None
 
-    def _head(self, method: str, path: str, data: Optional[bytes]) -> bytes:
+    def _head(self, method: str, path: str, data: Optional[Body]) -> bytes:
         length = f"Content-Length: {memoryview(data).nbytes}\r\n" if data is not None else ""
         return f"{method} {path} HTTP/1.1\r\n{self._headers}{length}\r\n".encode("latin-1")
 
