@@ -77,8 +77,9 @@ class Lookup:
         ns = self.namespace(name)
         return n + await self.tiering.remote_prefix(ns.identity, keys[n:], ns.pool.ready)
 
-    async def prefix(self, name: str, keys: list[str]) -> int:
-        """Longest run of keys from index 0 present in the host pool or any tier."""
+    async def prefix(self, name: str, keys: Any) -> int:
+        """Longest run of keys from index 0 present in the host pool or any tier (`keys`:
+        a request's JSON, validated by `local_prefix`)."""
         n, more = self.local_prefix(name, keys)
         return await self.remote_prefix(name, keys, n) if more else n
 
@@ -95,8 +96,9 @@ class Lookup:
         return n
 
     # -- masks --------------------------------------------------------------------------
-    async def present(self, name: str, keys: list[str]) -> list[bool]:
-        """Each key's presence in the host pool or any tier (keys validated here)."""
+    async def present(self, name: str, keys: Any) -> list[bool]:
+        """Each key's presence in the host pool or any tier (`keys`: a request's JSON,
+        validated here)."""
         ns = self.namespace(name)
         try:
             found = ns.pool.present(check_batch(keys))

@@ -192,11 +192,11 @@ class Store:
                 gone.append(buf.id)
         return gone
 
-    async def delete(self, name: str, keys: list[str]) -> tuple[int, int]:
+    async def delete(self, name: str, keys: Any) -> tuple[int, int]:
         """Drop keys from the host pool and every tier: (keys that were present anywhere,
         keys some tier failed to remove and still holds)."""
         ns = self.namespace(name)
-        was = await self.lookup.present(name, keys)  # validates every key it does not find
+        was = await self.lookup.present(name, keys)  # validates (JSON) keys it does not find
         self.controls.forget(name, keys)      # a pinned page is deleted too, its slot freed
         for k in keys:
             ns.pool.delete(k)
@@ -438,8 +438,9 @@ class Store:
         return unqueued + await writer.flush(max(0.0, deadline - loop.time()))
 
     # -- prefetch ---------------------------------------------------------------------
-    async def prefetch(self, name: str, keys: list[str]) -> dict[str, Any]:
-        """Start bringing the leading run of present keys up to the host pool."""
+    async def prefetch(self, name: str, keys: Any) -> dict[str, Any]:
+        """Start bringing the leading run of present keys up to the host pool (`keys`: a
+        request's JSON, validated by the look-up)."""
         ns = self.namespace(name)
         n = await self.lookup.prefix(name, keys)
         ticket = "t-" + secrets.token_hex(8)
