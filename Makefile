@@ -175,6 +175,16 @@ $(LMCACHE_VENV)/.installed: $(VLLM_VENV)/.installed
 gpu-wheels:
 	$(PYTHON) scripts/gpu_wheels.py download .whl
 
+# `vllm serve` fleets (2 and 4 engines, deploy/engine-vllm.yaml's flags) under Locust, multi-turn
+# conversations of the trace: no connector, one shared sidecar, one per engine, LMCache's MP
+# server (LMCACHE=0 leaves it out); tables, targets and TTFT CDFs in SERVE_OUT (issue 44)
+.PHONY: bench-serve
+SERVE_OUT ?= build/bench-serve
+bench-serve: $(VLLM_VENV)/.installed $(VENV)/.installed $(if $(filter 1,$(LMCACHE)),$(LMCACHE_VENV)/.installed)
+	$(VPY) -m loadtest.bench_serve --out $(SERVE_OUT) --locust $(VENV)/bin/locust \
+	  $(if $(filter 1,$(LMCACHE)),--lmcache-python $(LMCACHE_VENV)/bin/python) $(ARGS)
+	$(PY) -m loadtest.bench_serve_report $(SERVE_OUT)
+
 bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
 	$(PY) -m loadtest.bench_socket

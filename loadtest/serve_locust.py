@@ -1,0 +1,69 @@
+"""Locust users for `make bench-serve` (loadtest/bench_serve.py writes the plan):
+
+    SERVE_PLAN=plan.json locust -f loadtest/serve_locust.py --headless -u U -r U
+
+Each user plays its conversations of the trace (bench_serve_lib.assign) turn by turn: turn
+k's prompt is turn k-1's prompt and the answer the engine streamed, then the turn's new user
+tokens. Streamed /v1/completions, greedy, the answer's length exactly; TTFT at the first
+streamed token. Routing: `rr` (each request to the next engine) or `sticky` (a conversation
+keeps its engine). After `requests` requests in all the run quits; every request is one JSON
+line in the plan's `out` (warm-up included: the report drops it).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+from locust import User, events, task
+from locust.exception import StopUser
+
+from loadtest import bench_serve_lib as sl
+from loadtest.bench_serve_fleet import stream_completion
+
+PLAN = json.loads(Path(os.environ["SERVE_PLAN"]).read_text()) if os.environ.get("SERVE_PLAN") else None
+_seq = itertools.count()
+_users = itertools.count()
+_done: list[dict] = []
+
+
+def _conversations(u: int) -> list[sl.Conversation]:
+    raw = PLAN["users"][u % len(PLAN["users"])]
+    return [sl.Conversation(c["cid"], tuple(sl.Turn(*t) for t in c["turns"])) for c in raw]
+
+
+class ConversationUser(User):
+    """One user: its conversations in order, each from its first turn."""
+
+    def on_start(self) -> None:
+        self.uid = next(_users)
+        self.convs = _conversations(self.uid)
+        self.ci, self.k, self.prompt, self.answer = 0, 0, [], []
+
+    @task
+    def turn(self) -> None:
+        seq = next(_seq)
+        if seq >= PLAN["requests"]:
+            raise StopUser()
+        conv = self.convs[self.ci % len(self.convs)]
+        prompt = sl.next_prompt(self.prompt, self.answer, conv, self.k)
+        engine = PLAN["engines"][sl.route(PLAN["policy"], seq, conv.cid, len(PLAN["engines"]))]
+        got = stream_completion("127.0.0.1", engine, PLAN["model"], prompt, conv.turns[self.k].max_tokens)
+        rec = {"seq": seq, "user": self.uid, "cid": conv.cid, "turn": self.k, "engine": engine,
+               "start": got["start"], "end": got["end"], "ttft": got["ttft"], "e2e": got["e2e"],
+               "out_tokens": len(got["tokens"]), "prompt_tokens": len(prompt),
+               "cached_tokens": got["cached_tokens"], "status": got["status"], **(
+                   {"error": got["error"]} if "error" in got else {})}
+        failure = Exception(got["error"]) if "error" in got else None
+        events.request.fire(request_type="completion", name=PLAN["policy"], response_time=got["e2e"] * 1e3,
+                            response_length=len(got["tokens"]), exception=failure, context={})
+        with open(PLAN["out"], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        _done.append(rec)
+        self.prompt, self.answer = prompt, got["tokens"]
+        self.k += 1
+        if self.k == len(conv.turns) or "error" in got:
+            self.ci, self.k, self.prompt, self.answer = self.ci + 1, 0, [], []
+        if len(_done) >= PLAN["requests"] and self.environment.runner is not None:
+            self.environment.runner.quit()
