@@ -33,6 +33,8 @@ from loadtest.procs import ROOT, start_sidecar
 from tests.engines.vllm.tiny_model import SIZES, build
 
 TRACE = str(Path(ROOT).parent / "shared" / "traces" / "conversation_trace.jsonl")
+TOKEN = "bench-serve-token"    # the operator's: /v1/stats names a tokenless TCP caller no namespace
+AUTH = ("--token", TOKEN)
 
 
 class Arm:
@@ -41,9 +43,9 @@ class Arm:
     def __init__(self, name: str, args, n: int, stack: ExitStack):
         self.name, self.sidecars, self.lmcache = name, [], None
         if name == "shared":
-            self.sidecars = [start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib}MiB")]
+            self.sidecars = [start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib}MiB", *AUTH)]
         elif name == "split":
-            self.sidecars = [start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib // n}MiB")
+            self.sidecars = [start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib // n}MiB", *AUTH)
                              for _ in range(n)]
         elif name == "lmcache":
             from loadtest.bench_engines import LMCacheServer
@@ -55,7 +57,9 @@ class Arm:
 
     def connector(self, i: int) -> dict | None:
         if self.sidecars:
-            return sl.sidecar_connector(self.sidecars[i % len(self.sidecars)].socket_url)
+            cfg = sl.sidecar_connector(self.sidecars[i % len(self.sidecars)].socket_url)
+            cfg["kv_connector_extra_config"]["sidecar_token"] = TOKEN
+            return cfg
         if self.lmcache:
             host, _, port = self.lmcache.url.rpartition(":")
             return {"kv_connector": "LMCacheMPConnector",
@@ -71,7 +75,7 @@ class Arm:
     def counters(self) -> lib.Counters:
         total = lib.Counters()
         for s in self.sidecars:
-            c = lib.Counters.of(SidecarClient(s.url).stats())
+            c = lib.Counters.of(SidecarClient(s.url, token=TOKEN).stats())
             total = lib.Counters(total.hits + c.hits, total.misses + c.misses, total.bytes_out + c.bytes_out)
         return total
 

@@ -577,6 +577,16 @@ MUTANTS = [
     M("gpu: a failing step of scripts/gpu_check.sh passes the check", "scripts/gpu_check.sh",
       '[ "$RC" -ne 0 ] && FAILED=1', 'true',
       ("tests/test_gpu_check.py::test_failing_steps_fail_the_check_and_every_step_still_runs",)),
+    # -- bench-serve (issue 44): conversations and the manifest's flags --------------------
+    M("bench-serve: turn k's prompt leaves out turn k-1's answer", "loadtest/bench_serve_lib.py",
+      "return (prev_prompt + prev_answer + new) if k else new", "return (prev_prompt + new) if k else new",
+      ("tests/loadtest/test_bench_serve.py::test_turns_grow_by_the_traces_new_tokens",)),
+    M("bench-serve: vllm serve drops the manifest's flags", "loadtest/bench_serve_lib.py",
+      "        args.append(a)\n    return args + list(extra)", "    return args + list(extra)",
+      ("tests/loadtest/test_bench_serve.py::test_serve_args_keep_the_manifests_flags",)),
+    M("bench-serve: the warm-up counted", "loadtest/bench_serve_lib.py",
+      "kept = list(recs[warmup:])", "kept = list(recs)",
+      ("tests/loadtest/test_bench_serve.py::test_level_summary_drops_the_warm_up_and_counts_errors",)),
 ]
 
 
