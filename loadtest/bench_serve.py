@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,9 @@ from loadtest.procs import ROOT, start_sidecar
 from tests.engines.vllm.tiny_model import SIZES, build
 
 TRACE = str(Path(ROOT).parent / "shared" / "traces" / "conversation_trace.jsonl")
-TOKEN = "bench-serve-token"    # the operator's: /v1/stats names a tokenless TCP caller no namespace
+# the sidecars' token, fresh each run (loopback is open to every local user); also the
+# operator's: /v1/stats names a tokenless TCP caller no namespace
+TOKEN = secrets.token_hex(16)
 AUTH = ("--token", TOKEN)
 
 
