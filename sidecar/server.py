@@ -2,6 +2,7 @@
 lifespan then drains in phases (see `Context.close`)."""
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import logging
@@ -9,7 +10,7 @@ import os
 import re
 import resource
 import socket
-from typing import Optional
+from typing import Any, Optional, cast
 
 import httptools
 import uvicorn
@@ -85,7 +86,8 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self.peer = peer_of(sock)
         self._listener = ENGINE if getattr(sock, "family", None) == socket.AF_UNIX else TCP
         self._uid = self.peer.uid if self.peer is not None else None
-        self._timer = self._write_timer = None
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._write_timer: Optional[asyncio.TimerHandle] = None
         self._refusal: Optional[tuple[int, str, str]] = None
         self._head_left = self.settings.max_head
         self._body_end = self._last = 0.0
@@ -107,7 +109,8 @@ class PeerHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.flow = _Flow(transport)
         if self._pending:
-            self.timeout_keep_alive = min(self.timeout_keep_alive, self.settings.auth_timeout)
+            # uvicorn annotates it int; it is seconds for call_later, a float does
+            self.timeout_keep_alive = min(self.timeout_keep_alive, self.settings.auth_timeout)  # type: ignore[assignment]
         self._arm(self._head_timeout())
 
     def connection_lost(self, exc) -> None:
@@ -291,10 +294,11 @@ class PeerHttpProtocol(HttpToolsProtocol):
         if self._ended_in_piece:    # begun in the piece that ended the one before: all its bytes count
             self._head_left = self.settings.max_head - self._piece
         super().on_message_begin()
+        scope = cast("dict[str, Any]", self.scope)   # our keys beside the ASGI ones
         if self.peer is not None:
-            self.scope[PEER_KEY] = self.peer
+            scope[PEER_KEY] = self.peer
         elif self._pending:
-            self.scope[CONN_KEY] = self
+            scope[CONN_KEY] = self
             self.registry.touch(self)
         self._arm(self._head_timeout())
 
@@ -417,7 +421,9 @@ def uvicorn_config(app, config: Config) -> uvicorn.Config:
     # websockets (no route takes one, and an upgraded connection would leave these limits)
     return uvicorn.Config(app, loop="uvloop", http=protocol, ws="none", lifespan="on",
                           access_log=False, log_level=config.log_level, proxy_headers=False,
-                          server_header=False, timeout_graceful_shutdown=config.shutdown_timeout)
+                          server_header=False,
+                          # annotated int by uvicorn, used as seconds by asyncio: a float does
+                          timeout_graceful_shutdown=config.shutdown_timeout)  # type: ignore[arg-type]
 
 
 class _Server(uvicorn.Server):
