@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+import gevent
 from locust import User, events, task
 from locust.exception import StopUser
 
@@ -65,5 +66,6 @@ class ConversationUser(User):
         self.k += 1
         if self.k == len(conv.turns) or "error" in got:
             self.ci, self.k, self.prompt, self.answer = self.ci + 1, 0, [], []
-        if len(_done) >= PLAN["requests"] and self.environment.runner is not None:
-            self.environment.runner.quit()
+        if len(_done) == PLAN["requests"] and self.environment.runner is not None:
+            # from a greenlet of its own: quit() stops every user, this one too, midway
+            gevent.spawn(self.environment.runner.quit)
