@@ -333,6 +333,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker.cuda:
             import torch
             torch.cuda.current_stream().synchronize()
+        if not getattr(self, "_warm", False):   # the engine's first prefill pays one-time costs
+            self._warm = True
+            return
         self.worker.timing("prefill", [meta.prefill, time.monotonic() - started])
 
     @never_raises(None)

@@ -5,7 +5,8 @@ prefix in the host pool still loads.
 
     engine 1: P1, P2 computed and saved; flushed to the file tier
     sidecar restarts on its data dir: both prefixes on the (slow) file tier only
-    engine 2: Q (a miss: its prefill is timed), P1 (the tier is unmeasured: loads, slowly,
+    engine 2: Q, Q2 (misses: the second's prefill is timed, the first pays the engine's
+              one-time costs), P1 (the tier is unmeasured: loads, slowly,
               and is timed), P2 (judged slower than its prefill: recomputed, counted),
               P1 again (promoted into the host pool by its load: restored)
 """
@@ -49,7 +50,7 @@ def test_a_slow_tier_is_recomputed_and_counted(spawn, engines, tiny_model, tmp_p
     args = ("--data-dir", data, "--host-pool", "64MiB", "--token", TOKEN, "--log-level", "warning")
     port, sock = free_port(), socket_path()
     sidecar = spawn(*args, port=port, socket=sock).wait_ready(TOKEN)
-    p1, p2, q = prompt(1), prompt(2), prompt(3)
+    p1, p2, q, q2 = prompt(1), prompt(2), prompt(3), prompt(4)
     e1 = engines(tiny_model, sidecar.socket_url, TOKEN)
     ref = e1.ask(op="generate", prompts=[p1, p2])
     assert ref["cached"] == [0, 0]
@@ -61,7 +62,8 @@ def test_a_slow_tier_is_recomputed_and_counted(spawn, engines, tiny_model, tmp_p
     slow = SlowTierSidecar(*args, delay_ms=DELAY_MS, port=port, socket=sock).wait_ready(TOKEN)
     try:
         e2 = engines(tiny_model, slow.socket_url, TOKEN, ENGINE_RESTORE_COST="1")
-        assert e2.ask(op="generate", prompts=[q], reset=True)["cached"] == [0]   # prefill timed
+        for fresh in (q, q2):    # misses: their prefill is timed (the engine's first is not)
+            assert e2.ask(op="generate", prompts=[fresh], reset=True)["cached"] == [0]
         got = e2.ask(op="generate", prompts=[p1], reset=True)    # unmeasured tier: optimistic
         assert got["cached"] == [len(p1) - 1] and got["tokens"] == ref["tokens"][:1]
         got = e2.ask(op="generate", prompts=[p2], reset=True)    # 7 pages x 250 ms: recomputed
