@@ -56,6 +56,7 @@ CHUNK = 512  # keys an evict deletes a step, expired pins ended a loop turn
 WARM_CHUNK = 64
 WARM_RUNNING_PER_OWNER = 4
 WARM_KEPT = 256  # finished jobs remembered (the oldest go first)
+WARM_KEPT_PER_OWNER = 16  # of them an owner's (its oldest go first: none pushes out another's)
 RECHECK = 1.0  # seconds between checks of the bounds while pins exist
 LIST_MAX = 4096  # pins one listing shows
 
@@ -104,7 +105,8 @@ class Pin:
 class WarmJob:
     id: str
     ns: Namespace
-    keys: list[str]
+    keys: list[str]  # emptied when the job ends (`pages` stays)
+    pages: int = 0
     state: str = "running"
     done: int = 0
     loaded: int = 0
@@ -116,7 +118,7 @@ class WarmJob:
             "job": self.id,
             "namespace": label,
             "state": self.state,
-            "pages": len(self.keys),
+            "pages": self.pages,
             "done": self.done,
             "loaded": self.loaded,
         }
@@ -323,7 +325,8 @@ class Controls:
             "more": max(len(mine) - LIST_MAX, 0),
             "pages": len(mine),
             "bytes": len(mine) * ns.spec.page_bytes,
-            **self.usage(ns.owner),
+            # the owner's pins of every namespace: for it and the operator, not its sharers
+            **(self.usage(ns.owner) if who is OPERATOR or owner_of(who) == ns.owner else {}),
         }
 
     def summary(self, who: Caller) -> dict[str, Any]:
@@ -464,9 +467,9 @@ class Controls:
                 if hit
             ]
         ns = self.owned(ref, who)
-        job = WarmJob("w-" + secrets.token_hex(8), ns, keys)
+        job = WarmJob("w-" + secrets.token_hex(8), ns, keys, len(keys))
+        self._trim_jobs(ns.owner)
         self.jobs[job.id] = job
-        self._trim_jobs()
         job.task = asyncio.get_running_loop().create_task(self._warm(job))
         return {"job": job.id, "pages": len(keys)}
 
@@ -488,10 +491,18 @@ class Controls:
             job.state, job.error = "failed", "the namespace was deleted"
         except Exception as exc:  # reported through the job, never raised into the loop
             job.state, job.error = "failed", str(exc)[:200]
+        finally:
+            job.keys = []  # 256 ended jobs of 4,096 keys each would hold ~190 MB
 
-    def _trim_jobs(self) -> None:
+    def _trim_jobs(self, owner: Hashable) -> None:
+        """Room for a job of `owner`: its own oldest ended jobs past WARM_KEPT_PER_OWNER go,
+        then anyone's oldest ended past WARM_KEPT."""
         ended = [j for j, job in self.jobs.items() if job.state != "running"]
-        for j in ended[: max(len(self.jobs) - WARM_KEPT, 0)]:
+        own = [j for j in ended if self.jobs[j].ns.owner == owner]
+        for j in own[: max(len(own) + 1 - WARM_KEPT_PER_OWNER, 0)]:
+            del self.jobs[j]
+            ended.remove(j)
+        for j in ended[: max(len(self.jobs) + 1 - WARM_KEPT, 0)]:
             del self.jobs[j]
 
     def job(self, job_id: str, who: Caller) -> dict[str, Any]:
