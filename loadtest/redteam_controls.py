@@ -45,6 +45,7 @@ def _victim_setup(url: str) -> None:
 
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
+    c.put_namespace("team", PAGE, share_gid=OTHER)   # a member joins the shared one
     return {
         f"{verb} {ns}": _status(lambda ns=ns, verb=verb: _post(c, ns, verb, {"chain": ["a", "b"]}))
         for ns in ("kv", "team")

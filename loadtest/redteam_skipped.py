@@ -31,6 +31,7 @@ def _victim_setup(url: str) -> None:
 
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
+    c.put_namespace("team", PAGE, share_gid=OTHER)   # a member joins the shared one
     out = {ns: _status(lambda ns=ns: c.skipped(ns, 1, 1)) for ns in ("kv", "team")}
     c.put_namespace("mine", PAGE)
     for field, value in (("loads", 1 << 40), ("pages", -1), ("loads", "9" * 5000)):

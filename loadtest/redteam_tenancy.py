@@ -72,6 +72,27 @@ def non_member_shares(t: Target, stop: threading.Event) -> dict:
             "member_joined": member}
 
 
+# -- review: a member squats a name in a group every tenant is in ---------------------------
+def _squat_everyones_group(url: str) -> int:
+    c = SidecarClient(url, timeout=60)
+    c.put_namespace("kv", PAGE, share_gid=GROUP)      # a member: allowed
+    return _status(lambda: c.put_page("kv", "planted", _page("evil")))
+
+
+def _victim_unjoined(url: str) -> dict:
+    """The victim's engine after a sidecar restart or a delete, before its PUT of "kv"."""
+    c = SidecarClient(url, timeout=60)
+    return {"read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/planted", raw=True)),
+            "store": _status(lambda: c.put_page("kv", "prompt", _page("victim")))}
+
+
+def member_squats_a_name(t: Target, stop: threading.Event) -> dict:
+    planted = as_user(_squat_everyones_group, t.socket_url, uid=OTHER, groups=[GROUP])
+    got = as_user(_victim_unjoined, t.socket_url, uid=NOBODY, groups=[GROUP])
+    return {"held": planted in (200, 201) and got == {"read": 404, "store": 404},
+            "planted": planted, "victim": got}
+
+
 # -- 5: TCP without a token reserves the host pool -----------------------------------------
 def _fill(url: str, n: int) -> int:
     c = SidecarClient(url, timeout=60)
@@ -127,6 +148,8 @@ def anonymous_reads_names(t: Target, stop: threading.Event) -> dict:
 
 ATTACKS = [
     Attack(43, "tenancy: a non-member names the group (squat, read, plant)", non_member_shares,
+           seconds=1.0, token=None),
+    Attack(43, "tenancy: a member's shared name is no one's unless joined", member_squats_a_name,
            seconds=1.0, token=None),
     Attack(43, "tenancy: anonymous TCP reserves the whole host pool", anonymous_reserves_the_pool,
            seconds=1.0, token=None),

@@ -498,8 +498,9 @@ class Controls:
         """Room for a job of `owner`: its own oldest ended jobs past WARM_KEPT_PER_OWNER go,
         then anyone's oldest ended past WARM_KEPT."""
         ended = [j for j, job in self.jobs.items() if job.state != "running"]
-        own = [j for j in ended if self.jobs[j].ns.owner == owner]
-        for j in own[: max(len(own) + 1 - WARM_KEPT_PER_OWNER, 0)]:
+        own = sum(job.ns.owner == owner for job in self.jobs.values())
+        mine = [j for j in ended if self.jobs[j].ns.owner == owner]
+        for j in mine[: max(own + 1 - WARM_KEPT_PER_OWNER, 0)]:
             del self.jobs[j]
             ended.remove(j)
         for j in ended[: max(len(self.jobs) + 1 - WARM_KEPT, 0)]:

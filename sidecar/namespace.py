@@ -42,6 +42,7 @@ class Namespace:
     ref: str = ""                        # its key in the store (`tenancy.ref_of`)
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
+    joined: set[int] = field(default_factory=set)   # uids of members that PUT it (shared)
 
     def buffer(self, buffer_id: Any, peer: Optional[Peer] = None) -> Buffer:
         """The buffer `buffer_id`, if `peer` may use it (another user's reads as unknown)."""

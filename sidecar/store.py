@@ -88,6 +88,8 @@ class Store:
             if ns.spec != spec:
                 raise Conflict(f"namespace {name!r} exists with a different spec; delete it "
                                f"first or use another name", existing=ns.spec.to_json())
+            if isinstance(who, Peer) and ns.owner != who.uid:
+                ns.joined.add(who.uid)   # a member's PUT: from now on its name means this one
             return ns, False
         self.dir.check_room(owner)
         ref = ref_of(name, owner)

@@ -20,7 +20,8 @@ charged to the maker's share; only the maker or the operator deletes it); other 
 that PUT an equal spec join it.
 
     caller                   name "kv" means
-    peer (uid u, groups G)   kv@u, else the oldest kv shared with one of G, else none
+    peer (uid u, groups G)   kv@u, else the oldest kv shared with one of G that u joined
+                             (a PUT of its spec), else none
     operator (TCP, token)    the operator's kv, else the only kv of any owner (two or
                              more: 409, name one as kv@UID)
     anonymous (TCP, no token configured)   its own kv only (TCP_TENANT's)
@@ -176,11 +177,12 @@ class Directory:
         return ns
 
     def shared(self, name: str, peer: Peer, spec: Optional[NamespaceSpec] = None) -> Optional["Namespace"]:
-        """The oldest namespace called `name` that another owner shares with `peer` (whose
-        spec is `spec`, when given: the one a PUT joins)."""
+        """The oldest namespace called `name` that another owner shares with `peer`: the one
+        a PUT of `spec` joins, or (no spec) one `peer` joined by such a PUT. Being in the
+        group is not enough: a name never means a namespace its caller did not ask for."""
         for ns in self.by_name.get(name, ()):
             if ns.spec.share_gid is not None and ns.spec.share_gid in peer.groups \
-                    and (spec is None or ns.spec == spec):
+                    and (ns.spec == spec if spec is not None else peer.uid in ns.joined):
                 return ns
         return None
 

@@ -199,6 +199,7 @@ def test_selection_errors_are_400s_and_a_huge_chain_413(make_server):
 def _tenant_b(url: str) -> dict:
     """What tenant B gets on A's namespaces: 'kv' (private: absent) and 'team' (shared)."""
     c = SidecarClient(url, token=TOKEN)
+    c.put_namespace("team", PAGE, share_gid=B)   # a member joins the shared one
     out = {}
     for ns in ("kv", "team"):
         for verb in ("pin", "unpin", "evict", "warm"):

@@ -161,6 +161,7 @@ def _make_kv(url: str) -> None:
 
 def _count(url: str) -> dict:
     c = SidecarClient(url)
+    c.put_namespace("team", PAGE, share_gid=B)   # B, a member, joins it (A's: A made it first)
     out = {}
     for ns in ("kv", "team"):
         try:
@@ -176,4 +177,4 @@ def test_a_tenant_counts_only_on_its_own_namespaces(make_server):
     os.chmod(os.path.dirname(srv.config.socket), 0o755)
     as_user(_make_kv, srv.socket_url, uid=A, groups=[B])
     assert as_user(_count, srv.socket_url, uid=B) == {"kv": 404, "team": 403}
-    assert as_user(_count, srv.socket_url, uid=A) == {"kv": 1, "team": 1}
+    assert as_user(_count, srv.socket_url, uid=A, groups=[B]) == {"kv": 1, "team": 1}

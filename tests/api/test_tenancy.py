@@ -70,12 +70,14 @@ def _tenant_b_probes(url: str) -> dict:
         "delete_ns": lambda: c.delete_namespace("kv"),
     }
     out = {name: status(fn) for name, fn in probes.items()}
+    # a member joins the namespace shared with B's group by a PUT of its spec (before, the
+    # name does not mean it: tests/api/test_trust_review.py)
+    out["team_join"] = c.put_namespace("team", PAGE, share_gid=B)["owner"]
     out["listed"] = sorted(ns["name"] for ns in c.list_namespaces())
     out["stats"] = sorted(c.stats()["namespaces"])
     # shared with B's group: reachable, readable, but only A deletes it
     out["team_page"] = c.get_page("team", "t") == page("team")
     out["team_delete"] = status(lambda: c.delete_namespace("team"))
-    out["team_join"] = c.put_namespace("team", PAGE, share_gid=B)["owner"]
     # B's own "kv": a name A took first is still B's to create, with B's pages only
     made = c.put_namespace("kv", PAGE)
     out["own_kv"] = (made["owner"], made["identity"])

@@ -68,6 +68,9 @@ def open_server(make_server):
     # made by root in nobody's group (only a member may share: tests/api/test_trust_round4.py)
     as_user(lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
             srv.socket_url, uid=0, groups=[0, NOBODY])
+    # and nobody joins it (a name means a shared namespace only to whom PUT its spec)
+    as_nobody(lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
+              srv.socket_url)
     c.put_page("victim", "secret", pattern("secret"))
     yield srv
     c.close()

@@ -12,11 +12,14 @@ from tests.api.test_controls import PAGE, TOKEN, post, put, tiered
 from tests.conftest import wait_for
 
 B = 65532
+NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="a tenant of another uid needs root")
 
 
 def _sharer_lists(url: str) -> dict:
-    return SidecarClient(url, token=TOKEN).request("GET", "/v1/namespaces/team/pins")[1]
+    c = SidecarClient(url, token=TOKEN)
+    c.put_namespace("team", PAGE, share_gid=B)   # joins it
+    return c.request("GET", "/v1/namespaces/team/pins")[1]
 
 
 @root_only
@@ -75,3 +78,42 @@ def test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys(make_
     jobs = srv.on_loop(lambda: list(srv.ctx.store.controls.jobs.values()))
     assert sum(j.ns.owner == B for j in jobs) <= controls.WARM_KEPT_PER_OWNER
     assert all(j.keys == [] for j in jobs if j.state != "running")
+
+
+S = 4242   # a group every tenant of the socket is in (the socket's group, "users")
+
+
+def _squat(url: str) -> bool:
+    c = SidecarClient(url, token=TOKEN)
+    c.put_namespace("kv", PAGE, share_gid=S)   # a member: allowed
+    return c.put_page("kv", "p", b"M" * PAGE)
+
+
+def _victim_before_its_put(url: str) -> dict:
+    """The victim's engine after a sidecar restart (or a delete), before it PUTs its own."""
+    c = SidecarClient(url, token=TOKEN)
+    got = {"exists": c.request("POST", "/v1/namespaces/kv/exists", {"keys": ["p"]}, ok=(404,))[0],
+           "page": c.request("GET", "/v1/namespaces/kv/pages/p", raw=True, ok=(404,))[0],
+           "set": c.request("PUT", "/v1/namespaces/kv/pages/q", b"V" * PAGE, ok=(404,))[0]}
+    c.put_namespace("kv", PAGE)   # its own, private: from now on "kv" means it
+    got["after"] = c.exists_each("kv", ["p"])
+    return got
+
+
+def _joiner(url: str) -> list:
+    c = SidecarClient(url, token=TOKEN)
+    c.put_namespace("kv", PAGE, share_gid=S)   # joins the shared one on purpose
+    return c.exists_each("kv", ["p"])
+
+
+@root_only
+def test_a_name_means_a_shared_namespace_only_to_whom_joined_it(make_server, tmp_path):
+    """A tenant in a group every tenant is in shares "kv" with it: a victim whose own "kv"
+    is not there yet (a restart, a delete) must get 404 (its engine then PUTs its own), not
+    the squatter's namespace to read planted pages from and store its prompts' pages in."""
+    srv = tiered(make_server, tmp_path, socket_mode=0o666, token=TOKEN)
+    os.chmod(os.path.dirname(srv.config.socket), 0o755)
+    assert as_user(_squat, srv.socket_url, uid=NOBODY, groups=[S])
+    got = as_user(_victim_before_its_put, srv.socket_url, uid=B, groups=[S])
+    assert got == {"exists": 404, "page": 404, "set": 404, "after": [False]}, got
+    assert as_user(_joiner, srv.socket_url, uid=B + 1, groups=[S]) == [True]
