@@ -77,8 +77,9 @@ class RestoreCost:
             slowest = max(moved, key=TIERS.index)
             rest = seconds - (self.rtt.value or 0.0)
             for t, b in moved.items():
-                if t != slowest and self.rates[t].value:
-                    rest -= b / self.rates[t].value
+                rate = self.rates[t].value
+                if t != slowest and rate:
+                    rest -= b / rate
             self.rates[slowest].add(moved[slowest] / max(rest, self.min_seconds))
 
     # -- decisions ---------------------------------------------------------------------

@@ -93,7 +93,7 @@ class SidecarLinker(UnifiedCacheLinker):
         size = plan_staging(list(self.layouts.values()), int(extra.get("staging_pages", 64)),
                             int(extra.get("staging_mib", 256)) << 20)
         self.staging = SharedBuffer(size, name="kv-sidecar-linker")
-        self.stage = self.staging.bytes
+        self.stage: Optional[torch.Tensor] = self.staging.bytes   # None once closed
         self.cfg = self._storage_config(server_args, params, extra)
         self.specs = {n: self._spec(lay) for n, lay in self.layouts.items()}
         self.names = {n: namespace_name(self.cfg, n.value, s) for n, s in self.specs.items()}
@@ -260,8 +260,11 @@ class SidecarLinker(UnifiedCacheLinker):
     def _worth(self, restorable: list[int]) -> list[int]:
         """The prefix lengths whose restore beats their prefill (api/engine/restore_cost.py);
         a longest prefix not worth it is counted skipped by the sidecar."""
+        cost = self.cost
+        if cost is None:   # no restore cost: every prefix is worth restoring
+            return restorable
         page = sum(lay.page_bytes for lay in self.layouts.values())
-        keep = [p for p in restorable if self.cost.worth(p * self.page_size, {HOST: p * page})]
+        keep = [p for p in restorable if cost.worth(p * self.page_size, {HOST: p * page})]
         if len(keep) < len(restorable):
             self.stats["skipped"] = self.stats.get("skipped", 0) + 1
             try:
@@ -328,7 +331,7 @@ class SidecarLinker(UnifiedCacheLinker):
                 for name, _, rows in round_items:
                     layout = self.layouts[name]
                     if name not in self.direct:   # a direct pool's pages are in place already
-                        layout.from_staging(self.stage, rows, layout.slots)
+                        layout.from_staging(self._stage(), rows, layout.slots)
             if self._on_device():  # the copies into device pages are queued on this thread's stream
                 torch.cuda.current_stream().synchronize()
             self.stats["pages_loaded"] += sum(len(keys) for _, keys, _ in items)
@@ -404,9 +407,10 @@ class SidecarLinker(UnifiedCacheLinker):
             self._register()   # which pools go direct is settled before any staging copy
             for name, _, rows in merged:
                 if name not in self.direct:
-                    self.layouts[name].to_staging(self.stage, rows, 0)
+                    self.layouts[name].to_staging(self._stage(), rows, 0)
             stored = self._call(self.client.batch_set, merged, False)
-            at, results = {}, []
+            at: dict[PoolName, int] = {}
+            results: list[bool] = []
             for items, _ in tasks:
                 ok = True
                 for name, keys, _ in items:
@@ -431,7 +435,7 @@ class SidecarLinker(UnifiedCacheLinker):
                 self._register()   # which pools go direct is settled before any staging copy
                 for name, _, rows in round_items:
                     if name not in self.direct:
-                        self.layouts[name].to_staging(self.stage, rows, 0)
+                        self.layouts[name].to_staging(self._stage(), rows, 0)
                 stored = self._call(self.client.batch_set, round_items, False)
                 if not all(all(v) for v in stored.values()):
                     self.stats["offload_failures"] += 1
@@ -482,6 +486,11 @@ class SidecarLinker(UnifiedCacheLinker):
         while not self.offload_results.empty():
             self.offload_results.get_nowait()
         self.layer_done_counter.reset()
+
+    def _stage(self) -> torch.Tensor:
+        """The staging memfd's bytes; no load or offload runs after `close` drops them."""
+        assert self.stage is not None, "the linker is closed"
+        return self.stage
 
     def close(self) -> None:
         try:

@@ -35,12 +35,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # a vLLM without the hybrid allocator interface: one group only
-    SupportsHMA = object  # type: ignore[misc,assignment]
+    # vLLM types the class where it is installed (the dev venv sees Any): unused-ignore there
+    SupportsHMA = object  # type: ignore[misc,assignment,unused-ignore]
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # a vLLM without connector stats: no timings reach the scheduler
-    KVConnectorStats = None  # type: ignore[misc,assignment]
+    # as above: the ignore is needed only where vLLM's types are seen
+    KVConnectorStats = None  # type: ignore[misc,assignment,unused-ignore]
 
 from api.engine.client import ENGINE_URL, SidecarClient
 from api.engine.restore_cost import RestoreCost
@@ -70,7 +72,7 @@ if KVConnectorStats is not None:
         stats carry them (worker -> scheduler, every step that has some)."""
 
         def reset(self) -> None:
-            self.data = {"restores": [], "prefill": []}
+            self.data: dict[str, list] = {"restores": [], "prefill": []}
 
         def aggregate(self, other) -> "SidecarStats":
             for k, rows in (getattr(other, "data", None) or {}).items():
@@ -163,8 +165,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
                         "(the same on every engine) or no engine finds another's pages", algo)
         ratio = block_size // hash_block
         tail = self._tail_hasher(algo, block_size, ratio) if tail_on else None
-        kw = dict(ratio=ratio, lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
-                  lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
+        kw: dict[str, Any] = dict(
+            ratio=ratio, lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
+            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
         self.sched = (HybridScheduler(self.client, block_size, plans=plans, **kw) if plans
                       else SchedulerSide(self.client, block_size, **kw))
         if not plans and SidecarStats is not None and self._flag("restore_cost", True):
@@ -318,7 +321,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if self._sides is not None and isinstance(meta, SidecarConnectorMetadata) and meta.loads:
             self._sides.load(meta.loads)
-            self._forward = time.monotonic()   # loads precede the forward: time it from here
+            # loads precede the forward: time it from here
+            self._forward: Optional[float] = time.monotonic()
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -470,6 +474,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _block_ids_of(self, rid: str) -> list:
         """A request's block ids now, as the scheduler side plans with them."""
+        if self.sched is None:   # no scheduler side: no blocks to plan with
+            return []
         return self.sched.block_ids(self._kv_cache_manager.get_block_ids(rid))
 
     @never_raises((False, None))

@@ -199,6 +199,7 @@ class SchedulerSide:
         """Of `tokens` loadable past `start`, those worth loading (`cost`): all of them,
         the host pool's run, or none; a load not made in full is reported skipped."""
         try:
+            assert self.cost is not None, "`matched` weighs loads only with a restore cost"
             present, host, local = where
             page = next(iter(self.specs.values()))["page_bytes"]
             bs = self.block_size
@@ -407,10 +408,13 @@ class SchedulerSide:
 
     def observe(self, timings: dict) -> None:
         """The worker's timings (`WorkerSide.take_timings`) into the restore cost."""
+        cost = self.cost
+        if cost is None:   # no restore cost: nothing learns from them
+            return
         for tokens, seconds in timings.get("prefill", ()):
-            self.cost.observe_prefill(int(tokens), float(seconds))
+            cost.observe_prefill(int(tokens), float(seconds))
         for tiers, seconds in timings.get("restores", ()):
-            self.cost.observe_restore({str(k): int(v) for k, v in dict(tiers).items()}, float(seconds))
+            cost.observe_restore({str(k): int(v) for k, v in dict(tiers).items()}, float(seconds))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

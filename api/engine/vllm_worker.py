@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -121,7 +121,7 @@ MAX_SET_TOKENS = 8192   # token ids one set carries for KV events (a JSON body: 
 def _meta(t: Transfer, i: int, j: int) -> dict:
     """The KV-event fields of the set of t.keys[i:j] (parent: the key before keys[i])."""
     parent = t.keys[i - 1] if i else t.parent
-    meta = {"parent": parent} if parent else {}
+    meta: dict[str, Any] = {"parent": parent} if parent else {}
     if t.tokens:
         meta["tokens"] = t.tokens[i:j]
     return meta
@@ -178,6 +178,7 @@ class WorkerSide:
                     self.buffer_id = register_cuda(self.client, self.namespace,
                                                    [v for v in self.layout.views], self.layout.num_blocks)
                 else:
+                    assert self.staging is not None, "a CPU worker has its staging memfd"
                     slots = self.slots.capacity
                     self.buffer_id = self.staging.register(self.client, self.namespace, slots,
                                                            page_first_chunks(self.layout.page_bytes))
@@ -186,9 +187,11 @@ class WorkerSide:
     def _register_kv(self) -> str:
         """Register the KV cache's memfd: one slot per block, the page's chunks where the
         layers lie. A sidecar that refuses it (4xx) gets loads through staging instead."""
+        buf = self.kv_buffer
+        assert buf is not None, "kv loads only while `direct` off CUDA: the KV memfd is set"
         try:
-            return self.kv_buffer.register(self.client, self.namespace, self.layout.num_blocks,
-                                           kv_chunks(self.layout, self.kv_buffer))
+            return buf.register(self.client, self.namespace, self.layout.num_blocks,
+                                kv_chunks(self.layout, buf))
         except SidecarError as exc:
             if exc.status >= 500 or exc.code in ("namespace_not_found",):
                 raise
