@@ -7,8 +7,14 @@ import logging
 
 from fastapi import FastAPI
 
-from api import (routes_batch, routes_controls, routes_health, routes_namespaces, routes_pages,
-                 routes_ui)
+from api import (
+    routes_batch,
+    routes_controls,
+    routes_health,
+    routes_namespaces,
+    routes_pages,
+    routes_ui,
+)
 from api.errors import HANDLERS
 from api.fastpath import FastPath, SidecarApp
 from api.guard import Guard

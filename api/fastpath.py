@@ -16,7 +16,8 @@ loop; only a remote tier (Mooncake) is awaited.
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import FastAPI
@@ -33,13 +34,13 @@ from sidecar.events import check_tokens, set_meta
 from sidecar.peer import scope_peer
 
 # (ctx, scope, namespace: None for batch/exists alone, request body)
-Handler = Callable[[Context, Scope, Optional[str], dict], Awaitable[bytes]]
+Handler = Callable[[Context, Scope, str | None, dict], Awaitable[bytes]]
 JSON = (b"content-type", b"application/json")
 PREFIX = "/v1/namespaces/"
 HOT = "kv_sidecar.hot"  # scope key: the matched (route, namespace), until the Guard lets it in
 
 
-async def exists(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+async def exists(ctx: Context, scope: Scope, name: str | None, body: dict) -> bytes:
     assert name is not None, "a page route without its namespace"
     keys: Any = body.get("keys")   # the request's JSON: local_prefix validates it
     name = ref(ctx, scope, name)
@@ -53,7 +54,7 @@ async def exists(ctx: Context, scope: Scope, name: Optional[str], body: dict) ->
     return b'{"prefix":%d}' % n
 
 
-async def set_pages(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+async def set_pages(ctx: Context, scope: Scope, name: str | None, body: dict) -> bytes:
     assert name is not None, "a page route without its namespace"
     durable = body.get("durable", False)
     if not isinstance(durable, bool):
@@ -66,14 +67,14 @@ async def set_pages(ctx: Context, scope: Scope, name: Optional[str], body: dict)
     return orjson.dumps({"stored": stored})
 
 
-async def get_pages(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+async def get_pages(ctx: Context, scope: Scope, name: str | None, body: dict) -> bytes:
     assert name is not None, "a page route without its namespace"
     loaded = await ctx.store.get(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"), body.get("slots"),
                                  scope_peer(scope))
     return orjson.dumps({"loaded": loaded})
 
 
-async def batch_exists(ctx: Context, scope: Scope, name: Optional[str], body: dict) -> bytes:
+async def batch_exists(ctx: Context, scope: Scope, name: str | None, body: dict) -> bytes:
     extra = hybrid.parse_extra(body.get("extra"))
     restorable = body.get("restorable", False)
     if not isinstance(restorable, bool):
@@ -95,7 +96,7 @@ PAGE_ROUTES = {op: Route(PREFIX + "{name}/" + op, h)
 BATCH_EXISTS = Route("/v1/batch/exists", batch_exists)
 
 
-def match(scope: Scope) -> tuple[Optional[Route], Optional[str]]:
+def match(scope: Scope) -> tuple[Route | None, str | None]:
     """(route, namespace) for a hot request, (None, None) for FastAPI."""
     if scope["method"] != "POST" or scope["query_string"]:
         return None, None
@@ -148,7 +149,7 @@ class SidecarApp(FastAPI):
     """FastAPI, with the hot requests sent to `hot` (a Guard around a FastPath) before any
     of FastAPI's own layers run; lifespan and every other request go to FastAPI."""
 
-    hot: Optional[Callable[..., Awaitable[None]]] = None
+    hot: Callable[..., Awaitable[None]] | None = None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.hot is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import hmac
 import time
-from typing import Optional
 
 from api.errors import error_body
 from sidecar.connections import CONN_KEY
@@ -18,7 +17,7 @@ BROWSER_USER = b"sidecar"  # a browser may send the token as HTTP Basic: user `s
 class Guard:
     """Rejects unauthenticated (401) and oversized (413) requests before any route runs."""
 
-    def __init__(self, app, token: Optional[str], max_body: int, stats: RequestStats):
+    def __init__(self, app, token: str | None, max_body: int, stats: RequestStats):
         self.app = app
         self.expected = f"Bearer {token}".encode() if token else None
         self.basic = b"Basic " + base64.b64encode(BROWSER_USER + b":" + token.encode()) if token else None
@@ -46,7 +45,7 @@ class Guard:
             path = getattr(route, "path", None) or "unmatched"
             self.stats.observe(scope["method"], path, status[0], time.perf_counter() - start)
 
-    def _refuse(self, scope) -> tuple[Optional[tuple[int, str, str]], bool]:
+    def _refuse(self, scope) -> tuple[tuple[int, str, str] | None, bool]:
         """(a refusal or None, whether the body's length was declared within the limit)."""
         auth = length = None
         for name, value in scope["headers"]:

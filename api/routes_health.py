@@ -11,9 +11,9 @@ from starlette.responses import Response
 from api.deps import context, observer, who
 from api.errors import error_response
 from api.wire import json, number
-from sidecar.errors import BadRequest
-from sidecar.context import Context
 from sidecar import report
+from sidecar.context import Context
+from sidecar.errors import BadRequest
 from sidecar.metrics import render, snapshot
 
 router = APIRouter()

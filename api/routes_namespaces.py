@@ -9,9 +9,9 @@ from api.deps import context, ref, who
 from api.openapi import body
 from api.wire import json, read_json
 from sidecar.context import Context
+from sidecar.namespace import Namespace
 from sidecar.peer import scope_peer
 from sidecar.spec import parse_spec
-from sidecar.namespace import Namespace
 from sidecar.tenancy import owner_uid
 
 router = APIRouter(prefix="/v1/namespaces")

@@ -138,9 +138,9 @@ def against_bare(sidecar: Proc, bare: Proc, path: str, body: bytes, n: int, roun
             acc["lat"] += lat
     med = statistics.median
     return {"sidecar_rps": med(side["rps"]), "bare_rps": med(bare_["rps"]),
-            "ratio": med([a / b for a, b in zip(side["rps"], bare_["rps"])]),
+            "ratio": med([a / b for a, b in zip(side["rps"], bare_["rps"], strict=False)]),
             "cpu_us": med(side["cpu"]) * 1e6, "bare_cpu_us": med(bare_["cpu"]) * 1e6,
-            "cpu_ratio": med([div(b, a) for a, b in zip(side["cpu"], bare_["cpu"])]),
+            "cpu_ratio": med([div(b, a) for a, b in zip(side["cpu"], bare_["cpu"], strict=False)]),
             "p50_ms": pct(side["lat"], 0.5) * 1e3, "p99_ms": pct(side["lat"], 0.99) * 1e3,
             "bare_p50_ms": pct(bare_["lat"], 0.5) * 1e3, "bare_p99_ms": pct(bare_["lat"], 0.99) * 1e3,
             "p99_ratio": div(pct(side["lat"], 0.99), pct(bare_["lat"], 0.99))}
@@ -186,7 +186,7 @@ def bench_client(url: str, n: int, rounds: int) -> dict:
             lat.append(time.perf_counter() - t)
         client.append(statistics.median(lat))
     return {"client_ms": statistics.median(client) * 1e3, "raw_ms": statistics.median(raw) * 1e3,
-            "ratio": statistics.median([a / b for a, b in zip(client, raw)])}
+            "ratio": statistics.median([a / b for a, b in zip(client, raw, strict=False)])}
 
 
 # batch/exists layouts: each pool's pages (indexes into the 1,000 keys) and the SWA window
@@ -219,9 +219,9 @@ def bench_batch_exists(sidecar: Proc, n: int, rounds: int, layout: dict = WHOLE)
         c.delete_namespace(name)
     med = statistics.median
     return {"exists_rps": med(a for a, _ in one), "batch_rps": med(b for b, _ in multi),
-            "ratio": med(b[0] / a[0] for a, b in zip(one, multi)),
+            "ratio": med(b[0] / a[0] for a, b in zip(one, multi, strict=False)),
             "cpu_us": med(b for _, b in multi) * 1e6, "exists_cpu_us": med(a for _, a in one) * 1e6,
-            "cpu_ratio": med(div(a[1], b[1]) for a, b in zip(one, multi))}
+            "cpu_ratio": med(div(a[1], b[1]) for a, b in zip(one, multi, strict=False))}
 
 
 class Limits:
@@ -284,8 +284,8 @@ def bench_shm(url: str, pages: int, page: int, reps: int) -> dict:
     get_gbps = nbytes / statistics.median(get_t) / 1e9
     c.delete_namespace("bench-shm")
     buf.close()
-    return {"bytes_per_request": nbytes, "copy_gbps": limit, "copy_threads": torch.get_num_threads(), "memmove_gbps": memmove,
-            "set_gbps": set_gbps, "get_gbps": get_gbps, "set_ratio": set_gbps / limit,
+    return {"bytes_per_request": nbytes, "copy_gbps": limit, "copy_threads": torch.get_num_threads(),
+            "memmove_gbps": memmove, "set_gbps": set_gbps, "get_gbps": get_gbps, "set_ratio": set_gbps / limit,
             "get_ratio": get_gbps / limit, "set_ratio_memmove": set_gbps / memmove,
             "get_ratio_memmove": get_gbps / memmove}
 
@@ -343,18 +343,18 @@ def versus_line(label: str, e: dict, target: float) -> str:
 
 
 def report(res: dict) -> None:
-    e, b, c, s, i = res["exists"], res["batch_exists"], res["client"], res["shm"], res["inline"]
+    e, s, i = res["exists"], res["shm"], res["inline"]
     print(versus_line("exists 1000 keys", e, TARGETS["exists"]))
     for op in ("set", "get"):
         print(versus_line(f"shm {op} 64 x 4 KiB (Unix socket{', pages present' if op == 'set' else ''})",
                           res["moves"][op], TARGETS[op]))
-    for label, b, target in (("whole hit", b, "batch_exists"), ("partial hit", res["batch_partial"],
-                                                                 "batch_partial")):
+    for label, b, target in (("whole hit", res["batch_exists"], "batch_exists"),
+                             ("partial hit", res["batch_partial"], "batch_partial")):
         print(f"batch/exists 1000 keys, kv + 3 extra pools, {label}: {b['batch_rps']:.0f} req/s, "
               f"{b['cpu_us']:.0f} us CPU vs single-pool exists {b['exists_rps']:.0f} req/s, "
               f"{b['exists_cpu_us']:.0f} us CPU -> req/s {b['ratio']:.2f}x, CPU {b['cpu_ratio']:.2f}x "
               f"(target >= {TARGETS[target]}x)")
-    for label, c in (("TCP", c), ("Unix socket", res["client_uds"])):
+    for label, c in (("TCP", res["client"]), ("Unix socket", res["client_uds"])):
         print(f"client exists 1000 keys (api.engine.client, {label}): {c['client_ms']:.3f} ms vs raw "
               f"socket {c['raw_ms']:.3f} ms -> {c['ratio']:.2f}x (target <= {TARGETS['client']}x)")
     mib = s["bytes_per_request"] / 2**20

@@ -33,7 +33,6 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional
 
 from api.engine.client import SidecarClient
 from loadtest import bench_engines_lib as lib
@@ -145,7 +144,7 @@ class Memcpy:
         return tuple(sorted(x)[reps // 2] for x in (mm, tc, pieces))
 
 
-def counters(sidecar) -> Optional[lib.Counters]:
+def counters(sidecar) -> lib.Counters | None:
     return lib.Counters.of(SidecarClient(sidecar.socket_url).stats()) if sidecar is not None else None
 
 

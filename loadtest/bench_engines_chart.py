@@ -29,7 +29,7 @@ def series(recs: list[dict], arm: str, state: str) -> tuple[list[int], list[floa
 
 def floors(recs: list[dict]) -> tuple[list[int], list[float], list[float]]:
     """Per length: hit + memcpy (the floor) and hit + the target's allowance, ms."""
-    hit = dict(zip(*series(recs, "sidecar", "hit")))
+    hit = dict(zip(*series(recs, "sidecar", "hit"), strict=False))
     xs, floor, target = [], [], []
     for r in sorted((r for r in recs if r["figure"] == "restore" and r["arm"] == "sidecar"),
                     key=lambda r: r["length"]):

@@ -14,9 +14,9 @@ import json
 import os
 import random
 import statistics
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence
 
 TARGET_COPY_FRACTION = 0.8      # a restore may run at 0.8x a one-thread memcpy
 TARGET_FIXED_MS = 5.0           # ... plus 5 ms for the round trips and the step
@@ -33,7 +33,7 @@ def summary(xs: Sequence[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": list(xs)}
 
 
-def percentile(xs: Sequence[float], q: float) -> Optional[float]:
+def percentile(xs: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100)."""
     xs = sorted(x for x in xs if x is not None)
     if not xs:
@@ -47,7 +47,7 @@ def restore_limit_ms(nbytes: int, memcpy_s: float) -> float:
     return memcpy_s / TARGET_COPY_FRACTION * 1e3 + TARGET_FIXED_MS
 
 
-def gbps(nbytes: int, seconds: Optional[float]) -> Optional[float]:
+def gbps(nbytes: int, seconds: float | None) -> float | None:
     return nbytes / seconds / 1e9 if seconds and seconds > 0 else None
 
 
@@ -91,7 +91,7 @@ class Counters:
     bytes_out: int = 0
 
     @classmethod
-    def of(cls, stats: dict) -> "Counters":
+    def of(cls, stats: dict) -> Counters:
         c = cls()
         for ns in stats.get("namespaces", {}).values():
             c.hits += ns.get("hits", 0)
@@ -99,7 +99,7 @@ class Counters:
             c.bytes_out += ns.get("bytes_out", 0)
         return c
 
-    def __sub__(self, other: "Counters") -> "Counters":
+    def __sub__(self, other: Counters) -> Counters:
         return Counters(self.hits - other.hits, self.misses - other.misses, self.bytes_out - other.bytes_out)
 
 
@@ -112,7 +112,7 @@ class Proof:
 
 
 def prove(tokens: list[int], cold_tokens: list[int], cached: int, want_cached: int,
-          local: int, block: int, page_bytes: int, delta: Optional[Counters]) -> Proof:
+          local: int, block: int, page_bytes: int, delta: Counters | None) -> Proof:
     """Does this run count? `local`: vLLM's own tokens in this state (0 after a reset);
     `delta`: the sidecar's counters across the run (None: the arm has none, and the proof
     rests on num_cached_tokens and the tokens)."""
@@ -192,20 +192,20 @@ def within(measured: float, expected: float, tolerance: float = TARGET_SHARE_TOL
     return abs(measured - expected) / expected <= tolerance
 
 
-def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     """Round-by-round ratios of two arms measured in the same rounds."""
-    return [x / y for x, y in zip(a, b) if x is not None and y]
+    return [x / y for x, y in zip(a, b, strict=False) if x is not None and y]
 
 
 def jsonl(records: Iterable[dict]) -> str:
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
 
 
-def fmt_ms(x: Optional[float]) -> str:
+def fmt_ms(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 

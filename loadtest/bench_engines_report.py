@@ -7,17 +7,17 @@ states of one arm in one round, or two arms in one round.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from loadtest import bench_engines_lib as lib
 
 
-def _kept(runs: list[dict], arm: str, length: Optional[int] = None, batch: bool = False) -> list[dict]:
+def _kept(runs: list[dict], arm: str, length: int | None = None, batch: bool = False) -> list[dict]:
     return [r for r in runs if r["kept"] and r["arm"] == arm and bool(r.get("batch")) == batch
             and (length is None or r.get("length") == length)]
 
 
-def _ttft(run: dict, state: str) -> Optional[float]:
+def _ttft(run: dict, state: str) -> float | None:
     s = run["states"].get(state)
     return s["ttft"] if s is not None and s["proof"]["ok"] else None
 
@@ -43,7 +43,7 @@ def three_states(runs: list[dict], arms: list[str], lengths: list[int]) -> Itera
                        "unproven_because": sorted(set(bad)), "load": _loads(mine)}
 
 
-def _memcpy(runs: list[dict], rnd: int, n: int) -> Optional[tuple]:
+def _memcpy(runs: list[dict], rnd: int, n: int) -> tuple | None:
     """(memcpy s, its bytes, memmove in the layout's runs s) timed in that round."""
     for r in runs:
         if r["round"] == rnd and r.get("length") == n and r.get("memcpy_s"):
@@ -113,7 +113,7 @@ def issue33(runs: list[dict], arms: list[str], lengths: list[int]) -> Iterable[d
                            "met": med is not None and med <= 1.0}
 
 
-def _med_ratio(runs, a, b, n, state) -> Optional[float]:
+def _med_ratio(runs, a, b, n, state) -> float | None:
     x = lib.summary([_ttft(r, state) for r in _kept(runs, a, n)])["median"]
     y = lib.summary([_ttft(r, state) for r in _kept(runs, b, n)])["median"]
     return lib.ratio(x, y)
@@ -154,11 +154,11 @@ def restore_figures(runs: list[dict], arms: list[str], lengths: list[int], page_
 
 
 # -- tables --------------------------------------------------------------------------
-def _s(x: Optional[dict]) -> str:
+def _s(x: dict | None) -> str:
     return lib.fmt_range(x) if x else "-"
 
 
-def _r(x: Optional[float]) -> str:
+def _r(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 

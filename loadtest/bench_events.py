@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Optional
 
 import orjson
 
@@ -118,8 +117,8 @@ def fill(on, off, setups: dict, n: int, ring: bool) -> int:
             return sent
 
 
-def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], slots: int = POOL_PAGES,
-         on_first: bool = True, ring: Optional[int] = 32 << 20) -> None:
+def pair(rows: dict, rounds: int, n: int, page: int, gather: float | None, slots: int = POOL_PAGES,
+         on_first: bool = True, ring: int | None = 32 << 20) -> None:
     """One pair of fresh sidecars, `rounds` rounds each, alternating which goes first;
     each round's figures appended to `rows`. `gather` None: the control, "on" without
     events too (what two equal sidecars differ by). `on_first`: which one starts first
@@ -151,8 +150,8 @@ def pair(rows: dict, rounds: int, n: int, page: int, gather: Optional[float], sl
         off.stop()
 
 
-def run(rounds: int, n: int, page: int = PAGE_KIB << 10, pairs: int = 1, gather: Optional[float] = 0.02,
-        slots: int = POOL_PAGES, ring: Optional[int] = 32 << 20) -> dict:
+def run(rounds: int, n: int, page: int = PAGE_KIB << 10, pairs: int = 1, gather: float | None = 0.02,
+        slots: int = POOL_PAGES, ring: int | None = 32 << 20) -> dict:
     """`page`: bytes a page; the host pool holds `slots` of them, so sets evict as they go.
     `ring`: see `pair`. Besides the medians of every round, the CPU ratio of each pair
     (`cpu_by_pair`)."""
@@ -163,10 +162,10 @@ def run(rounds: int, n: int, page: int = PAGE_KIB << 10, pairs: int = 1, gather:
     res = {}
     for what in ("exists", "set"):
         a, b = [x[what] for x in rows["on"]], [x[what] for x in rows["off"]]
-        cpu = [div(y[1], x[1]) for x, y in zip(a, b)]
+        cpu = [div(y[1], x[1]) for x, y in zip(a, b, strict=False)]
         res[what] = {"on_rps": med(x[0] for x in a), "off_rps": med(x[0] for x in b),
                      "on_cpu_us": med(x[1] for x in a) * 1e6, "off_cpu_us": med(x[1] for x in b) * 1e6,
-                     "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b)), "cpu_ratio": med(cpu),
+                     "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b, strict=False)), "cpu_ratio": med(cpu),
                      "cpu_by_pair": [med(cpu[i:i + rounds]) for i in range(0, len(cpu), rounds)]}
     return res
 

@@ -108,7 +108,7 @@ async def run(args) -> dict:
         buf[:] = payload
         res = {"tier_put": [], "tier_get": [], "raw_put": [], "raw_get": []}
         for r in range(-1, args.rounds):  # round -1 warms the store node's segment up
-            async def tier_side():
+            async def tier_side(r: int = r) -> tuple[float, float]:
                 return await tier_round(tiering, host, [f"t{r}-{i}" for i in range(n)], payload, f"r{r}")
             raw_keys = [f"raw{r}-{i}" for i in range(n)]
             if r % 2:   # alternate which side goes first: no order bias
@@ -127,7 +127,7 @@ async def run(args) -> dict:
         gbs = {k: total / statistics.median(v) / 1e9 for k, v in res.items()}
         # paired per round (raw and tier run back to back), so load from other processes
         # on the machine moves both sides of a ratio together
-        paired = {p: statistics.median(r / t for r, t in zip(res[f"raw_{p}"], res[f"tier_{p}"]))
+        paired = {p: statistics.median(r / t for r, t in zip(res[f"raw_{p}"], res[f"tier_{p}"], strict=False))
                   for p in ("put", "get")}
         return {"pages": n, "page_bytes": PAGE, "rounds": args.rounds, "gbs": gbs,
                 "write_ratio": paired["put"], "promote_ratio": paired["get"]}

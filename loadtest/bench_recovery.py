@@ -156,7 +156,7 @@ def report(res: dict) -> None:
                          ("default size", res["ready_default_size_s"], res["ready_default_size_cpu_s"])):
         print(f"process start to ready ({what}): {s:.2f} s ({cpu:.2f} s of the sidecar's CPU) -> "
               f"{s / target:.2f} of the {target:.0f} s target ({'met' if s < target else 'MISSED'})")
-    print("load average while measuring: %.2f %.2f %.2f on %d CPUs" % (*res["loadavg"], res["cpus"]))
+    print("load average while measuring: {:.2f} {:.2f} {:.2f} on {:d} CPUs".format(*res["loadavg"], res["cpus"]))
 
 
 def main(argv=None) -> int:

@@ -80,7 +80,7 @@ def main() -> None:
             "rule": Engine(model, slow.socket_url, ENGINE_RESTORE_COST="1", **env)}
     ttft: dict[str, list[float]] = {arm: [] for arm in arms}
     try:
-        for arm, e in arms.items():     # warm-up: prefills (timed), then the slow tier (timed)
+        for e in arms.values():         # warm-up: prefills (timed), then the slow tier (timed)
             for p in fresh + warm:
                 e.ask(op="ttft", prompt=p)
         mine = SidecarClient(slow.socket_url)   # the engines' own namespaces

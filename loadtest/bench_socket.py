@@ -55,7 +55,7 @@ def bench_exists(uds: SidecarClient, tcp: SidecarClient, rounds: int, n: int, pi
     for _ in range(rounds):
         for name, c in (("tcp", tcp), ("uds", uds)):
             before = cpu_seconds(pid)
-            lat[name] += timed(lambda: c.exists("bs-exists", keys), n)
+            lat[name] += timed(lambda c=c: c.exists("bs-exists", keys), n)
             cpu[name] += cpu_seconds(pid) - before
     return {k: {**summary(v), "cpu_us": cpu[k] / len(v) * 1e6} for k, v in lat.items()}
 
@@ -71,11 +71,13 @@ def bench_small_moves(uds: SidecarClient, tcp: SidecarClient, rounds: int, n: in
     for r in range(rounds):
         for i in range(n):
             keys = [f"r{r}-{i}-{j}" for j in range(pages)]
-            lat["uds_shm_set"] += timed(lambda: uds.set("bs-small", keys, bid, slots), 1)
-            lat["uds_shm_get"] += timed(lambda: uds.get("bs-small", keys, bid, slots), 1)
+            lat["uds_shm_set"] += timed(lambda keys=keys: uds.set("bs-small", keys, bid, slots), 1)
+            lat["uds_shm_get"] += timed(lambda keys=keys: uds.get("bs-small", keys, bid, slots), 1)
             tkeys = [k + "t" for k in keys]
-            lat["tcp_inline_put"] += timed(lambda: [tcp.put_page("bs-small", k, data) for k in tkeys], 1)
-            lat["tcp_inline_get"] += timed(lambda: [tcp.get_page("bs-small", k) for k in tkeys], 1)
+            lat["tcp_inline_put"] += timed(
+                lambda tkeys=tkeys: [tcp.put_page("bs-small", k, data) for k in tkeys], 1)
+            lat["tcp_inline_get"] += timed(
+                lambda tkeys=tkeys: [tcp.get_page("bs-small", k) for k in tkeys], 1)
     return {k: summary(v, pages * page) for k, v in lat.items()}
 
 
@@ -92,9 +94,9 @@ def bench_copy_modes(uds: SidecarClient, rounds: int) -> dict:
         for mode in bufs:
             keys = [f"{mode}-{r}-{i}" for i in range(pages)]
             lat.setdefault(f"{mode}_set", []).extend(
-                timed(lambda: uds.set("bs-big", keys, bids[mode], slots), 1))
+                timed(lambda keys=keys, mode=mode: uds.set("bs-big", keys, bids[mode], slots), 1))
             lat.setdefault(f"{mode}_get", []).extend(
-                timed(lambda: uds.get("bs-big", keys, bids[mode], slots), 1))
+                timed(lambda keys=keys, mode=mode: uds.get("bs-big", keys, bids[mode], slots), 1))
             uds.delete("bs-big", keys)
     return {k: summary(v, pages * page) for k, v in lat.items()}
 

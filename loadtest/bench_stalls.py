@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import orjson
 
@@ -94,7 +94,7 @@ def neighbour(pages: int, keys: int) -> dict:
                 if e.offset // host.segment_size not in seen:
                     seen.add(e.offset // host.segment_size)
                     a.pin(key)
-            out["ms" if pinned else "limit_ms"] = timed(lambda: reserves(b, "n", keys, True)) * 1e3
+            out["ms" if pinned else "limit_ms"] = timed(lambda b=b: reserves(b, "n", keys, True)) * 1e3
     return out
 
 

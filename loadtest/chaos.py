@@ -21,6 +21,8 @@ is `CHAOS-SUMMARY {json}`.
 """
 from __future__ import annotations
 
+import contextlib
+
 from gevent import monkey
 
 monkey.patch_all()
@@ -117,7 +119,7 @@ class Soak:
                 loaded = self._get(client, ns, [p.key for p in part], bid)
                 if loaded is None:
                     continue                   # counted: an error is no verdict on the pages
-                for slot, (page, ok) in enumerate(zip(part, loaded)):
+                for slot, (page, ok) in enumerate(zip(part, loaded, strict=False)):
                     if ok:
                         self.ledger.served(ns, page.key, buf.view(slot * pb, pb))
                     if page.inflight or page.last_start >= sent or (page.deleted_at or 0) >= sent:
@@ -216,10 +218,8 @@ class Soak:
         for sp in self.procs.values():
             self.poll(sp)
             c = SidecarClient(sp.tcp, timeout=60)
-            try:
+            with contextlib.suppress(SidecarUnavailable, SidecarError):
                 c.request("POST", "/v1/flush?timeout=30", ok=(504,))
-            except (SidecarUnavailable, SidecarError):
-                pass
             c.close()
         self.ledger.taint_since(start)
         self.fill_epoch += 1
@@ -244,7 +244,7 @@ class Soak:
         self.check(w.namespaces[ns]["proc"], end)
 
     def stall(self, sp: SidecarProcess) -> None:
-        w, pb, n = self.world, self.args.page_bytes, len(self.faults)
+        n = len(self.faults)
         ns = f"{sp.node.name}-{self.rng.choice('ab')}"
         keys = [f"stall-{n}-{i}" for i in range(4)]
         socks = stall_uploads(sp.sock, ns, keys, [self.ledger.bytes_of(ns, k) for k in keys])
@@ -373,7 +373,7 @@ def summary(soak: Soak, elapsed: float) -> dict:
             "tier": {sp.node.name: {"evictions": sp.node.tier_evictions, "write_failed": sp.node.failed,
                                     "write_dropped": sp.node.dropped, "incarnations": sp.incarnations}
                      for sp in soak.procs.values()},
-            "tenants": {"engines": "this process (uid %d)" % os.geteuid(),
+            "tenants": {"engines": f"this process (uid {os.geteuid()})",
                         "second": soak.tenant.describe() if soak.tenant else None},
             "fault_log": soak.faults, "examples": led.examples, "errors_4xx": w.errors[:10], "workdir": soak.workdir}
 

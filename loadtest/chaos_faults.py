@@ -9,6 +9,7 @@ that can really fill up, and uploads that stall half way.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -31,7 +32,7 @@ class SidecarProcess:
         self.port = free_port()
         self.sock = os.path.join(tempfile.mkdtemp(prefix="kvc-"), "s.sock")
         os.chmod(os.path.dirname(self.sock), 0o755)    # the second tenant (another uid) connects
-        self.log = open(log_path, "ab")
+        self.log = open(log_path, "ab")  # noqa: SIM115 (each incarnation of the sidecar writes it)
         self.proc: Proc | None = None
         self.incarnations = 0
 
@@ -80,10 +81,8 @@ class SidecarProcess:
         if self.proc is not None and self.proc.proc.poll() is None:
             self.kill()
         self.log.close()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.sock)
-        except OSError:
-            pass
 
 
 class Disk:
@@ -127,10 +126,8 @@ class Disk:
             os.close(fd)
 
     def release(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.filler)
-        except FileNotFoundError:
-            pass
 
     def temps(self) -> list[str]:
         """Temporary page files left anywhere under the tiers."""
@@ -150,7 +147,7 @@ def stall_uploads(path: str, ns: str, keys: list[str], pages: list[bytes]) -> li
     """Open one connection per key on the engine socket at `path` (as the namespace's
     owner) and send a PUT's head and half its body, then stall."""
     socks = []
-    for key, page in zip(keys, pages):
+    for key, page in zip(keys, pages, strict=False):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(5)
         s.connect(path)

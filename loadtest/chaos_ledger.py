@@ -13,8 +13,8 @@ Each page moves through these states (times are the soak's monotonic clock):
 
 A check gets every settled page and sorts each miss into exactly one bucket: lost (durable,
 or acknowledged on a sidecar whose first stop after the set was sent was a clean SIGTERM, or
-that has not stopped since), allowed by design (acknowledged,
-not durable, and the sidecar's first stop after the set was sent was a SIGKILL), allowed by a full disk (tainted, bounded
+that has not stopped since), allowed by design (acknowledged, not durable, and the sidecar's
+first stop after the set was sent was a SIGKILL), allowed by a full disk (tainted, bounded
 by the writes the sidecar counted failed), or evicted by the tier (bounded by the tier's own
 eviction counter).
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 def payload(seed: int, namespace: str, key: str, size: int) -> bytes:
@@ -40,9 +39,9 @@ class Page:
     last_start: float = 0.0
     last_end: float = 0.0
     inflight: int = 0
-    durable: Optional[str] = None      # how: "flag" | "flush" (a clean stop: see `judge`)
+    durable: str | None = None      # how: "flag" | "flush" (a clean stop: see `judge`)
     tainted: bool = False
-    deleted_at: Optional[float] = None
+    deleted_at: float | None = None
     ambiguous: bool = False
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import gevent
 from locust import User, constant, task
@@ -81,7 +80,7 @@ class ChaosEngine(User):
         self.ns, self.info = ns, self.world.namespaces[ns]
         self.client = SidecarClient(self.info["url"], timeout=20)
         self.buf = SharedBuffer(SLOTS * self.world.page_bytes, name="chaos-engine")
-        self.bid: Optional[str] = None
+        self.bid: str | None = None
         self.serial = ChaosEngine._next * 1_000_000
         self.gen = -1
 

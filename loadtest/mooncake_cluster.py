@@ -9,12 +9,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 from loadtest.procs import free_port
 
 
-def binary(name: str) -> Optional[str]:
+def binary(name: str) -> str | None:
     """The wheel's console script next to this interpreter, else one on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), name)
     return here if os.access(here, os.X_OK) else shutil.which(name)
@@ -43,8 +42,8 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30
 
 class _Child:
     def __init__(self):
-        self.proc: Optional[subprocess.Popen] = None
-        self.log = tempfile.TemporaryFile("w+")
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the child process writes it until it exits)
 
     def _spawn(self, cmd: list[str]) -> subprocess.Popen:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
@@ -64,19 +63,19 @@ class _Child:
 class Master(_Child):
     """`mooncake_master` on 127.0.0.1:<port>; `restart` keeps the port (its objects are lost)."""
 
-    def __init__(self, port: Optional[int] = None, lease_ms: Optional[int] = None):
+    def __init__(self, port: int | None = None, lease_ms: int | None = None):
         super().__init__()
         self.port, self.metrics_port, self.lease_ms = port or free_port(), free_port(), lease_ms
         self.address = f"127.0.0.1:{self.port}"
 
-    def start(self) -> "Master":
+    def start(self) -> Master:
         lease = [] if self.lease_ms is None else [f"--default_kv_lease_ttl={self.lease_ms}"]
         self._spawn([binary("mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
                      f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2", *lease])
         _wait_port(self.port, self.proc, "mooncake_master")
         return self
 
-    def restart(self) -> "Master":
+    def restart(self) -> Master:
         self.kill()
         return self.start()
 
@@ -88,7 +87,7 @@ class StoreNode(_Child):
         super().__init__()
         self.master, self.segment, self.port = master, segment, free_port()
 
-    def start(self) -> "StoreNode":
+    def start(self) -> StoreNode:
         self._spawn([binary("mooncake_client"), "--host=127.0.0.1", f"--port={self.port}",
                      f"--global_segment_size={self.segment}", "--local_buffer_size=0",
                      f"--master_server_address={self.master.address}",

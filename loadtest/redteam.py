@@ -37,8 +37,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from loadtest.procs import Proc, free_port
 
@@ -54,7 +55,7 @@ class Target:
     """A running sidecar under attack."""
     url: str            # http://127.0.0.1:PORT
     socket: str         # engine socket path (its fd socket is socket + ".fds")
-    token: Optional[str]
+    token: str | None
     pid: int
     workdir: str        # a temp dir the attack may use (world-writable, sticky)
 
@@ -70,7 +71,7 @@ class Attack:
     run: Callable[[Target, threading.Event], dict]
     seconds: float = 5.0
     sidecar_args: tuple = ()                             # extra flags for its sidecar
-    token: Optional[str] = "redteam-token"               # the sidecar's token (None: none)
+    token: str | None = "redteam-token"               # the sidecar's token (None: none)
     rss_limit_mib: float = 128.0                         # growth of the sidecar's RSS allowed
 
 
@@ -177,7 +178,7 @@ def start_sidecar(attack: Attack, workdir: str) -> tuple[Proc, Target]:
     return proc, Target(f"http://127.0.0.1:{port}", sock, token, proc.proc.pid, workdir)
 
 
-def run_one(attack: Attack, seconds: Optional[float] = None) -> dict:
+def run_one(attack: Attack, seconds: float | None = None) -> dict:
     top = tempfile.mkdtemp(prefix="kv-redteam-")     # 0700, removed at the end
     workdir = os.path.join(top, "w")
     os.mkdir(workdir)
@@ -189,7 +190,7 @@ def run_one(attack: Attack, seconds: Optional[float] = None) -> dict:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _run(attack: Attack, seconds: Optional[float], workdir: str) -> dict:
+def _run(attack: Attack, seconds: float | None, workdir: str) -> dict:
     proc, target = start_sidecar(attack, workdir)
     try:
         prober = Prober(target)
@@ -218,7 +219,7 @@ def _run(attack: Attack, seconds: Optional[float], workdir: str) -> dict:
             "healthz": health, "rss_mib": rss, **facts}
 
 
-def rss_mib(pid: int) -> Optional[float]:
+def rss_mib(pid: int) -> float | None:
     """The resident set of `pid` in MiB (None once it is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:

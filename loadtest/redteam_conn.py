@@ -6,12 +6,12 @@ child can."""
 from __future__ import annotations
 
 import array
+import contextlib
 import multiprocessing as mp
 import socket
 import struct
 import threading
 import time
-from typing import Optional
 
 from api.engine.client import SidecarClient, SidecarError
 from loadtest.hostile import lingering_tcp
@@ -29,7 +29,7 @@ def _shared_stop(stop: threading.Event):
     return shared
 
 
-def _unix(path: str, timeout: Optional[float] = 10) -> socket.socket:
+def _unix(path: str, timeout: float | None = 10) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     s.connect(path)
@@ -49,7 +49,7 @@ def _closed(s: socket.socket) -> bool:
         return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -59,10 +59,8 @@ def _engine_requests(url: str, token, n: int) -> int:
     c.put_namespace("victim", 4096)
     served = 0
     for i in range(n):
-        try:
+        with contextlib.suppress(SidecarError):
             served += c.exists("victim", [f"k{i}"]) == 0
-        except SidecarError:
-            pass
     return served
 
 
@@ -275,7 +273,7 @@ def _unread(url: str, path: str, stop) -> dict:
                 got += len(chunk)
         except ConnectionResetError:
             pass
-        except socket.timeout:
+        except TimeoutError:
             got = PUT_PAGE         # still open: the server kept the answer
         cut += got < PUT_PAGE
         s.close()

@@ -13,7 +13,8 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
@@ -182,7 +183,8 @@ def _fallocate(url: str, ready, stop) -> dict:
             os.ftruncate(sealable, 4 << 30)
             lock = threading.Thread(target=_hold_inode_lock, args=(sealable, stop))
             lock.start()
-            seal = _status(lambda: c.register_buffer("lock", PAGE, 1, page_first_chunks(PAGE), fd=sealable))
+            seal = _status(lambda fd=sealable: c.register_buffer("lock", PAGE, 1, page_first_chunks(PAGE),
+                                                                 fd=fd))
     th.join()
     return {"gets": {str(k): v for k, v in answers.items()}, "worst_get_ms": round(worst * 1e3, 1),
             "sealable_registration": seal, "fallocate_rounds": rounds[0] if rounds else 0,

@@ -39,7 +39,7 @@ def _writer(url: str, name: str, rounds: int) -> list[str]:
         keys = [f"{name}-{r}-{j}" for j in range(8)]
         for j, k in enumerate(keys):
             buf.view(j * PAGE, PAGE)[:] = _page(k)
-        acked += [k for k, ok in zip(keys, c.set(name, keys, bid, list(range(8)))) if ok]
+        acked += [k for k, ok in zip(keys, c.set(name, keys, bid, list(range(8))), strict=False) if ok]
     c.request("POST", "/v1/flush?timeout=120")
     return acked
 
@@ -134,7 +134,7 @@ def _make_namespaces(url: str, n: int) -> int:
     c = SidecarClient(url, timeout=60)
     made = 0
     for i in range(n):
-        if _status(lambda: c.put_namespace(f"ns{i}", 4096)) != 429:
+        if _status(lambda i=i: c.put_namespace(f"ns{i}", 4096)) != 429:
             made += 1
     return made
 

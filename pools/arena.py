@@ -10,11 +10,11 @@ Another process on the node can map the same bytes through `/proc/<pid>/fd/<fd>`
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import tempfile
-from typing import Optional
 
 _PAGE = mmap.PAGESIZE
 
@@ -36,8 +36,8 @@ class Arena:
             os.close(self.fd)
             raise ValueError(f"cannot reserve {size} bytes of shared memory: {exc}") from exc
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm: Optional[mmap.mmap] = mmap.mmap(self.fd, size, flags=flags)
-        self._anchor: Optional[ctypes.c_char] = ctypes.c_char.from_buffer(self._mm)
+        self._mm: mmap.mmap | None = mmap.mmap(self.fd, size, flags=flags)
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(self._anchor)
 
     def view(self, offset: int, length: int) -> memoryview:
@@ -52,10 +52,8 @@ class Arena:
         if self._mm is None:
             return
         self._anchor = None
-        try:
+        with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
             self._mm.close()
-        except BufferError:
-            pass  # an exported view is still alive; the mapping goes with it
         self._mm = None
         os.close(self.fd)
 

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Hashable, Optional
+from collections.abc import Hashable
 
 from pools.arena import Arena
 from pools.page_pool import PagePool, PoolInvariantError
-
 
 RESERVED_SHARE = 0.5   # of the segments, at most, reserved by tenants (explicit capacities)
 RECLAIM_RETRY = 64     # grows a pool skips the reclaim after one found nothing
@@ -56,11 +55,11 @@ class HostPool:
         self.pools: dict[str, PagePool] = {}
         self.draining: list[PagePool] = []
         self.explicit_segments = 0
-        self._shares: Optional[tuple] = None   # `_counts`, until segments move
+        self._shares: tuple | None = None   # `_counts`, until segments move
         self._no_reclaim: dict[str, int] = {}   # pool -> grows left to skip (see `_grow`)
 
     # -- namespaces -------------------------------------------------------------------
-    def create(self, name: str, page_bytes: int, capacity_bytes: Optional[int] = None,
+    def create(self, name: str, page_bytes: int, capacity_bytes: int | None = None,
                owner: Hashable = None) -> PagePool:
         """A page pool for `name` of `owner`: a fixed share of `capacity_bytes`, or a fair share."""
         if name in self.pools:

@@ -18,8 +18,8 @@ building), and every such bit is set once `built`. Up to 8 pools: a mask is one 
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from operator import itemgetter
-from typing import Iterator
 
 from pools.page_pool import PagePool, PoolInvariantError
 

@@ -11,7 +11,7 @@ not a type mypy can follow through the sentinel.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Generic, Optional, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 
 class Linked(Protocol):
@@ -30,8 +30,8 @@ class LruNode:
     __slots__ = ("prev", "next")
 
     def __init__(self) -> None:
-        self.prev: Optional[LruNode] = None
-        self.next: Optional[LruNode] = None
+        self.prev: LruNode | None = None
+        self.next: LruNode | None = None
 
 
 class LruList(Generic[N]):

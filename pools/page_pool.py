@@ -16,8 +16,8 @@ otherwise list 131,072 ints a segment up front).
 An entry is RESERVED (being written, invisible to readers) or READY (published). Writers
 go `reserve -> commit | abort`; readers `pin -> unpin`. Only READY entries with no pins
 are evicted, and only those `on_evict` lets go (write-back keeps a page it cannot queue
-for writing yet; eviction then takes the next one). A deleted entry that is still pinned or being written becomes "doomed": gone
-from the index at once, its slot freed when the last pin or the writer lets go.
+for writing yet; eviction then takes the next one). A deleted entry that is still pinned or
+being written becomes "doomed": gone from the index at once, its slot freed when the last pin or the writer lets go.
 
 The LRU list holds only what eviction may take: READY entries with no pins (as vLLM's
 free block queue holds only blocks with no references). A first pin takes a page off the
@@ -44,10 +44,11 @@ event loop only; copies run elsewhere between reserve/pin and commit/unpin).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
 from operator import itemgetter, or_
-from typing import Callable, Hashable, Iterable, Optional, Protocol
+from typing import Protocol
 
 from pools.lru import LruList
 
@@ -81,8 +82,8 @@ class Entry:
     state: int = RESERVED
     pins: int = 0
     doomed: bool = False
-    prev: Optional["Entry"] = field(default=None, repr=False)
-    next: Optional["Entry"] = field(default=None, repr=False)
+    prev: Entry | None = field(default=None, repr=False)
+    next: Entry | None = field(default=None, repr=False)
 
 
 def run_length(index: dict, keys: list[str]) -> int:
@@ -126,7 +127,7 @@ class PagePool:
     """Pages of one namespace. `grow` asks the host pool for one more segment."""
 
     def __init__(self, name: str, page_bytes: int, segment_size: int,
-                 max_pages: Optional[int] = None, grow: Optional[Grow] = None):
+                 max_pages: int | None = None, grow: Grow | None = None):
         if page_bytes <= 0 or page_bytes > segment_size:
             raise ValueError(f"page_bytes {page_bytes} must be in 1..segment size {segment_size}")
         self.name = name
@@ -141,12 +142,12 @@ class PagePool:
         self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
         self.lru: LruList[Entry] = LruList()
         self.closed = False
-        self.on_evict: Optional[OnEvict] = None
-        self.on_idle: Optional[Callable[["PagePool"], None]] = None
-        self.on_segment_idle: Optional[Callable[["PagePool"], None]] = None  # a segment's last busy slot went
+        self.on_evict: OnEvict | None = None
+        self.on_idle: Callable[[PagePool], None] | None = None
+        self.on_segment_idle: Callable[[PagePool], None] | None = None  # a segment's last busy slot went
         self.joints: list[KeyWatcher] = []    # told when a key comes or goes
-        self.log: Optional[list] = None  # (True, key) or a gone key, as they come and go
-        self.on_log: Optional[Callable[["PagePool"], None]] = None
+        self.log: list | None = None  # (True, key) or a gone key, as they come and go
+        self.on_log: Callable[[PagePool], None] | None = None
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
         self._by_offset: dict[int, Entry] = {}   # every slot holding an entry (doomed too)
@@ -264,7 +265,7 @@ class PagePool:
         self._after_release()
 
     # -- readers ----------------------------------------------------------------------
-    def pin(self, key: str) -> Optional[Entry]:
+    def pin(self, key: str) -> Entry | None:
         """Pin a READY page: off the LRU list until its last unpin, which makes it the
         most recent; None when absent."""
         e = self.ready.get(key)
@@ -277,7 +278,7 @@ class PagePool:
         e.pins += 1
         return e
 
-    def peek(self, keys: list[str]) -> list[Optional[Entry]]:
+    def peek(self, keys: list[str]) -> list[Entry | None]:
         """The READY entries of `keys` (None where absent), marked most recent and NOT pinned:
         for a reader that is done with them before the pool is called again."""
         found = list(map(self.ready.get, keys))
@@ -319,7 +320,7 @@ class PagePool:
             self._free_slot(e)
         return was_ready
 
-    def evict_one(self) -> Optional[int]:
+    def evict_one(self) -> int | None:
         """Evict the least recent page `on_evict` lets go (the list holds no pinned one);
         its freed slot, or None. At most EVICT_SCAN pages it keeps are passed over: past
         them (write-back with a full queue, every page unwritten) the caller waits for the
@@ -333,7 +334,7 @@ class PagePool:
         """Segments that `reclaim_segment` could give back now (no slot reserved or pinned)."""
         return sum(1 for s in self.segments if s not in self._seg_busy)
 
-    def reclaim_segment(self) -> Optional[int]:
+    def reclaim_segment(self) -> int | None:
         """Give back one segment with no busy slot, its pages evicted: the segments of the
         EVICT_SCAN least recent pages first, then any idle one. Busy counts are kept per
         segment, so this walks no page but the reclaimed segment's own. At most
@@ -390,7 +391,7 @@ class PagePool:
         self._after_release()
 
     # -- internals --------------------------------------------------------------------
-    def _take_slot(self) -> Optional[int]:
+    def _take_slot(self) -> int | None:
         slot = self._pop_free()
         if slot is None and self.wants_segment() and self._grow is not None and self._grow(self):
             slot = self._pop_free()
@@ -398,7 +399,7 @@ class PagePool:
             slot = self._pop_free()
         return slot
 
-    def _pop_free(self) -> Optional[int]:
+    def _pop_free(self) -> int | None:
         """A slot given back, else the next never-used one (newest segment first)."""
         if self.free:
             return self.free.pop()

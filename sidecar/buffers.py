@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import secrets
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from sidecar import leases as lending
 from sidecar.errors import BadRequest, Conflict, Forbidden, TooMany
@@ -35,7 +36,7 @@ MAX_MAPPED = 64 << 40           # bytes of engine memory mapped at once, every u
 MAX_MAPPED_PER_UID = 16 << 40   # and by one uid's buffers (--max-mapped-per-uid)
 
 
-def process_start(pid: int) -> Optional[str]:
+def process_start(pid: int) -> str | None:
     """The start time of `pid` from /proc (guards against pid reuse); None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -57,7 +58,7 @@ class Quota:
     total_buffers: int = 0
     total_mapped: int = 0
 
-    def take(self, owner: Optional[int], buffers: int, mapped: int) -> None:
+    def take(self, owner: int | None, buffers: int, mapped: int) -> None:
         """Count a buffer (or only more mapped bytes); 429 past a mapped-bytes bound."""
         if mapped and (self.total_mapped + mapped > self.max_mapped
                        or self.mapped[owner] + mapped > self.max_mapped_per_uid):
@@ -69,7 +70,7 @@ class Quota:
         self.total_buffers += buffers
         self.total_mapped += mapped
 
-    def give(self, owner: Optional[int], buffers: int, mapped: int) -> None:
+    def give(self, owner: int | None, buffers: int, mapped: int) -> None:
         self.buffers[owner] -= buffers
         self.mapped[owner] -= mapped
         self.total_buffers -= buffers
@@ -90,16 +91,16 @@ class Buffer:
     slots: int
     chunks: tuple[Chunk, ...]
     mapping: Any
-    pid: Optional[int] = None          # released when this process exits (polled)
-    pid_start: Optional[str] = None
-    owner_uid: Optional[int] = None    # None: registered on TCP (cuda_ipc only)
-    lease: Optional[str] = None        # released when this lease ends
+    pid: int | None = None          # released when this process exits (polled)
+    pid_start: str | None = None
+    owner_uid: int | None = None    # None: registered on TCP (cuda_ipc only)
+    lease: str | None = None        # released when this lease ends
     refs: int = 0
     released: bool = False
-    bad: Optional[str] = None          # why moves with it answer false at once (a stuck copy)
-    quota: Optional[Quota] = None      # where it is counted (given back when it closes)
+    bad: str | None = None          # why moves with it answer false at once (a stuck copy)
+    quota: Quota | None = None      # where it is counted (given back when it closes)
     mapped: int = 0                    # bytes of address space its mapping holds
-    lanes: Optional[Lanes] = None      # where its mapping is closed (None: right here)
+    lanes: Lanes | None = None      # where its mapping is closed (None: right here)
 
     def describe(self) -> dict[str, Any]:
         return {"buffer_id": self.id, "transport": self.transport, "size": self.size,
@@ -109,7 +110,7 @@ class Buffer:
                 "chunks": [{"offset": c.offset, "stride": c.stride, "size": c.size}
                            for c in self.chunks]}
 
-    def usable_by(self, peer: Optional[Peer]) -> bool:
+    def usable_by(self, peer: Peer | None) -> bool:
         return self.owner_uid is None or (peer is not None and peer.uid == self.owner_uid)
 
     def owner_alive(self) -> bool:
@@ -159,7 +160,7 @@ class Sources:
 
 
 async def open_buffer(namespace: str, body: Any, page_bytes: int, src: Sources,
-                      peer: Optional[Peer]) -> Buffer:
+                      peer: Peer | None) -> Buffer:
     """Validate a registration body from `peer` (None: TCP) and map the engine's memory.
     The buffer is counted in `src.quota` before the first await (the caller's caps, checked
     just before, hold under concurrent registrations)."""
@@ -201,7 +202,7 @@ async def open_buffer(namespace: str, body: Any, page_bytes: int, src: Sources,
                          lanes=src.leases.lanes))
 
 
-def _reserve(quota: Quota, owner: Optional[int], span: int) -> tuple[int, Optional[TooMany]]:
+def _reserve(quota: Quota, owner: int | None, span: int) -> tuple[int, TooMany | None]:
     """Count a buffer and reserve `span` mapped bytes: (reserved, None); past a bound
     (0, the 429), which the mapping raises only if it would map (fd mode maps nothing)."""
     try:
@@ -213,7 +214,7 @@ def _reserve(quota: Quota, owner: Optional[int], span: int) -> tuple[int, Option
 
 
 def _shm_fd(body: dict, src: Sources,
-            peer: Peer) -> tuple[Callable[[], int], Optional[str], Optional[int]]:
+            peer: Peer) -> tuple[Callable[[], int], str | None, int | None]:
     """(a call giving the fd, on the fd thread; lease id; pid to watch) for an shm
     registration by `peer`. A lease's fd is duplicated here (dup cannot block)."""
     if "fd" in body or "pid" in body:
@@ -246,7 +247,7 @@ def _open_owned(path: object, allowed: Sequence[str], uid: int) -> int:
     return fd
 
 
-async def _map_off_loop(src: Sources, owner: Optional[int], open_fd: Callable[[], int],
+async def _map_off_loop(src: Sources, owner: int | None, open_fd: Callable[[], int],
                         mapping: Callable[[int], ShmMapping]) -> ShmMapping:
     """`mapping(open_fd())` on `owner`'s fd lane, within FD_DEADLINE seconds (409 after:
     the memory stayed locked; what the late job makes is closed when it ends)."""

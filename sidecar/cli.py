@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sidecar import __version__
 from sidecar.config import load
@@ -120,6 +121,6 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m sidecar serve ...` (the whole `sidecar` command is `api.cli.main`)."""
     return run_serve(parser().parse_args(argv))

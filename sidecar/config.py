@@ -4,9 +4,10 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 WRITE_POLICIES = ("write_through", "write_back", "none")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -64,21 +65,21 @@ class Config:
 
     host: str = "127.0.0.1"
     port: int = 8411
-    token: Optional[str] = field(default=None, repr=False)
-    token_file: Optional[str] = None      # read once at start; beats nothing else (see load)
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None      # read once at start; beats nothing else (see load)
     socket: str = field(default_factory=_default_socket)  # "" : no engine socket
     socket_mode: int = 0o660              # the engine socket's (and fd socket's) mode
-    socket_group: Optional[str] = None    # and group: the engines' users belong to it
+    socket_group: str | None = None    # and group: the engines' users belong to it
     host_pool: int = 2 * 2**30
     segment_size: int = 0                 # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
     data_dir: str = field(default_factory=_default_data_dir)
     file_tier: bool = True
     file_tier_size: int = 0               # 0: min(64 GiB, 90% of free + held), see datadir
-    hf3fs_dir: Optional[str] = None
+    hf3fs_dir: str | None = None
     hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
     hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
-    hf3fs_group: Optional[str] = None     # nodes' sidecars share 3FS pages through this group
-    mooncake_master: Optional[str] = None   # HOST:PORT of mooncake_master: adds the Mooncake tier
+    hf3fs_group: str | None = None     # nodes' sidecars share 3FS pages through this group
+    mooncake_master: str | None = None   # HOST:PORT of mooncake_master: adds the Mooncake tier
     mooncake_metadata: str = "P2PHANDSHAKE"
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
@@ -102,8 +103,8 @@ class Config:
     max_head: int = 64 * 2**10            # request line + headers (414/431 past it)
     max_header_fields: int = 100          # header fields a request (431 past it)
     # KV events for cache-aware routers (sidecar/events.py); off unless an endpoint is given
-    kv_events: Optional[str] = None       # ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557
-    kv_events_replay: Optional[str] = None  # ZMQ ROUTER replay endpoint (default: PUB port + 1)
+    kv_events: str | None = None       # ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557
+    kv_events_replay: str | None = None  # ZMQ ROUTER replay endpoint (default: PUB port + 1)
     kv_events_format: str = "map"         # "map" (vLLM's tagged structs) or "array" (positional)
     kv_events_topic: str = ""             # topic prefix (default kv-sidecar@<hostname>)
     kv_events_buffer: int = 10_000        # batches kept for replay
@@ -113,7 +114,7 @@ class Config:
     kv_events_batch_bytes: int = 256 * 2**10   # bytes of one batch at most (events split to fit)
     kv_events_queue_bytes: int = 64 * 2**20    # bytes queued to the PUB's subscribers at most
     kv_events_mode: int = 0o600           # ipc:// event sockets' mode (this user only)
-    kv_events_group: Optional[str] = None  # and their group (the routers' users are in it)
+    kv_events_group: str | None = None  # and their group (the routers' users are in it)
     kv_events_token_ids: bool = False     # publish each page's token ids (its prompt): opt in
     # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
     copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad
@@ -212,8 +213,8 @@ def field_names() -> list[str]:
     return [f.name for f in fields(Config)]
 
 
-def load(file: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
-         overrides: Optional[Mapping[str, Any]] = None) -> Config:
+def load(file: str | None = None, env: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> Config:
     """Build a Config from a TOML file, the environment and explicit overrides, in that order."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}

@@ -19,7 +19,7 @@ import logging
 import socket
 import time
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 from sidecar.config import Config
 
@@ -79,7 +79,7 @@ class Registry:
         self.unauthenticated: dict[Any, None] = {}   # insertion order: least recently active first
         self.tally = Tally()
 
-    def admit(self, conn: Any, listener: str, uid: Optional[int], pending: bool) -> Optional[str]:
+    def admit(self, conn: Any, listener: str, uid: int | None, pending: bool) -> str | None:
         """None when `conn` may stay (counted until `release`); else why it is refused.
         `pending`: a TCP connection that still has to show the token."""
         if self.open[listener] >= self.cap and not (listener == TCP and self._evict()):
@@ -93,7 +93,7 @@ class Registry:
             self.unauthenticated[conn] = None
         return None
 
-    def release(self, conn: Any, listener: str, uid: Optional[int]) -> None:
+    def release(self, conn: Any, listener: str, uid: int | None) -> None:
         self.open[listener] -= 1
         if listener == ENGINE:
             self.by_uid[uid] -= 1

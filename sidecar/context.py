@@ -9,7 +9,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from pools import Arena, HostPool
 from sidecar import datadir, report
@@ -80,13 +80,13 @@ class Context:
     started: float = field(default_factory=time.time)
     cuda_registered: bool = False
     ready: bool = False
-    _loop: Optional[asyncio.AbstractEventLoop] = None
-    lend_server: Optional[LendServer] = None
-    events: Optional[Events] = None       # with --kv-events
+    _loop: asyncio.AbstractEventLoop | None = None
+    lend_server: LendServer | None = None
+    events: Events | None = None       # with --kv-events
     _tasks: list = field(default_factory=list)
 
     @classmethod
-    def build(cls, config: Config) -> "Context":
+    def build(cls, config: Config) -> Context:
         """Check the tier directories (UnusableDir), then allocate and prefault the host
         pool (the slow part of start-up)."""
         datadir.check_dirs(config)
@@ -138,7 +138,7 @@ class Context:
         if self.tiering.writer is not None:
             self.tiering.writer.start()
         if self.config.kv_events:
-            from sidecar import events   # pyzmq and msgspec: the `events` extra
+            from sidecar import events  # pyzmq and msgspec: the `events` extra
             self.events = self.store.events = events.start(self.config, self.loop, self.tiering.tiers)
         self._tasks.append(self.loop.create_task(self._recover_then_serve()))
         self._tasks.append(self.loop.create_task(self._reaper()))
@@ -177,7 +177,7 @@ class Context:
     async def flush(self, timeout: float, who: Caller = OPERATOR) -> int:
         return await self.store.flush(timeout, who)
 
-    async def close(self, timeout: Optional[float] = None) -> None:
+    async def close(self, timeout: float | None = None) -> None:
         """Phases: stop answering ready, stop background tasks, flush queued tier writes,
         finish copies, unmap. Each phase is bounded by the shutdown timeout."""
         timeout = timeout or self.config.shutdown_timeout
@@ -196,7 +196,7 @@ class Context:
         drain = self.loop.run_in_executor(None, self.executor.shutdown, True)
         try:
             await asyncio.wait_for(drain, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("copy workers did not finish within the shutdown timeout")
         copying = not await self.store.copier.lanes.idle(min(timeout, 5.0))
         if copying:   # a copy stuck in an engine's memory may still write into the arena

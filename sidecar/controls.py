@@ -40,10 +40,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pools import HostPool
 from pools.page_pool import Entry, PagePool
 from sidecar.errors import BadRequest, Forbidden, JobNotFound, NamespaceNotFound, PinBound, TooMany
 from sidecar.keys import check_key, check_keys
-from pools import HostPool
 from sidecar.lookup import Lookup
 from sidecar.namespace import Namespace
 from sidecar.tenancy import OPERATOR, Caller, Directory, owner_of

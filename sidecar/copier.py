@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from sidecar.buffers import Buffer
 from sidecar.lanes import Job, Lanes

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Optional
 
 from sidecar.config import Config
 
@@ -31,7 +30,7 @@ class UnusableDir(Exception):
 def check_dirs(config: Config) -> None:
     """Create each tier directory, check that nobody else controls it, and write, fsync
     and remove a probe file in it."""
-    dirs: list[tuple[str, str, Optional[str]]] = (
+    dirs: list[tuple[str, str, str | None]] = (
         [("--data-dir", config.data_dir, None)] if config.file_tier else [])
     if config.hf3fs_dir:
         dirs.append(("--hf3fs-dir", config.hf3fs_dir, config.hf3fs_group))
@@ -47,7 +46,7 @@ def check_dirs(config: Config) -> None:
             raise UnusableDir(f"{flag} {path} is unusable: {why}{fix}")
 
 
-def check_private(path: str, group_writable: bool = False) -> Optional[str]:
+def check_private(path: str, group_writable: bool = False) -> str | None:
     """Why another user could control the directory `path` (None: nobody can). `path`
     must be a real directory of this user or root, writable by no other user (nor its
     group, unless `group_writable`); each directory above it too, or sticky."""
@@ -86,7 +85,7 @@ def _probe(path: str) -> None:
         os.unlink(probe)
 
 
-def held_bytes(path: str, enough: Optional[int] = None) -> int:
+def held_bytes(path: str, enough: int | None = None) -> int:
     """Bytes the files under `path` occupy on disk (counting stops at `enough`)."""
     total = 0
     if enough is not None and enough <= 0:
@@ -110,7 +109,7 @@ def _existing(path: str) -> str:
     return path
 
 
-def file_tier_size(config: Config, held: Optional[int] = None) -> tuple[int, str]:
+def file_tier_size(config: Config, held: int | None = None) -> tuple[int, str]:
     """The file tier's size: `--file-tier-size`, or min(64 GiB, 90% of (the file system's
     free space + what the tier already holds)). `held`: the bytes the tier's recovery found
     (the sidecar sizes the tier then: no second walk); None: counted here by a walk. Returns

@@ -34,10 +34,11 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import operator
 import logging
+import operator
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from sidecar.errors import BadRequest
 from sidecar.peer import bind_unix
@@ -137,7 +138,7 @@ def runs_of(idx: list) -> list[tuple[int, int]]:
     return runs
 
 
-def set_meta(body: dict) -> Optional[tuple]:
+def set_meta(body: dict) -> tuple | None:
     """A set's optional `parent` (the key before its first) and `tokens` (token ids, one
     list per key) for KV events (docs/kv-events.md), as (parent, tokens, packed); None
     when it gives neither. `packed`: the tokens as one event's array, where the packer is
@@ -165,7 +166,7 @@ def tokens_a_key(page_tokens: int) -> int:
     return min(page_tokens, MAX_TOKENS_A_KEY) if page_tokens > 0 else MAX_TOKENS_A_KEY
 
 
-def check_tokens(meta: Optional[tuple], page_tokens: int) -> None:
+def check_tokens(meta: tuple | None, page_tokens: int) -> None:
     """A set's `tokens` (`set_meta`) against its namespace: at most `tokens_a_key` a key
     (what an event holds is bounded in bytes, docs/kv-events.md, Limits)."""
     if meta is not None and meta[1] and max(map(len, meta[1])) > tokens_a_key(page_tokens):
@@ -214,7 +215,7 @@ class Events:
         self.scheduled = False
         self.dropped = 0               # batches ZMQ refused
         self.published = 0
-        import msgspec   # the `events` extra
+        import msgspec  # the `events` extra
         self.encoder = msgspec.msgpack.Encoder()
         self.encode, self.raw = self.encoder.encode, msgspec.Raw
         self.buf = bytearray()         # each batch encoded here (no allocation a batch)
@@ -252,7 +253,7 @@ class Events:
             self.announced.pop(ns.identity, None)
         self._add(self.topic(ns), encode_event("AllBlocksCleared", {}, self.fmt))
 
-    def stored_chain(self, pool, keys: list, idx: Optional[list], meta: tuple) -> None:
+    def stored_chain(self, pool, keys: list, idx: list | None, meta: tuple) -> None:
         """A set's commits as one log entry (the pool logged none of them): `idx`, the
         positions in `keys` committed, ascending, at least one (None: all of them; the store
         calls only when a page was committed); `meta`, the set's `set_meta`. Its events are
@@ -343,8 +344,8 @@ class Events:
                 else:                  # (True, key): stored without a set's parent and tokens
                     out.append(self._stored(ns, hashes([key], kf), None, []))
 
-    def _chains(self, ns, keys: list, idx: Optional[list], parent: Optional[str],
-                tokens: Optional[list], packed: Optional[bytes]) -> Iterator[Any]:
+    def _chains(self, ns, keys: list, idx: list | None, parent: str | None,
+                tokens: list | None, packed: bytes | None) -> Iterator[Any]:
         """One BlockStored for each run of consecutive positions in `idx` (None: all of
         `keys`, with the tokens `packed` already where they are), split into pieces of
         half a batch at most: its parent is the key before it (the set's `parent` before
@@ -363,7 +364,7 @@ class Events:
                     toks = token_array(tokens, a, b, raw) if tokens else []
                 yield self._stored(ns, hash_array(keys, a, b, kf, raw), up, toks)
 
-    def _stored(self, ns, block_hashes: Any, parent: Optional[str], tokens: Any) -> Any:
+    def _stored(self, ns, block_hashes: Any, parent: str | None, tokens: Any) -> Any:
         """The host pool's BlockStored of `block_hashes` (made already), after key `parent`."""
         kf = ns.spec.key_format
         return stored_event(block_hashes, None if parent is None else block_hash(parent, kf),
@@ -421,7 +422,8 @@ def start(config, loop, tiers: list) -> Events:
                     config.kv_events_format, loop, config.kv_events_gather)
     events.token_ids, events.batch_bytes = config.kv_events_token_ids, config.kv_events_batch_bytes
     for tier in tiers:
-        tier.listener = lambda ident, keys, present, m=medium_of(tier): \
+        medium = medium_of(tier)
+        tier.listener = lambda ident, keys, present, m=medium: \
             events.tier_changed(ident, keys, m, present)
     log.info("kv events on %s (replay %s), %s encoding, token ids %s", config.kv_events, replay,
              config.kv_events_format, "on" if events.token_ids else "off")
@@ -449,7 +451,7 @@ def open_endpoint(endpoint: str, token_ids: bool) -> str:
             f"ipc:// paths with --kv-events-group to name who may (docs/security.md, KV events)")
 
 
-def _next_port(endpoint: str) -> Optional[str]:
+def _next_port(endpoint: str) -> str | None:
     """tcp://host:port -> tcp://host:port+1; None for any other endpoint."""
     head, sep, port = endpoint.rpartition(":")
     if endpoint.startswith("tcp://") and sep and port.isdigit() and port != "0":

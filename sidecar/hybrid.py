@@ -21,17 +21,18 @@ same position.
 from __future__ import annotations
 
 import asyncio
-from itertools import compress
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from itertools import compress
+from typing import Any
 
 import orjson
 
 from pools.joint import held_by, table
 from sidecar.errors import BadRequest, PayloadTooLarge
+from sidecar.events import check_tokens, set_meta
 from sidecar.joints import joint_bits
 from sidecar.keys import MAX_BATCH
-from sidecar.events import check_tokens, set_meta
 from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
@@ -123,7 +124,7 @@ class Presence:
     __slots__ = ("store", "name", "keys", "top", "lo", "bits", "run", "run_ends", "floor")
 
     def __init__(self, store: Store, name: str, keys: list[str], top: int,
-                 bits: Optional[bytes] = None, run: int = 0, floor: Optional[int] = None):
+                 bits: bytes | None = None, run: int = 0, floor: int | None = None):
         self.store, self.name, self.keys, self.top = store, name, keys, top
         self.lo, self.bits = (top, b"") if bits is None else (0, bits)
         self.run, self.run_ends = run, False
@@ -206,7 +207,7 @@ async def batch_exists(store: Store, keys: Any, kv: Any, extra: Sequence[ExtraPo
         raise BadRequest("'kv' must name the KV namespace")
     plan = resolve(store, kv, extra, who)
     out = await _batch_exists(store, keys, plan, restorable)
-    out["pools"] = dict(zip(plan.asked, out["pools"]))
+    out["pools"] = dict(zip(plan.asked, out["pools"], strict=False))
     return out
 
 
@@ -263,7 +264,7 @@ async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -
         top = await store.lookup.remote_prefix(kv, keys, top)
     if remote and extra:  # one remote look-up per pool, all at once
         found = await asyncio.gather(*(store.lookup.mask(pool.namespace, keys[:top]) for pool in extra))
-        seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, found)]
+        seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, found, strict=False)]
     elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": [top] * len(extra)}
     else:   # the joint's run is in each all-pages pool; the hit is at most that run
@@ -278,7 +279,7 @@ def run_of(masks: bytes, bits: tuple[int, ...], extra: Sequence[ExtraPool]) -> i
     """The leading run of `masks` that the KV pool and every all-pages pool hold (`bits`:
     the KV pool's, then each extra pool's)."""
     need = bits[0]
-    for bit, pool in zip(bits[1:], extra):
+    for bit, pool in zip(bits[1:], extra, strict=False):
         if pool.policy == ALL_PAGES:
             need |= bit
     end = held_by(masks, need).find(0)
@@ -291,7 +292,7 @@ def rule_on_masks(walked: tuple[bytes, Sequence[bytes]], extra: Sequence[ExtraPo
     extra pool's `pools.joint.table`): each pool's pages read in C, no look-up left."""
     masks, tables = walked
     held = [masks.translate(t) for t in tables]
-    own = [bits_cap(pool, h, top) for pool, h in zip(extra, held)]
+    own = [bits_cap(pool, h, top) for pool, h in zip(extra, held, strict=False)]
     if min(own, default=top) == top and not restorable:   # every pool restores it all
         return {"hit": top, "kv": top, "pools": own}
     out = {"hit": common_hit(extra, (bits_cap, held), own, top), "kv": top, "pools": own}
@@ -320,7 +321,7 @@ def restores_top(store: Store, extra: Sequence[ExtraPool], keys: list[str], top:
 def hit_rule(extra: Sequence[ExtraPool], seen: list[Presence], top: int,
              restorable: bool) -> dict[str, Any]:
     """The answer, each pool's pages as its Presence finds them."""
-    own = [cap(pool, s, top) for pool, s in zip(extra, seen)]
+    own = [cap(pool, s, top) for pool, s in zip(extra, seen, strict=False)]
     out = {"hit": common_hit(extra, (cap, seen), own, top), "kv": top, "pools": own}
     if restorable:
         out["restorable"] = common_endpoints(extra, [s.all() for s in seen], top)
@@ -333,11 +334,11 @@ def common_hit(extra: Sequence[ExtraPool], caps: tuple[Callable, list], own: lis
     the greatest endpoint <= p a pool restores being `cap(pool, pages, p)`."""
     cap_of, pages = caps
     hit = min(own, default=top)   # a pool whose own best it is restores it
-    low = min([o if o == hit else cap_of(pool, seen, hit) for pool, seen, o in zip(extra, pages, own)],
+    low = min([o if o == hit else cap_of(pool, seen, hit) for pool, seen, o in zip(extra, pages, own, strict=False)],
               default=hit)
     while low != hit:   # every endpoint in (low, hit] is one some pool cannot restore
         hit = low
-        low = min([cap_of(pool, seen, hit) for pool, seen in zip(extra, pages)], default=hit)
+        low = min([cap_of(pool, seen, hit) for pool, seen in zip(extra, pages, strict=False)], default=hit)
     return hit
 
 
@@ -345,7 +346,7 @@ def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) ->
     """Every endpoint in 1..top that every pool can restore, ascending (`bits`: each
     pool's pages [0, top))."""
     common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
-    for pool, b in zip(extra, bits):
+    for pool, b in zip(extra, bits, strict=False):
         window = top if pool.policy == ALL_PAGES else pool.window
         common &= int.from_bytes(legal_endpoints(b, top, window), "little")
     return list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
@@ -357,10 +358,10 @@ class Item:
     keys: Any             # checked by `Store.check_move` as the item is parsed
     buffer_id: Any
     slots: Any
-    meta: Optional[tuple] = None      # KV events: `events.set_meta`
+    meta: tuple | None = None      # KV events: `events.set_meta`
 
 
-def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,
+def parse_items(store: Store, raw: Any, peer: Peer | None = None,
                 who: Caller = OPERATOR) -> list[Item]:
     """Validate every item (namespace, keys, buffer, slots) before any page moves; each
     item's `namespace` becomes the ref its name means to `who`."""
@@ -385,13 +386,13 @@ def parse_items(store: Store, raw: Any, peer: Optional[Peer] = None,
     return items
 
 
-async def batch_set(store: Store, raw_items: Any, peer: Optional[Peer] = None,
+async def batch_set(store: Store, raw_items: Any, peer: Peer | None = None,
                     who: Caller = OPERATOR) -> dict[str, list[bool]]:
     """Each pool stores what it can: one pool out of room does not fail the others."""
     items = parse_items(store, raw_items, peer, who)
     results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer,
                                                meta=i.meta) for i in items))
-    return {name: r for name, r in zip(_names(raw_items), results)}
+    return {name: r for name, r in zip(_names(raw_items), results, strict=False)}
 
 
 def _names(raw_items: list) -> list[str]:
@@ -399,8 +400,8 @@ def _names(raw_items: list) -> list[str]:
     return [it["namespace"] for it in raw_items]
 
 
-async def batch_get(store: Store, raw_items: Any, kv: Optional[str] = None,
-                    peer: Optional[Peer] = None, who: Caller = OPERATOR) -> dict[str, list[bool]]:
+async def batch_get(store: Store, raw_items: Any, kv: str | None = None,
+                    peer: Peer | None = None, who: Caller = OPERATOR) -> dict[str, list[bool]]:
     """KV items first; the other items only when every KV page loaded, else all false."""
     items = parse_items(store, raw_items, peer, who)
     if kv is not None and kv not in _names(raw_items):
@@ -418,5 +419,5 @@ async def batch_get(store: Store, raw_items: Any, kv: Optional[str] = None,
                                          for i in rest))
     else:
         results = [[False] * len(i.keys) for i in rest]
-    loaded.update({i.namespace: r for i, r in zip(rest, results)})
-    return {name: loaded[i.namespace] for name, i in zip(_names(raw_items), items)}
+    loaded.update({i.namespace: r for i, r in zip(rest, results, strict=False)})
+    return {name: loaded[i.namespace] for name, i in zip(_names(raw_items), items, strict=False)}

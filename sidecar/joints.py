@@ -19,7 +19,8 @@ joint is evicted, so asking other sets does not make the sidecar build again and
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from pools.joint import MAX_POOLS, Joint
 
@@ -48,7 +49,7 @@ class Joints:
         self._asked: dict[tuple[str, ...], tuple[str, ...]] = {}  # as asked -> sorted names
         self._building: set[asyncio.Task] = set()
 
-    def get(self, kv: str, others: list[str]) -> Optional[Joint]:
+    def get(self, kv: str, others: list[str]) -> Joint | None:
         """The joint of namespace `kv` and `others`, None when there is none (yet)."""
         return self.by_names.get(self._names(kv, others))
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
 import logging
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 log = logging.getLogger("kv_sidecar.lanes")
 STUCK_AFTER = 1.0     # seconds a job may run before a spare thread takes its place
@@ -36,10 +38,10 @@ class Job:
 
     fn: Callable[[], Any]
     owner: Any
-    done: Optional[Callable[["Job"], None]] = None
+    done: Callable[[Job], None] | None = None
     state: str = "queued"           # queued -> running -> ended, or queued -> dropped
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     started: float = 0.0            # time.monotonic() when a thread took it (0: not yet)
     stuck: bool = False
 
@@ -57,7 +59,7 @@ class Lanes:
     def __init__(self, name: str, threads: int, per_owner: int):
         assert threads >= 1 and per_owner >= 1
         self.name, self.threads, self.per_owner = name, threads, per_owner
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.spares = 0
         self._lanes: dict[Any, _Lane] = {}
         self._running: set[Job] = set()
@@ -67,7 +69,7 @@ class Lanes:
 
     # -- on the loop -----------------------------------------------------------------
     def submit(self, owner: Any, fn: Callable[[], Any],
-               done: Optional[Callable[[Job], None]] = None) -> Job:
+               done: Callable[[Job], None] | None = None) -> Job:
         """Queue `fn` in `owner`'s lane (from the event loop)."""
         self.loop = asyncio.get_running_loop()
         job = Job(fn, owner, done)
@@ -81,7 +83,7 @@ class Lanes:
         return job
 
     async def call(self, owner: Any, fn: Callable[[], Any], deadline: float,
-                   late: Callable[[Job], None]) -> Optional[Job]:
+                   late: Callable[[Job], None]) -> Job | None:
         """Run `fn` in `owner`'s lane and wait at most `deadline` s: the ended job (its
         `result` or `error`), or None past the deadline or when cancelled; then a job not
         started is dropped, and `late(job)` runs on the loop once it has ended or dropped."""
@@ -217,13 +219,11 @@ class Lanes:
             except BaseException as exc:   # reported to the loop; the thread goes on
                 job.error = exc
             assert self.loop is not None, "set by submit, which queued this job"
-            try:
+            with contextlib.suppress(RuntimeError):   # the loop is closed (shutdown): nobody waits
                 self.loop.call_soon_threadsafe(self._ended, job)
-            except RuntimeError:   # the loop is closed (shutdown): nobody waits for it
-                pass
 
 
-def close_later(lanes: Optional[Lanes], owner: Any, close: Callable[[], Any]) -> None:
+def close_later(lanes: Lanes | None, owner: Any, close: Callable[[], Any]) -> None:
     """Run `close` (of a lent or received fd, a mapping, a connection) on `owner`'s lane,
     never on the loop; inline only where no loop runs (tools, unit tests)."""
     try:

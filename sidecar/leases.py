@@ -34,9 +34,10 @@ import secrets
 import socket
 import stat
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import orjson
 
@@ -78,14 +79,14 @@ class Lease:
 @dataclass(slots=True, eq=False)
 class _Conn:
     sock: socket.socket
-    peer: Optional[Peer]
+    peer: Peer | None
     leases: list[Lease] = field(default_factory=list)
     busy: bool = False             # a frame is being received or checked on an fd thread
     answered: bool = False         # that frame was answered already (it overran FD_DEADLINE)
     timer: Any = None              # the idle timer, or the frame's deadline while busy
 
     @property
-    def uid(self) -> Optional[int]:
+    def uid(self) -> int | None:
         return self.peer.uid if self.peer is not None else None
 
 
@@ -93,7 +94,7 @@ class LeaseRegistry:
     """Live leases by id. `on_end(lease_ids)` runs (on the loop) when a lender goes.
     `lanes`: the fd threads, where every lent fd is checked, mapped and closed."""
 
-    def __init__(self, forbidden: tuple = (), lanes: Optional[Lanes] = None):
+    def __init__(self, forbidden: tuple = (), lanes: Lanes | None = None):
         self.leases: dict[str, Lease] = {}
         self.per_uid: Counter = Counter()
         self.forbidden = forbidden           # (st_dev, st_ino) of the sidecar's own memory
@@ -116,7 +117,7 @@ class LeaseRegistry:
         self.per_uid[peer.uid] += 1
         return lease
 
-    def dup(self, lease_id: object, peer: Optional[Peer]) -> tuple[Lease, int]:
+    def dup(self, lease_id: object, peer: Peer | None) -> tuple[Lease, int]:
         """A new fd of a live lease for a registration by `peer` (same uid as the lender).
         dup() only takes a reference: it cannot block."""
         lease = self.leases.get(lease_id) if isinstance(lease_id, str) else None
@@ -153,7 +154,7 @@ class LendServer:
         self.inode = os.stat(path).st_ino
         self.conns: dict[int, _Conn] = {}
         self.per_uid: Counter = Counter()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
         self.closed: Counter = Counter()   # connections closed by reason, since the last log line
         self.logged = 0.0

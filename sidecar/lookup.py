@@ -19,7 +19,7 @@ for a ref that does not exist (an extra pool the caller named, not yet made).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 from pools.joint import Joint
 from sidecar.joints import Joints
@@ -132,11 +132,11 @@ class Lookup:
         return found
 
     # -- joints -------------------------------------------------------------------------
-    def joint(self, kv: str, others: list[str]) -> Optional[Joint]:
+    def joint(self, kv: str, others: list[str]) -> Joint | None:
         """The joint of namespace `kv`'s pool and the pools of `others` (`sidecar.joints`)."""
         return self.joints.get(kv, others)
 
-    def make_joint(self, kv: str, others: list[str]) -> Optional[Joint]:
+    def make_joint(self, kv: str, others: list[str]) -> Joint | None:
         """Make that joint when there is none and the bounds allow (ready now, or built
         over the next few loop turns); the joint, or None."""
         self.joints.make(kv, others, self.namespaces)

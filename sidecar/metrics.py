@@ -5,7 +5,8 @@ thread (`render`: the part that grew with namespaces and stalled the loop 1.6 s 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -40,7 +41,7 @@ class RequestStats:
         self.sums[route] += seconds
 
 
-def snapshot(store: "Store", requests: RequestStats, who: Any) -> dict:
+def snapshot(store: Store, requests: RequestStats, who: Any) -> dict:
     """Everything one scrape shows, copied on the event loop (the namespaces `who` reaches)."""
     return {"count": dict(requests.count), "hist": {r: list(b) for r, b in requests.hist.items()},
             "sums": dict(requests.sums), "stats": report.stats(store, who),
@@ -102,7 +103,7 @@ class _Collector:
         lat = HistogramMetricFamily("kv_sidecar_request_seconds", "request latency", labels=["route"])
         for route, counts in sorted(self.snap["hist"].items()):
             acc, buckets = 0, []
-            for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts):
+            for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts, strict=False):
                 acc += n
                 buckets.append((bound, acc))
             lat.add_metric([route], buckets, self.snap["sums"][route])

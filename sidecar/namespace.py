@@ -6,7 +6,7 @@ controls, cost) import it without importing the store that holds them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from pools import PagePool
 from sidecar.buffers import Buffer
@@ -14,7 +14,7 @@ from sidecar.errors import BufferNotFound
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec
 
-Owner = Union[int, str, None]   # a uid, tenancy.TCP_TENANT, or None (the operator)
+Owner = int | str | None   # a uid, tenancy.TCP_TENANT, or None (the operator)
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class Namespace:
     counters: Counters = field(default_factory=Counters)
     joined: set[int] = field(default_factory=set)   # uids of members that PUT it (shared)
 
-    def buffer(self, buffer_id: Any, peer: Optional[Peer] = None) -> Buffer:
+    def buffer(self, buffer_id: Any, peer: Peer | None = None) -> Buffer:
         """The buffer `buffer_id`, if `peer` may use it (another user's reads as unknown)."""
         buf = self.buffers.get(buffer_id) if isinstance(buffer_id, str) else None
         if buf is None or not buf.usable_by(peer):

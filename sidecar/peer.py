@@ -13,8 +13,9 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from sidecar.datadir import check_private
 
@@ -36,13 +37,13 @@ class Peer:
     gid: int
     groups: frozenset = frozenset()
 
-    def may_use(self, owner_uid: Optional[int]) -> bool:
+    def may_use(self, owner_uid: int | None) -> bool:
         """Whether this peer may use memory registered by `owner_uid` (None: a TCP-registered
         CUDA IPC buffer, where the handle itself is the capability)."""
         return owner_uid is None or self.uid == owner_uid
 
 
-def peer_of(sock: Any) -> Optional[Peer]:
+def peer_of(sock: Any) -> Peer | None:
     """The peer of a connected AF_UNIX socket (or uvloop's socket-like object); None for
     any other socket."""
     try:
@@ -80,12 +81,12 @@ def _many_groups(fd: int) -> bytes:
     return b""
 
 
-def scope_peer(scope: Mapping[str, Any]) -> Optional[Peer]:
+def scope_peer(scope: Mapping[str, Any]) -> Peer | None:
     """The Peer the server attached to an ASGI scope, or None (TCP)."""
     return scope.get(PEER_KEY)
 
 
-def bind_unix(path: str, mode: int, group: Optional[str] = None,
+def bind_unix(path: str, mode: int, group: str | None = None,
               kind: int = socket.SOCK_STREAM) -> socket.socket:
     """A listening Unix socket at `path` with `mode` (and `group`), in a directory nobody
     else controls (`datadir.check_private`). A stale socket file is replaced; a live one

@@ -34,8 +34,9 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from sidecar.peer import unlink_if_ours
 from sidecar.replay_ring import ReplayRing
@@ -61,11 +62,11 @@ class Publisher:
     high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
     the replay thread that owns the ROUTER socket and reads the ring."""
 
-    def __init__(self, endpoint: str, replay: Optional[str], keep: int, keep_bytes: int,
-                 limits: Limits = Limits(), unix: Optional[Callable] = None):
+    def __init__(self, endpoint: str, replay: str | None, keep: int, keep_bytes: int,
+                 limits: Limits = Limits(), unix: Callable | None = None):
         """`unix(path)`: the listening Unix socket an `ipc://` endpoint gets (its mode and
         group: `peer.bind_unix`, as the engine socket's); None: ZMQ makes it (umask)."""
-        import zmq   # the `events` extra: imported only when events are on
+        import zmq  # the `events` extra: imported only when events are on
         self.zmq, self.limits, self.unix = zmq, limits, unix
         self.ctx: zmq.Context = zmq.Context.instance()
         self.files: list[tuple[str, int]] = []   # the ipc:// socket files made here
@@ -76,8 +77,8 @@ class Publisher:
         self.ring = ReplayRing(keep, keep_bytes)
         self.seq = 0
         self.replays = self.replays_given_up = 0
-        self.router: Optional[zmq.Socket] = None
-        self.thread: Optional[threading.Thread] = None
+        self.router: zmq.Socket | None = None
+        self.thread: threading.Thread | None = None
         self.running = True
         if replay:
             self.router = self._router(replay)
@@ -159,7 +160,7 @@ class Publisher:
             due += len(reply[2]) / self.limits.rate
             time.sleep(max(0.0, due - time.monotonic()))   # (and the GIL to the loop)
 
-    def _reply(self, client: bytes, frames: tuple, left: float) -> Optional[float]:
+    def _reply(self, client: bytes, frames: tuple, left: float) -> float | None:
         """One message to `client`, waiting while its queue is full, `left` seconds at
         most: what is left of them, or None once it is gone, or they ran out, or the
         publisher closes."""

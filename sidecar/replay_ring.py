@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import mmap
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 # private, and its pages taken now (MAP_POPULATE where the platform has it): the ring's
 # memory is in the RSS from the start, and no first write of a batch takes a page fault
@@ -36,7 +36,7 @@ class ReplayRing:
 
     def __init__(self, keep: int, size: int):
         self.keep, self.size = keep, size
-        self.map: Optional[mmap.mmap] = mmap.mmap(-1, size, flags=FLAGS) if keep > 0 and size > 0 else None
+        self.map: mmap.mmap | None = mmap.mmap(-1, size, flags=FLAGS) if keep > 0 and size > 0 else None
         self.index: collections.deque = collections.deque()   # (seq, topic, offset, length)
         self.head = 0            # where the next batch goes
         self.bytes = 0           # payload bytes kept

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 FILL_TOP = 16   # namespaces whose fill the sampler follows (the largest)
 
 
-def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
+def stats(store: Store, who: Caller = OPERATOR) -> dict[str, Any]:
     """Counters of the process and of every namespace `who` reaches (by the name it knows
     each one by)."""
     hp, tiering = store.host_pool, store.tiering
@@ -50,7 +50,7 @@ def stats(store: "Store", who: Caller = OPERATOR) -> dict[str, Any]:
     return out
 
 
-def sample(store: "Store", fill_top: int = FILL_TOP) -> dict[str, Any]:
+def sample(store: Store, fill_top: int = FILL_TOP) -> dict[str, Any]:
     """What the 1 s sampler reads (sidecar/samples.py), without a walk of every namespace's
     counters: the totals, the pages of the host pool and of each tier, the write queue,
     and the fill of the `fill_top` namespaces with the most capacity (by ref: `fill_for`
@@ -79,7 +79,7 @@ def fill_for(store: Store, who: Caller, samples: list[dict]) -> list[dict]:
     return out
 
 
-def _queue(store: "Store") -> dict[str, int]:
+def _queue(store: Store) -> dict[str, int]:
     writer = store.tiering.writer
     return {"pending": writer.pending if writer else 0, "failed": writer.failed if writer else 0,
             "dropped": writer.dropped if writer else 0}

@@ -17,14 +17,15 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("kv_sidecar")
 INTERVAL = 1.0
 RING = 600  # ten minutes at one sample a second
 
 
-def totals(stats: dict, requests: Optional[dict] = None) -> dict[str, float]:
+def totals(stats: dict, requests: dict | None = None) -> dict[str, float]:
     """The monotonic counters a sample is the difference of (`stats`: `Store.sample()`)."""
     wq = stats["write_queue"]
     errors = wq["failed"] + wq["dropped"] + stats["tier_errors"]
@@ -45,9 +46,9 @@ class Sampler:
 
     def __init__(self, size: int = RING):
         self.ring: deque[dict] = deque(maxlen=size)
-        self._last: Optional[tuple[float, dict]] = None
+        self._last: tuple[float, dict] | None = None
 
-    def add(self, stats: dict, requests: Optional[dict] = None, now: Optional[float] = None) -> dict:
+    def add(self, stats: dict, requests: dict | None = None, now: float | None = None) -> dict:
         now = time.time() if now is None else now
         cur = totals(stats, requests)
         sample: dict[str, Any] = {"t": round(now, 3), **gauges(stats)}

@@ -10,7 +10,7 @@ import os
 import re
 import resource
 import socket
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import httptools
 import uvicorn
@@ -86,17 +86,17 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self.peer = peer_of(sock)
         self._listener = ENGINE if getattr(sock, "family", None) == socket.AF_UNIX else TCP
         self._uid = self.peer.uid if self.peer is not None else None
-        self._timer: Optional[asyncio.TimerHandle] = None
-        self._write_timer: Optional[asyncio.TimerHandle] = None
-        self._refusal: Optional[tuple[int, str, str]] = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str, str] | None = None
         self._head_left = self.settings.max_head
         self._body_end = self._last = 0.0
         self._pending = self._listener == TCP and self.settings.token is not None
         self._unauthorized = self._lingering = False
         self._linger_left = 0
-        self._held: Optional[bytes] = None      # a read not yet parsed, from `_held_at` on
+        self._held: bytes | None = None      # a read not yet parsed, from `_held_at` on
         self._held_at = self._piece = 0          # `_piece`: the length of what is being fed
-        self._body_left: Optional[int] = None    # of a body of declared length, while read
+        self._body_left: int | None = None    # of a body of declared length, while read
         self._in_message = self._ended_in_piece = self._release_due = self._drain_due = False
         self._limits = (0, 0)                    # the write buffer's (high, low), while draining
         why = self.registry.admit(self, self._listener, self._uid, self._pending)
@@ -391,7 +391,7 @@ class PeerHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> Optional[int]:
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The body's Content-Length (the parser checked it), None when chunked or not given."""
     length = None
     for name, value in headers:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, overload
+from typing import Any, overload
 
 import orjson
 
@@ -55,9 +55,9 @@ class NamespaceSpec:
     page_tokens: int = 0
     rank: Rank = field(default_factory=Rank)
     replicated: bool = False
-    host_capacity_bytes: Optional[int] = None
+    host_capacity_bytes: int | None = None
     share_scope: str = ""       # namespaces naming the same scope share tier pages
-    share_gid: Optional[int] = None   # peers in this group may use it too (sidecar/tenancy.py)
+    share_gid: int | None = None   # peers in this group may use it too (sidecar/tenancy.py)
     key_format: str = ""        # how KV events name its pages: "vllm", "sglang", "" (the key)
 
     def to_json(self) -> dict[str, Any]:
@@ -84,10 +84,10 @@ class NamespaceSpec:
 @overload
 def _int(body: dict, name: str, default: int, minimum: int) -> int: ...
 @overload
-def _int(body: dict, name: str, default: None, minimum: int) -> Optional[int]: ...
+def _int(body: dict, name: str, default: None, minimum: int) -> int | None: ...
 
 
-def _int(body: dict, name: str, default: Optional[int], minimum: int) -> Optional[int]:
+def _int(body: dict, name: str, default: int | None, minimum: int) -> int | None:
     """`body[name]`, an integer >= `minimum`, or `default` when absent (None stays None)."""
     value = body.get(name, default)
     if value is None and default is None:

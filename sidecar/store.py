@@ -9,25 +9,41 @@ import asyncio
 import ctypes
 import logging
 import secrets
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any
 
-from pools import HostPool, PagePool, PoolFull
+from pools import HostPool, PoolFull
 from pools.page_pool import BUSY, PRESENT, Entry
 from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.controls import Controls
 from sidecar.copier import Copier
-from sidecar.errors import (BufferNotFound, Conflict, Forbidden, GeometryMismatch,
-                            NamespaceNotFound, NoRoom, TicketNotFound, TooMany)
+from sidecar.errors import (
+    Conflict,
+    Forbidden,
+    GeometryMismatch,
+    NamespaceNotFound,
+    NoRoom,
+    TicketNotFound,
+    TooMany,
+)
 from sidecar.joints import Joints
+from sidecar.keys import check_key, check_keys
 from sidecar.lookup import Lookup
 from sidecar.namespace import Counters, Namespace
-from sidecar.tiering import Tiering
-from sidecar.keys import check_batch, check_key, check_keys
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
-from sidecar.tenancy import (MISSING, OPERATOR, Caller, Directory, caller, owner_of,
-                             owner_tag, ref_of)
+from sidecar.tenancy import (
+    MISSING,
+    OPERATOR,
+    Caller,
+    Directory,
+    caller,
+    owner_of,
+    owner_tag,
+    ref_of,
+)
+from sidecar.tiering import Tiering
 from sidecar.transports.base import check_runs, check_slots
 
 if TYPE_CHECKING:   # pyzmq and msgspec: the `events` extra
@@ -43,7 +59,7 @@ class Store:
     """Every namespace of the process, over one host pool."""
 
     def __init__(self, host_pool: HostPool, executor: Executor, sources: Sources,
-                 copy_parallel: int = 2, tiering: Optional[Tiering] = None):
+                 copy_parallel: int = 2, tiering: Tiering | None = None):
         self.host_pool = host_pool
         self.executor = executor
         self.copier = Copier(2 * copy_parallel, copy_parallel)   # one uid: half the threads
@@ -57,7 +73,7 @@ class Store:
         self.joints = Joints()
         # is this key present? every route asks here (sidecar/lookup.py)
         self.lookup = Lookup(self.namespaces, self.namespace, self.tiering, self.joints)
-        self.events: Optional[Events] = None   # with --kv-events
+        self.events: Events | None = None   # with --kv-events
         self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
         self.controls = Controls(self)   # operator pins and warm jobs (sidecar/controls.py)
         self._base = host_pool.arena.address
@@ -65,10 +81,10 @@ class Store:
     # -- namespaces -------------------------------------------------------------------
     # Routes turn the name a caller sends into a ref (`resolve`, or `ref` where an unknown
     # name means "holds nothing"); every other method takes refs.
-    def caller(self, peer: Optional[Peer]) -> Caller:
+    def caller(self, peer: Peer | None) -> Caller:
         return caller(peer, self.operator_tcp)
 
-    def capped(self, uid: Optional[int]) -> bool:   # a tenant: a peer's uid, anonymous TCP
+    def capped(self, uid: int | None) -> bool:   # a tenant: a peer's uid, anonymous TCP
         return uid is not None or not self.operator_tcp
 
     def resolve(self, name: str, who: Caller) -> str:
@@ -150,7 +166,7 @@ class Store:
         return await self.tiering.drop(ns.identity)
 
     # -- buffers ----------------------------------------------------------------------
-    async def register_buffer(self, name: str, body: Any, peer: Optional[Peer] = None) -> Buffer:
+    async def register_buffer(self, name: str, body: Any, peer: Peer | None = None) -> Buffer:
         """Map engine memory that `peer` (None: a TCP caller) proves it owns (off the loop,
         `open_buffer`). Buffers are capped a namespace, a uid and in all (429)."""
         ns = self.namespace(name)
@@ -169,7 +185,7 @@ class Store:
         ns.buffers[buf.id] = buf
         return buf
 
-    def release_buffer(self, name: str, buffer_id: str, peer: Optional[Peer] = None) -> None:
+    def release_buffer(self, name: str, buffer_id: str, peer: Peer | None = None) -> None:
         ns = self.namespace(name)
         ns.buffer(buffer_id, peer).release()
         del ns.buffers[buffer_id]
@@ -207,7 +223,7 @@ class Store:
 
     # -- page moves through engine buffers --------------------------------------------
     def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any,
-                   peer: Optional[Peer] = None) -> tuple[Namespace, Buffer]:
+                   peer: Peer | None = None) -> tuple[Namespace, Buffer]:
         """Validate a set/get before anything moves: namespace, keys, buffer, slots."""
         ns = self.namespace(name)
         check_keys(keys)
@@ -217,8 +233,8 @@ class Store:
         return ns, buf
 
     async def set(self, name: str, keys: Any, buffer_id: Any, slots: Any,
-                  durable: bool = False, peer: Optional[Peer] = None,
-                  meta: Optional[tuple] = None) -> list[bool]:
+                  durable: bool = False, peer: Peer | None = None,
+                  meta: tuple | None = None) -> list[bool]:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
         `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         Under write_through a page is True only once it is pinned on the writer's queue
@@ -253,7 +269,7 @@ class Store:
                                          else [i for i, _ in todo if stored[i]], meta)
             queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits) \
                 if credits else []
-            futures.update(zip((e.key for e in committed), queued))
+            futures.update(zip((e.key for e in committed), queued, strict=False))
         await self.copier.copy(buf, [(self._base + e.offset, slots[i]) for i, e in todo],
                                into_engine=False, settle=settle)
         for i, first in repeats:
@@ -312,7 +328,7 @@ class Store:
             stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
 
     async def get(self, name: str, keys: Any, buffer_id: Any, slots: Any,
-                  peer: Optional[Peer] = None) -> list[bool]:
+                  peer: Peer | None = None) -> list[bool]:
         """Copy pages into engine slots, promoting tier-only pages first; misses are False.
         `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         With tiers, a long get goes in chunks of a quarter of the pool, so promoting its
@@ -339,11 +355,11 @@ class Store:
     async def _get_chunk(self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]) -> list[bool]:
         # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
-        missing = [k for k, e in zip(keys, pinned) if e is None]
+        missing = [k for k, e in zip(keys, pinned, strict=False) if e is None]
         if missing and self.tiering.enabled:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
             if not ns.pool.closed:
-                pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned)]
+                pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned, strict=False)]
 
         def settle(ok: bool) -> None:
             for e in pinned:
@@ -402,7 +418,7 @@ class Store:
             got += n
         return got
 
-    async def read_page(self, name: str, key: str) -> Optional[bytearray]:
+    async def read_page(self, name: str, key: str) -> bytearray | None:
         """A copy of one page, or None (pinned only for the copy: the transport may keep
         the response buffer after the request ends, so it must not alias a slot)."""
         ns = self.namespace(name)

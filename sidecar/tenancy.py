@@ -35,8 +35,8 @@ not hand the operator's tier pages to anyone on the node).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
 
 from sidecar.errors import Conflict, Forbidden, TooMany
 from sidecar.namespace import Namespace, Owner
@@ -65,11 +65,11 @@ class _Anonymous:
 
 OPERATOR, ANONYMOUS = _Operator(), _Anonymous()
 TCP_TENANT = "tcp"   # the owner of what anonymous TCP makes: a tenant (uids are ints)
-Caller = Union[Peer, _Operator, _Anonymous]
+Caller = Peer | _Operator | _Anonymous
 MISSING = "@"   # a ref no namespace has: what an unknown name resolves to where 0 is the answer
 
 
-def caller(peer: Optional[Peer], operator_tcp: bool) -> Caller:
+def caller(peer: Peer | None, operator_tcp: bool) -> Caller:
     """The caller of a request with `peer` (None: TCP), on a sidecar whose TCP callers are
     the operator when `operator_tcp` (a token is configured)."""
     if peer is not None:
@@ -91,12 +91,12 @@ def ref_of(name: str, owner: Owner) -> str:
     return name if owner is None or owner == TCP_TENANT else f"{name}@{owner}"
 
 
-def owner_uid(owner: Owner) -> Optional[int]:
+def owner_uid(owner: Owner) -> int | None:
     """What a description shows as `owner`: the uid, None for a namespace made on TCP."""
     return owner if isinstance(owner, int) else None
 
 
-def owner_tag(owner: Owner, share_gid: Optional[int]) -> str:
+def owner_tag(owner: Owner, share_gid: int | None) -> str:
     """What a namespace's tier identity digests of its owner (see the module docstring)."""
     if share_gid is not None:
         return f"gid:{share_gid}"
@@ -105,7 +105,7 @@ def owner_tag(owner: Owner, share_gid: Optional[int]) -> str:
     return "tcp" if owner == TCP_TENANT else f"uid:{owner}"
 
 
-def check_share(who: Caller, share_gid: Optional[int]) -> None:
+def check_share(who: Caller, share_gid: int | None) -> None:
     """403 unless `who` may name `share_gid`: a peer in that group, or the operator."""
     if share_gid is None or who is OPERATOR:
         return
@@ -124,15 +124,15 @@ class Directory:
     version: int = 0    # one more each time a namespace comes or goes
 
     @classmethod
-    def empty(cls) -> "Directory":
+    def empty(cls) -> Directory:
         return cls({}, {})
 
-    def add(self, ns: "Namespace") -> None:
+    def add(self, ns: Namespace) -> None:
         self.by_ref[ns.ref] = ns
         self.by_name.setdefault(ns.name, []).append(ns)
         self.version += 1
 
-    def remove(self, ns: "Namespace") -> None:
+    def remove(self, ns: Namespace) -> None:
         del self.by_ref[ns.ref]
         same = self.by_name[ns.name]
         same.remove(ns)
@@ -166,7 +166,7 @@ class Directory:
                            f"({sorted(str(ns.owner) for ns in same)}); name one as {name}@UID")
         return same[0].ref if same else MISSING
 
-    def landing(self, name: str, spec: NamespaceSpec, who: Caller) -> Optional["Namespace"]:
+    def landing(self, name: str, spec: NamespaceSpec, who: Caller) -> Namespace | None:
         """Where a PUT of `name` with `spec` by `who` lands, if it exists: `who`'s own, else
         (a peer) the one shared with it under that spec. 403 first on a `share_gid` that
         `who` may not name (`check_share`)."""
@@ -176,7 +176,7 @@ class Directory:
             ns = self.shared(name, who, spec)
         return ns
 
-    def shared(self, name: str, peer: Peer, spec: Optional[NamespaceSpec] = None) -> Optional["Namespace"]:
+    def shared(self, name: str, peer: Peer, spec: NamespaceSpec | None = None) -> Namespace | None:
         """The oldest namespace called `name` that another owner shares with `peer`: the one
         a PUT of `spec` joins, or (no spec) one `peer` joined by such a PUT. Being in the
         group is not enough: a name never means a namespace its caller did not ask for."""
@@ -186,20 +186,20 @@ class Directory:
                 return ns
         return None
 
-    def visible(self, who: Caller) -> Iterator["Namespace"]:
+    def visible(self, who: Caller) -> Iterator[Namespace]:
         """Every namespace `who` reaches by some name (listings, stats)."""
         for ns in self.by_ref.values():
             if self.reaches(who, ns):
                 yield ns
 
-    def reaches(self, who: Caller, ns: "Namespace") -> bool:
+    def reaches(self, who: Caller, ns: Namespace) -> bool:
         if who is OPERATOR:
             return True
         if isinstance(who, Peer):
             return self.ref(ns.name, who) == ns.ref
         return ns.owner == TCP_TENANT
 
-    def label(self, ns: "Namespace", who: Caller) -> str:
+    def label(self, ns: Namespace, who: Caller) -> str:
         """The name `who` knows `ns` by: its name, or its ref for the operator when
         several owners have that name."""
         if who is OPERATOR and len(self.by_name.get(ns.name, ())) > 1:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor
-from typing import Optional
 
 from pools import HostPool, PagePool
 from pools.page_pool import BUSY, PRESENT, Entry, run_in_any
@@ -24,7 +23,7 @@ DIRTY_CHUNK = 4096   # pages a write-back flush checks in one loop turn
 class Tiering:
     """Tiers in lookup order, the write policy, and the writer shared by all namespaces."""
 
-    def __init__(self, tiers: list[Tier], policy: str, writer: Optional[TierWriter],
+    def __init__(self, tiers: list[Tier], policy: str, writer: TierWriter | None,
                  host_pool: HostPool, executor: Executor):
         self.tiers = tiers
         self.policy = policy if tiers else "none"
@@ -48,18 +47,18 @@ class Tiering:
         assert self.writer is not None, "a write policy without a tier writer"
         return self.writer
 
-    async def locate(self, identity: str, keys: list[str]) -> list[Optional[Tier]]:
+    async def locate(self, identity: str, keys: list[str]) -> list[Tier | None]:
         """The first tier (in lookup order) holding each key, or None."""
-        where: list[Optional[Tier]] = [None] * len(keys)
+        where: list[Tier | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for tier in self.tiers:
             if not todo:
                 break
             found = await self._lookup(tier, identity, [keys[i] for i in todo])
-            for i, hit in zip(todo, found):
+            for i, hit in zip(todo, found, strict=False):
                 if hit:
                     where[i] = tier
-            todo = [i for i, hit in zip(todo, found) if not hit]
+            todo = [i for i, hit in zip(todo, found, strict=False) if not hit]
         return where
 
     async def present(self, identity: str, keys: list[str]) -> list[bool]:
@@ -80,7 +79,7 @@ class Tiering:
             if not tier.remote_lookup:
                 index, asked = tier.index(identity), [keys[i] for i in todo]
                 hits = tier.lookup(identity, asked) if index is None else map(index.__contains__, asked)
-                for i, hit in zip(todo, hits):
+                for i, hit in zip(todo, hits, strict=False):
                     found[i] = bool(hit)
         return found
 
@@ -108,10 +107,10 @@ class Tiering:
         for tier in self.tiers:
             if tier.remote_lookup:
                 todo = [i for i, hit in enumerate(found) if not hit]
-                for i, hit in zip(todo, await self._lookup(tier, identity, [keys[i] for i in todo])):
+                for i, hit in zip(todo, await self._lookup(tier, identity, [keys[i] for i in todo]), strict=False):
                     found[i] = hit
         n = 0
-        for k, hit in zip(keys, found):
+        for k, hit in zip(keys, found, strict=False):
             if not (hit or k in ready or any(t.contains(identity, k) for t in local)):
                 break
             n += 1
@@ -265,7 +264,7 @@ class Tiering:
             if self._crowded(pool):
                 try:
                     await asyncio.wait_for(self._room(pool), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return len(todo) - n
             if pool.closed:
                 return 0
@@ -292,7 +291,7 @@ class Tiering:
         if pool.closed:
             return 0
         keys = [k for k in keys if not pool.contains(k)]
-        found = [(k, t) for k, t in zip(keys, await self.locate(identity, keys) if keys else [])
+        found = [(k, t) for k, t in zip(keys, await self.locate(identity, keys) if keys else [], strict=False)
                  if t is not None]
         todo = await self._reserve_room(pool, found)
         if not todo:
@@ -304,14 +303,14 @@ class Tiering:
         results = [False] * len(todo)
         try:
             done = await asyncio.shield(asyncio.gather(*futs))
-            for part, got in zip(parts, done):
-                for i, good in zip(part, got):
+            for part, got in zip(parts, done, strict=False):
+                for i, good in zip(part, got, strict=False):
                     results[i] = good
         except asyncio.CancelledError:
             await asyncio.wait(futs)  # the reads target reserved slots: let them end first
             raise
         finally:
-            for (_, r), good in zip(todo, results):
+            for (_, r), good in zip(todo, results, strict=False):
                 if good:
                     pool.commit(r)
                 else:
@@ -348,7 +347,7 @@ class Tiering:
                 self.room_waits += 1
                 await asyncio.wait_for(self.queue.changed(), left)
                 found = later
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         except BaseException:   # cancelled while waiting: give the slots back
             for _, e in todo:
@@ -373,7 +372,7 @@ class Tiering:
         out = [False] * len(todo)
         for tier, idx in by_tier.items():
             items = [(todo[i][1].key, self.host_pool.view(todo[i][1].offset, page_bytes)) for i in idx]
-            for i, good in zip(idx, tier.read_batch(identity, items)):
+            for i, good in zip(idx, tier.read_batch(identity, items), strict=False):
                 out[i] = bool(good)
         return out
 

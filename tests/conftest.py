@@ -121,7 +121,7 @@ class LiveServer:
     def _run(self):
         self.server.run(sockets=self.sockets)
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self.thread.start()
         deadline = time.time() + 30
         while not self.server.started:
@@ -206,7 +206,8 @@ class SidecarProcess:
         cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port),
                "--socket", self.socket, *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the server
+        # a file, not a pipe: a pipe nobody reads could block the server
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the server writes it until it exits)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True)
 
@@ -214,7 +215,7 @@ class SidecarProcess:
         self.log.seek(0)
         return self.log.read()
 
-    def wait_ready(self, token: str | None = None, timeout: float = 30) -> "SidecarProcess":
+    def wait_ready(self, token: str | None = None, timeout: float = 30) -> SidecarProcess:
         c = SidecarClient(self.url, token=token, timeout=2)
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -273,7 +274,7 @@ class Gate:
 def replay_frames(endpoint: str) -> list[tuple[bytes, bytes, bytes]]:
     """Ask a KV events replay socket (sidecar/events.py) for every batch it keeps, from
     seq 0: [(topic, seq, payload)], up to its end marker."""
-    import zmq   # the `events` extra
+    import zmq  # the `events` extra
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     sock.send_multipart((b"", (0).to_bytes(8, "big")))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Optional
 
 from api.cli import ctl, plan, replay
 from sidecar import cli as server_cli
@@ -29,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "serve":
         return server_cli.run_serve(args)

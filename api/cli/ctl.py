@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from api.engine.client import SidecarClient, SidecarError
 from api.cli.progress import Progress
+from api.engine.client import SidecarClient, SidecarError
 
 BATCH = 4096
 VERBS = ("pin", "unpin", "evict", "warm", "pins")

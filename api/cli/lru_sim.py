@@ -11,7 +11,7 @@ with the sidecar's semantics:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class LruSim:

@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from api.cli.lru_sim import LruSim
 from api.cli.progress import Progress
@@ -32,7 +32,7 @@ class Request:
         self.keys, self.tokens = keys, tokens
 
 
-def load(path: str, page_tokens: int, limit: Optional[int]) -> list[Request]:
+def load(path: str, page_tokens: int, limit: int | None) -> list[Request]:
     """The trace's requests as page keys: each 512-token block is `512 / page_tokens` pages."""
     if page_tokens < 1 or BLOCK_TOKENS % page_tokens:
         raise ValueError(f"--page-tokens must divide the trace's block of {BLOCK_TOKENS} tokens")
@@ -194,7 +194,7 @@ def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np   # matplotlib's own dependency: the axis functions get arrays
+    import numpy as np  # matplotlib's own dependency: the axis functions get arrays
 
     rows = res["rows"]
     x = [r["capacity_pages"] for r in rows]
@@ -221,7 +221,7 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="sidecar plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="Mooncake-format JSONL trace")

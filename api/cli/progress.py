@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 WIDTH = 30
 
@@ -11,7 +11,7 @@ WIDTH = 30
 class Progress:
     """`update(n)` as work is done, `close()` at the end; silent unless `stream` is a tty."""
 
-    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None):
+    def __init__(self, total: int, label: str, stream: TextIO | None = None):
         self.stream = stream or sys.stderr
         self.total, self.label = max(total, 1), label
         self.done = 0

@@ -14,19 +14,19 @@ import secrets
 import statistics
 import sys
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import orjson
 
-from api.engine.client import SidecarClient
 from api.cli.lru_sim import LruSim
 from api.cli.progress import Progress
 from api.cli.stats import pct
+from api.engine.client import SidecarClient
 
 BLOCK_TOKENS = 512
 
 
-def read_trace(path: str, limit: Optional[int] = None) -> Iterator[dict]:
+def read_trace(path: str, limit: int | None = None) -> Iterator[dict]:
     with open(path, "rb") as f:
         for i, line in enumerate(f):
             if limit is not None and i >= limit:
@@ -126,7 +126,7 @@ def run(args) -> dict:
         rep.close(args.keep)
 
 
-def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="sidecar replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="Mooncake-format JSONL trace")

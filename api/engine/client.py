@@ -17,13 +17,14 @@ import array
 import http.client
 import socket
 import threading
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 import orjson
 
-Body = Union[bytes, bytearray, memoryview]   # a request's body, sent as it is
+Body = bytes | bytearray | memoryview   # a request's body, sent as it is
 
 class SidecarError(Exception):
     """An error answer: `status`, `code` and `message` from the error body of API.md."""
@@ -47,7 +48,7 @@ class _Connection:
 
     def __init__(self, address, timeout: float):
         self.address, self.timeout = address, timeout   # a Unix socket path or (host, port)
-        self.sock: Optional[socket.socket] = None
+        self.sock: socket.socket | None = None
         self.buf = bytearray()
 
     def close(self) -> None:
@@ -56,7 +57,7 @@ class _Connection:
             self.sock = None
         self.buf.clear()
 
-    def roundtrip(self, head: bytes, body: Optional[Body]) -> tuple[int, bytes | bytearray]:
+    def roundtrip(self, head: bytes, body: Body | None) -> tuple[int, bytes | bytearray]:
         if self.sock is None:
             self.sock = self._connect()
         if body is not None and memoryview(body).nbytes < _ONE_WRITE:
@@ -143,7 +144,7 @@ ENGINE_URL = "unix:///run/kv-sidecar/sidecar.sock"  # the engine socket of a roo
 class SidecarClient:
     """Every endpoint of API.md. Thread-safe: each thread has its own connection."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8411", token: Optional[str] = None,
+    def __init__(self, url: str = "http://127.0.0.1:8411", token: str | None = None,
                  timeout: float = 10.0):
         parts = urlsplit(url)
         self.socket_path = parts.path if parts.scheme == "unix" and parts.path else None
@@ -152,7 +153,7 @@ class SidecarClient:
                              f"got {url!r}")
         self.host, self.port = parts.hostname, parts.port or 8411
         self.timeout = timeout
-        self._lender: Optional[socket.socket] = None
+        self._lender: socket.socket | None = None
         self._lend_lock = threading.Lock()
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         host = f"{self.host}:{self.port}" if self.socket_path is None else "localhost"
@@ -234,7 +235,7 @@ class SidecarClient:
                 self.close()
                 if attempt:
                     raise SidecarUnavailable(f"{method} {path}: {exc}") from exc
-            except (OSError, socket.timeout, http.client.HTTPException) as exc:
+            except (TimeoutError, OSError, http.client.HTTPException) as exc:
                 self.close()
                 raise SidecarUnavailable(f"{method} {path}: {exc}") from exc
         if status >= 400 and status not in ok:
@@ -242,12 +243,12 @@ class SidecarClient:
                 err = orjson.loads(payload)["error"]
                 raise SidecarError(status, err["code"], err["message"])
             except (orjson.JSONDecodeError, KeyError, TypeError):
-                raise SidecarError(status, "http_error", payload[:200].decode("latin-1"))
+                raise SidecarError(status, "http_error", payload[:200].decode("latin-1")) from None
         if raw or status >= 400:
             return status, payload
         return status, orjson.loads(payload) if payload else None
 
-    def _head(self, method: str, path: str, data: Optional[Body]) -> bytes:
+    def _head(self, method: str, path: str, data: Body | None) -> bytes:
         length = f"Content-Length: {memoryview(data).nbytes}\r\n" if data is not None else ""
         return f"{method} {path} HTTP/1.1\r\n{self._headers}{length}\r\n".encode("latin-1")
 
@@ -318,7 +319,7 @@ class SidecarClient:
         return self.request("POST", self._ns(namespace, "/exists?each=1"), {"keys": keys})[1]["present"]
 
     def set(self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int],
-            parent: Optional[str] = None, tokens: Optional[Sequence[Sequence[int]]] = None) -> list[bool]:
+            parent: str | None = None, tokens: Sequence[Sequence[int]] | None = None) -> list[bool]:
         """`parent` (the key before keys[0]) and `tokens` (each key's token ids) only feed the
         sidecar's KV events (docs/kv-events.md)."""
         body: dict = {"keys": keys, "buffer_id": buffer_id, "slots": slots}
@@ -346,7 +347,7 @@ class SidecarClient:
         """`items`: {"namespace", "keys", "buffer_id", "slots"} each; answers per namespace."""
         return self.request("POST", "/v1/batch/set", {"items": list(items)})[1]["stored"]
 
-    def batch_get(self, items: Sequence[dict], kv: Optional[str] = None) -> dict[str, list[bool]]:
+    def batch_get(self, items: Sequence[dict], kv: str | None = None) -> dict[str, list[bool]]:
         body = {"items": list(items), **({"kv": kv} if kv is not None else {})}
         return self.request("POST", "/v1/batch/get", body)[1]["loaded"]
 
@@ -355,7 +356,7 @@ class SidecarClient:
         path = self._ns(namespace, f"/pages/{quote(key, safe='')}")
         return self.request("PUT", path, memoryview(data).cast("B"))[0] == 201
 
-    def get_page(self, namespace: str, key: str) -> Optional[bytes]:
+    def get_page(self, namespace: str, key: str) -> bytes | None:
         path = self._ns(namespace, f"/pages/{quote(key, safe='')}")
         status, payload = self.request("GET", path, raw=True, ok=(404,))
         return None if status == 404 else payload

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 HOST, LOCAL, REMOTE = "host", "local", "remote"
 TIERS = (HOST, LOCAL, REMOTE)
@@ -29,7 +29,7 @@ class Ewma:
     """An exponentially weighted mean; None until the first observation."""
 
     alpha: float = 0.3
-    value: Optional[float] = None
+    value: float | None = None
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
@@ -83,7 +83,7 @@ class RestoreCost:
             self.rates[slowest].add(moved[slowest] / max(rest, self.min_seconds))
 
     # -- decisions ---------------------------------------------------------------------
-    def restore_seconds(self, nbytes: dict[str, int]) -> Optional[float]:
+    def restore_seconds(self, nbytes: dict[str, int]) -> float | None:
         """Predicted restore time; None when a tier it reads has no measurement yet."""
         total = self.rtt.value or 0.0
         for t, b in nbytes.items():

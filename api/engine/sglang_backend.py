@@ -16,14 +16,21 @@ rate-limited warning; after a sidecar restart the backend registers everything a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
-from api.engine.sglang_pools import PoolBinding, _tensor_bytes, bind_pool, namespace_name, namespace_spec
+from api.engine.sglang_pools import (
+    PoolBinding,
+    _tensor_bytes,
+    bind_pool,
+    namespace_name,
+    namespace_spec,
+)
 
 try:  # the real interface when SGLang is importable (it always is inside SGLang)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
@@ -71,7 +78,7 @@ def _result(hit: int, hits: dict, restorable: list):
 class SidecarHiCacheStorage(HiCacheStorage):
     """HiCacheStorage over the sidecar's REST API (v1 zero copy, generic, v2 hybrid)."""
 
-    def __init__(self, storage_config, kwargs: Optional[dict] = None):
+    def __init__(self, storage_config, kwargs: dict | None = None):
         extra = dict(storage_config.extra_config or {})
         self.config = storage_config
         self.interface_v1 = bool(int(extra.get("interface_v1", 0) or 0))
@@ -209,7 +216,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         targets = target_locations or [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=False)]
 
     @never_raises(False)
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
@@ -221,7 +228,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         return True
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        return all(self.set(k, v) for k, v in zip(keys, values or [None] * len(keys)))
+        return all(self.set(k, v) for k, v in zip(keys, values or [None] * len(keys), strict=False))
 
     @never_raises(False)
     def exists(self, key) -> bool:
@@ -300,10 +307,8 @@ class SidecarHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         for binding in self.bindings.values():
             if binding.buffer_id is not None:
-                try:
+                with contextlib.suppress(SidecarError):
                     self.client.release_buffer(binding.namespace, binding.buffer_id)
-                except SidecarError:
-                    pass
             binding.close()
         self.client.close()
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from abc import ABC
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
 
 
-class PoolHitPolicy(str, Enum):
+class PoolHitPolicy(str, Enum):  # noqa: UP042 (mirrors SGLang's class as-is; StrEnum's str() differs)
     ALL_PAGES = "all_pages"
     TRAILING_PAGES = "trailing_pages"
     BLOCK_GROUPS = "block_groups"
@@ -18,8 +17,8 @@ class PoolHitPolicy(str, Enum):
 class PoolTransferResult:
     kv_hit_pages: int
     extra_pool_hit_pages: dict
-    restorable_prefix_pages: Optional[list] = None
+    restorable_prefix_pages: list | None = None
 
 
-class HiCacheStorage(ABC):
+class HiCacheStorage(ABC):  # noqa: B024 (an empty stand-in for SGLang's ABC, named as a base only)
     """The shape of sglang.srt.mem_cache.hicache_storage.HiCacheStorage."""

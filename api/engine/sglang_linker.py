@@ -36,25 +36,32 @@ namespaces and buffers are registered again.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Optional
 
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+    LayerWiseLoadCounter,
+    UnifiedCacheLinker,
+)
 from sglang.srt.runtime_context import get_parallel
 
 from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
 from api.engine.restore_cost import HOST, RestoreCost
 from api.engine.sglang_linker_cuda import DevicePool, direct_pool, gate
-from api.engine.sglang_linker_pools import (PoolLayout, device_pool_group, is_mla, page_rows,
-                                            plan_staging)
+from api.engine.sglang_linker_pools import (
+    PoolLayout,
+    device_pool_group,
+    is_mla,
+    page_rows,
+    plan_staging,
+)
 from api.engine.sglang_pools import namespace_name, namespace_spec
 from api.engine.shm import SharedBuffer
 
@@ -93,7 +100,7 @@ class SidecarLinker(UnifiedCacheLinker):
         size = plan_staging(list(self.layouts.values()), int(extra.get("staging_pages", 64)),
                             int(extra.get("staging_mib", 256)) << 20)
         self.staging = SharedBuffer(size, name="kv-sidecar-linker")
-        self.stage: Optional[torch.Tensor] = self.staging.bytes   # None once closed
+        self.stage: torch.Tensor | None = self.staging.bytes   # None once closed
         self.cfg = self._storage_config(server_args, params, extra)
         self.specs = {n: self._spec(lay) for n, lay in self.layouts.items()}
         self.names = {n: namespace_name(self.cfg, n.value, s) for n, s in self.specs.items()}
@@ -160,10 +167,8 @@ class SidecarLinker(UnifiedCacheLinker):
             if self._stale:
                 old, self.buffers = self.buffers, {}
                 for name, buffer_id in old.items():
-                    try:
+                    with contextlib.suppress(SidecarError):  # gone with a restarted sidecar
                         self.client.release_buffer(self.names[name], buffer_id)
-                    except SidecarError:
-                        pass  # gone with a restarted sidecar
                 for pool in self.direct.values():
                     pool.release(self.client)
                 self._stale = False
@@ -347,7 +352,7 @@ class SidecarLinker(UnifiedCacheLinker):
 
     # -- offloads ---------------------------------------------------------------------------
     @_quiet(False)
-    def offload(self, transfers, session_id: Optional[str] = None) -> bool:
+    def offload(self, transfers, session_id: str | None = None) -> bool:
         """Queue one node's pages; its result is popped in order by the tree."""
         if self._down():
             return False
@@ -500,10 +505,8 @@ class SidecarLinker(UnifiedCacheLinker):
             for t in self.threads:
                 t.join(30)
             for name, buffer_id in list(self.buffers.items()):
-                try:
+                with contextlib.suppress(Exception):
                     self.client.release_buffer(self.names[name], buffer_id)
-                except Exception:
-                    pass
             self.buffers.clear()
             for pool in self.direct.values():
                 pool.release(self.client)
@@ -517,7 +520,7 @@ class SidecarLinker(UnifiedCacheLinker):
             self._failed("close", exc)
 
 
-def _restore_cost(extra: dict) -> Optional[RestoreCost]:
+def _restore_cost(extra: dict) -> RestoreCost | None:
     """The linker's restore cost (`restore_cost`, on by default). SGLang's forward times do
     not reach the linker: the prefill rate is `prefill_tokens_per_s` when given, and until
     then every restore is worth it (loads are still timed)."""

@@ -30,12 +30,12 @@ backend (docs/sglang.md).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import orjson
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache import linker_pool_assembler as lpa
 
@@ -45,7 +45,7 @@ SUPPORTED = (PoolName.KV, PoolName.SWA, PoolName.MAMBA)
 MIN_PAGE = 512  # the sidecar's smallest page: a smaller pool page is padded in its slot
 
 
-def device_pool_group(kvcache, params, page_size: int, components) -> tuple["lpa.DevicePoolGroup", str]:
+def device_pool_group(kvcache, params, page_size: int, components) -> tuple[lpa.DevicePoolGroup, str]:
     """SGLang's linker view of the engine's device pools and who built it ("sglang": its
     assembler; "kv-sidecar": here, from its entry helpers, for the groups it refuses); a pool
     other than KV, SWA and MAMBA is refused, and so are draft pools."""
@@ -67,11 +67,17 @@ def device_pool_group(kvcache, params, page_size: int, components) -> tuple["lpa
     return group, source
 
 
-def _own_group(kvcache, params, page_size: int, refused: Exception) -> "lpa.DevicePoolGroup":
+def _own_group(kvcache, params, page_size: int, refused: Exception) -> lpa.DevicePoolGroup:
     """The groups SGLang's assembler refuses: plain MHA / MLA, SWA + full, MHA + Mamba."""
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (_stage_local_layer_mapping,
-                                                                         _swa_layer_mappings)
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        _stage_local_layer_mapping,
+        _swa_layer_mappings,
+    )
+    from sglang.srt.mem_cache.memory_pool import (
+        HybridLinearKVPool,
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+    )
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     if isinstance(kvcache, SWAKVPool):
@@ -121,7 +127,7 @@ class PoolLayout:
     slots: int = 0                                # C: slots per direction
 
     @classmethod
-    def of(cls, name: PoolName, entry) -> "PoolLayout":
+    def of(cls, name: PoolName, entry) -> PoolLayout:
         first = entry.kv_buffer[0]
         row_bytes = first.view(torch.uint8).view(first.shape[0], -1).shape[1]
         span = entry.buffer_meta[0][0][2] // row_bytes  # page bytes / row bytes
@@ -157,7 +163,7 @@ class PoolLayout:
         if not n:
             return
         index, table = self._index(rows), self.table(stage)
-        for pages, off in zip(self.pages, self.offsets):
+        for pages, off in zip(self.pages, self.offsets, strict=False):
             size = pages.shape[1]
             if self.on_cpu:
                 table.numpy()[first_slot:first_slot + n, off:off + size] = pages.numpy()[index]
@@ -170,7 +176,7 @@ class PoolLayout:
         if not n:
             return
         index, table = self._index(rows), self.table(stage)
-        for pages, off in zip(self.pages, self.offsets):
+        for pages, off in zip(self.pages, self.offsets, strict=False):
             src = table[first_slot:first_slot + n, off:off + pages.shape[1]]
             if self.on_cpu:
                 pages.numpy()[index] = src.numpy()
@@ -199,7 +205,7 @@ def plan_staging(layouts: Sequence[PoolLayout], pages: int, budget: int) -> int:
     return at
 
 
-def page_rows(layout: PoolLayout, transfer) -> Optional[list[int]]:
+def page_rows(layout: PoolLayout, transfer) -> list[int] | None:
     """The device rows of a transfer's pages (SGLang's `prepare_locations` of its indices),
     None when they do not match its keys one to one."""
     indices = transfer.host_indices

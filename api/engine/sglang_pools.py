@@ -41,7 +41,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import orjson
 import torch
@@ -102,7 +102,7 @@ class PoolBinding:
     host_pool: Any
     page_size: int
     page_bytes: int
-    buffer_id: Optional[str] = None
+    buffer_id: str | None = None
     chunks: list = field(default_factory=list)
     page_dtype: torch.dtype = torch.uint8  # the dtype of the pool's flat data page
     stored_bytes: int = 0  # the namespace's page: page_bytes, or MIN_PAGE for a padded page
@@ -110,7 +110,7 @@ class PoolBinding:
     logical: bool = False
 
     @classmethod
-    def unbound(cls, name: str, host_pool) -> "PoolBinding":
+    def unbound(cls, name: str, host_pool) -> PoolBinding:
         return cls(name, f"unregistered-{name}", host_pool, int(getattr(host_pool, "page_size", 1)), 0)
 
     def markers(self, client, op: str, keys: list[str]) -> list[bool]:
@@ -132,7 +132,7 @@ class PoolBinding:
     def inline(self, client, op: str, keys: list[str], slots: list[int]) -> list[bool]:
         """Copy pages through the inline endpoints (pools that are not shareable)."""
         P, out, pad = self.page_size, [], bytes(max(0, self.stored_bytes - self.page_bytes))
-        for key, slot in zip(keys, slots):
+        for key, slot in zip(keys, slots, strict=False):
             if op == "set":
                 tensor = self.host_pool.get_data_page(slot * P, flat=True).contiguous()  # alive for the view
                 page = _tensor_bytes(tensor)
@@ -197,7 +197,7 @@ def _bind_logical(client, cfg, name: str, host_pool) -> PoolBinding:
     return binding
 
 
-def _shared_layout(host_pool) -> tuple[Optional[list], int, Any]:
+def _shared_layout(host_pool) -> tuple[list | None, int, Any]:
     """(chunks, page bytes, (slots, mapping size, fd)); chunks None when not shareable."""
     P = int(host_pool.page_size)
     try:
@@ -224,7 +224,7 @@ def _shared_layout(host_pool) -> tuple[Optional[list], int, Any]:
     return (chunks if fits else None), page_bytes, (slots, size, fd)
 
 
-def _mapping_of(fd: int, address: int) -> Optional[tuple[int, int]]:
+def _mapping_of(fd: int, address: int) -> tuple[int, int] | None:
     """(start address, size) of this process's mapping of `fd` at file offset 0 that holds
     `address`; None when the fd is not mapped so (or is not shared memory)."""
     try:

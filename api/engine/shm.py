@@ -8,10 +8,11 @@ descriptors for the common page layouts.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import mmap
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -28,10 +29,10 @@ class SharedBuffer:
         self.fd = os.memfd_create(name, os.MFD_ALLOW_SEALING if sealable else 0)
         os.ftruncate(self.fd, nbytes)
         mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
-        self._mm: Optional[mmap.mmap] = mm
-        self._anchor: Optional[ctypes.c_char] = ctypes.c_char.from_buffer(mm)
+        self._mm: mmap.mmap | None = mm
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mm)
         self.address = ctypes.addressof(self._anchor)
-        self._bytes: Optional[torch.Tensor] = torch.frombuffer(mm, dtype=torch.uint8)
+        self._bytes: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8)
 
     @property
     def bytes(self) -> torch.Tensor:
@@ -75,10 +76,8 @@ class SharedBuffer:
         if self._mm is not None:
             self._bytes = None
             self._anchor = None
-            try:
+            with contextlib.suppress(BufferError):  # a tensor view is alive; the mapping goes with it
                 self._mm.close()
-            except BufferError:
-                pass  # a tensor view is still alive; the mapping goes with it
             self._mm = None
             os.close(self.fd)
 

@@ -27,10 +27,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole)
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -46,8 +50,15 @@ except ImportError:  # a vLLM without connector stats: no timings reach the sche
 
 from api.engine.client import ENGINE_URL, SidecarClient
 from api.engine.restore_cost import RestoreCost
-from api.engine.vllm_groups import (MAMBA, HybridScheduler, HybridWorker, is_hybrid, kind_of,
-                                    plan_groups, transfer_results_type)
+from api.engine.vllm_groups import (
+    MAMBA,
+    HybridScheduler,
+    HybridWorker,
+    is_hybrid,
+    kind_of,
+    plan_groups,
+    transfer_results_type,
+)
 from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
 from api.engine.vllm_worker import KvArena, WorkerSide
@@ -74,7 +85,7 @@ if KVConnectorStats is not None:
         def reset(self) -> None:
             self.data: dict[str, list] = {"restores": [], "prefill": []}
 
-        def aggregate(self, other) -> "SidecarStats":
+        def aggregate(self, other) -> SidecarStats:
             for k, rows in (getattr(other, "data", None) or {}).items():
                 self.data.setdefault(k, []).extend(rows)
             return self
@@ -96,7 +107,7 @@ class SidecarHandshake(KVConnectorHandshakeMetadata):
 
     namespace: str
     spec: dict
-    groups: Optional[list] = None
+    groups: list | None = None
 
 
 def never_raises(default):
@@ -123,10 +134,10 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
         self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
-        self.sched: Optional[SchedulerSide] = None
-        self.worker: Optional[WorkerSide] = None
-        self.arena: Optional[KvArena] = None
-        self.hybrid: Optional[HybridWorker] = None
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.arena: KvArena | None = None
+        self.hybrid: HybridWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
 
@@ -183,14 +194,17 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         with a suffix no full block's key has. None when vLLM's hash helpers are missing."""
         try:
             from vllm.utils.hashing import get_hash_fn_by_name
-            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+            from vllm.v1.core.kv_cache_utils import (
+                generate_block_hash_extra_keys,
+                hash_block_tokens,
+            )
             hash_fn = get_hash_fn_by_name(algo)
         except Exception as exc:
             log.warning("kv-sidecar: cannot hash partial blocks (%s): the last block of a prompt "
                         "that does not end on a block boundary is computed", exc)
             return None
 
-        def tail_key(request, full: int) -> Optional[str]:
+        def tail_key(request, full: int) -> str | None:
             start, end = full * bs, request.num_tokens
             parent = request.block_hashes[full * ratio - 1] if full else None
             extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
@@ -219,7 +233,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kv-sidecar: unsupported KV cache groups (%s): disabled", why)
             return
         sides = []
-        for plan, group in zip(plans, kcc.kv_cache_groups):
+        for plan, group in zip(plans, kcc.kv_cache_groups, strict=False):
             layers = {n: kv_caches[n] for n in group.layer_names if n in kv_caches}
             sides.append(self._side(PageLayout.of(layers, num_blocks), layers, plan.pool, plan.describe))
         self.hybrid = HybridWorker(sides)
@@ -303,7 +317,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             want += self._vllm_config.model_config.max_model_len // bs
         return max(8, min(want, (1 << 30) // layout.page_bytes))
 
-    def get_handshake_metadata(self) -> Optional[SidecarHandshake]:
+    def get_handshake_metadata(self) -> SidecarHandshake | None:
         if self.hybrid is not None:
             groups = self.hybrid.groups
             return SidecarHandshake(groups[0][0], groups[0][1], groups)
@@ -322,7 +336,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sides is not None and isinstance(meta, SidecarConnectorMetadata) and meta.loads:
             self._sides.load(meta.loads)
             # loads precede the forward: time it from here
-            self._forward: Optional[float] = time.monotonic()
+            self._forward: float | None = time.monotonic()
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from api.engine.vllm_scheduler import Hit, SchedulerSide, Transfer
 from api.engine.vllm_worker import WorkerSide
@@ -56,7 +56,7 @@ class GroupPlan:
         return POOLS[self.kind]
 
 
-def kind_of(spec) -> Optional[str]:
+def kind_of(spec) -> str | None:
     """The group kind of a vLLM KV cache spec (by its exact class), None if unsupported."""
     return _KINDS.get(type(spec).__name__)
 
@@ -127,7 +127,7 @@ class HybridScheduler(SchedulerSide):
         extra: list[dict[str, Any]] = []
         anchor = self.anchor
         for r, names in enumerate(self.ranks):
-            for plan, ns in zip(self.plans, names):
+            for plan, ns in zip(self.plans, names, strict=False):
                 if r == 0 and plan.index == anchor:
                     continue
                 if plan.kind == FULL or plan.index == anchor:
@@ -140,7 +140,7 @@ class HybridScheduler(SchedulerSide):
         kv = self.ranks[0][self.anchor]
         return int(self.client.batch_exists(keys, kv, self.extra_pools())["hit"])
 
-    def matched(self, request, num_computed: int) -> Optional[int]:
+    def matched(self, request, num_computed: int) -> int | None:
         if request.request_id in self.failed:  # asked again after its load failed: compute
             self.hits[request.request_id] = Hit(num_computed, None)
             return 0
@@ -167,7 +167,7 @@ class HybridScheduler(SchedulerSide):
         out = []
         for plan in self.plans:
             ids = groups[plan.index]
-            pick = [(k, i) for k, i in zip(keys, index) if i < len(ids) and ids[i] != NULL_BLOCK]
+            pick = [(k, i) for k, i in zip(keys, index, strict=False) if i < len(ids) and ids[i] != NULL_BLOCK]
             if plan.kind == MAMBA:
                 pick = [(k, i) for k, i in pick if (i + 1) * self.block_size == end]
             if not pick:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import orjson
 import torch
@@ -36,11 +36,11 @@ class PageLayout:
     describe: str                     # shapes and dtypes, for the namespace
 
     @classmethod
-    def of(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> "PageLayout":
+    def of(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> PageLayout:
         """Views of every layer (in the dict's order, which is the model's layer order); a
         layer given as a list of tensors (state caches) contributes each of them."""
         views, offsets, parts, offset = [], [], [], 0
-        for name, layer in kv_caches.items():
+        for _name, layer in kv_caches.items():
             for t in layer if isinstance(layer, (list, tuple)) else [layer]:
                 for v in _block_major(t, num_blocks):
                     u8 = v.flatten(1).view(torch.uint8)
@@ -54,18 +54,18 @@ class PageLayout:
 
     def staging_views(self, staging: torch.Tensor) -> list[torch.Tensor]:
         """The matching [slots, size_j] windows of a uint8 [slots, page_bytes] staging tensor."""
-        return [staging[:, o:o + v.shape[1]] for v, o in zip(self.views, self.offsets)]
+        return [staging[:, o:o + v.shape[1]] for v, o in zip(self.views, self.offsets, strict=False)]
 
     def to_staging(self, staging: Sequence[torch.Tensor], blocks: list[int], slots: list[int]) -> None:
         """Copy KV blocks `blocks` into staging slots `slots` (all layers)."""
         for b, s, n in _runs(blocks, slots):
-            for view, window in zip(self.views, staging):
+            for view, window in zip(self.views, staging, strict=False):
                 window[s:s + n].copy_(view[b:b + n])
 
     def from_staging(self, staging: Sequence[torch.Tensor], slots: list[int], blocks: list[int]) -> None:
         """Copy staging slots `slots` into KV blocks `blocks` (all layers)."""
         for b, s, n in _runs(blocks, slots):
-            for view, window in zip(self.views, staging):
+            for view, window in zip(self.views, staging, strict=False):
                 view[b:b + n].copy_(window[s:s + n])
 
 
@@ -104,7 +104,7 @@ class EngineScope:
     rank: dict
 
 
-def namespace_spec(scope: EngineScope, layout: PageLayout, share_gid: Optional[int] = None,
+def namespace_spec(scope: EngineScope, layout: PageLayout, share_gid: int | None = None,
                    pool: str = "kv", group: str = "") -> dict:
     """The sidecar namespace spec: equal exactly when pages are interchangeable. KV events
     name its pages by vLLM's block hash (`key_format`); `share_gid` lets engines of other

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.restore_cost import RestoreCost, by_tier
@@ -47,10 +48,10 @@ class Transfer:
     req_id: str
     keys: list[str]
     block_ids: list[int]
-    parent: Optional[str] = None                 # KV events: the key before keys[0]
-    tokens: Optional[list[list[int]]] = None     # KV events: each key's token ids (saves)
+    parent: str | None = None                 # KV events: the key before keys[0]
+    tokens: list[list[int]] | None = None     # KV events: each key's token ids (saves)
     group: int = 0                               # the KV cache group (hybrid models)
-    tiers: Optional[dict[str, int]] = None       # loads: bytes by serving tier (restore cost)
+    tiers: dict[str, int] | None = None       # loads: bytes by serving tier (restore cost)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Hit:
     (None: not asked, or not answered yet, because nothing past vLLM's own could load)."""
 
     local: int
-    present: Optional[int]
+    present: int | None
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Tracked:
     request: Any
     stored: int = 0
     saving: bool = False
-    tail: Optional[Tail] = None
+    tail: Tail | None = None
 
 
 Where = tuple[int, int, int]   # (prefix, of it in the host pool, in the host pool or a local tier)
@@ -99,7 +100,7 @@ def _where(answer) -> Where:
     return int(answer), int(answer), int(answer)
 
 
-def _answer(future: Future) -> Optional[int]:
+def _answer(future: Future) -> int | None:
     """The lookup's answer if it is in (a failed or cancelled lookup is a miss), else None."""
     if not future.done():
         return None
@@ -116,8 +117,8 @@ class SchedulerSide:
     ratio: int = 1                      # KV block size / hash block size
     lookup_wait: float = 0.002
     lookup_timeout: float = 1.0
-    tail_key: Optional[Callable[[Any, int], Optional[str]]] = None  # (request, full blocks) -> key
-    cost: Optional[RestoreCost] = None  # load only what restores faster than it computes
+    tail_key: Callable[[Any, int], str | None] | None = None  # (request, full blocks) -> key
+    cost: RestoreCost | None = None  # load only what restores faster than it computes
     specs: dict[str, dict] = field(default_factory=dict)    # namespace -> spec, rank order
     lookups: dict[str, Lookup] = field(default_factory=dict)
     hits: dict[str, Hit] = field(default_factory=dict)
@@ -153,7 +154,7 @@ class SchedulerSide:
         if self.specs and request.request_id not in self.lookups:
             self._start(request)
 
-    def _start(self, request) -> Optional[Lookup]:
+    def _start(self, request) -> Lookup | None:
         keys, tail = self.keys_of(request)
         if not keys:
             return None
@@ -166,7 +167,7 @@ class SchedulerSide:
         """Tokens the first `present` keys give: never the last token (vLLM computes it)."""
         return min(present * self.block_size, look.tokens - 1)
 
-    def matched(self, request, num_computed: int) -> Optional[int]:
+    def matched(self, request, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` the sidecar can load; None while the answer is late."""
         if not self.specs:
             return 0

@@ -18,14 +18,15 @@ block ids: no staging, sets run in the step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-
 from torch.overrides import TorchFunctionMode
 
 from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
@@ -65,7 +66,7 @@ class KvArena(TorchFunctionMode):
                     return buf.tensor(shape, dtype)
         return func(*args, **kwargs)
 
-    def holding(self, views) -> Optional[SharedBuffer]:
+    def holding(self, views) -> SharedBuffer | None:
         """The arena buffer every view lies in, or None."""
         for buf in self.buffers:
             lo, hi = buf.address, buf.address + buf.size
@@ -75,7 +76,7 @@ class KvArena(TorchFunctionMode):
         return None
 
 
-def _shape(args) -> Optional[tuple[int, ...]]:
+def _shape(args) -> tuple[int, ...] | None:
     if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
         args = tuple(args[0])
     return tuple(args) if args and all(isinstance(a, int) for a in args) else None
@@ -131,20 +132,20 @@ class WorkerSide:
     """Registration, loads, saves and their reports for one worker (one TP/PP rank)."""
 
     def __init__(self, client: SidecarClient, layout: PageLayout, spec: dict, staging_blocks: int,
-                 kv_buffer: Optional[SharedBuffer] = None):
+                 kv_buffer: SharedBuffer | None = None):
         self.client, self.layout, self.spec = client, layout, spec
         self.namespace = namespace_name(spec)
         self.cuda = layout.views[0].is_cuda
         self.kv_buffer = kv_buffer               # the KV cache's own memfd (KvArena): direct loads
-        self.kv_buffer_id: Optional[str] = None
-        self.staging: Optional[SharedBuffer] = None
+        self.kv_buffer_id: str | None = None
+        self.staging: SharedBuffer | None = None
         if not self.cuda:
             slots = max(1, min(staging_blocks, layout.num_blocks))
             self.staging = SharedBuffer(slots * layout.page_bytes, name="kv-vllm-staging")
             table = self.staging.tensor((slots, layout.page_bytes))
             self.windows = layout.staging_views(table)
             self.slots = SlotPool(slots)
-        self.buffer_id: Optional[str] = None
+        self.buffer_id: str | None = None
         self.io = ThreadPoolExecutor(1, "sidecar-save")
         self.lock = threading.Lock()             # the bookkeeping below
         self.reg_lock = threading.Lock()         # registration (HTTP: never under self.lock)
@@ -231,7 +232,7 @@ class WorkerSide:
         for t in transfers:
             started = time.monotonic()
             ok = self._load_one(t)
-            failed = [b for b, good in zip(t.block_ids, ok) if not good]
+            failed = [b for b, good in zip(t.block_ids, ok, strict=False) if not good]
             failed += t.block_ids[len(ok):]
             if t.tiers and t.keys and not failed:
                 self.timing("restores", [t.tiers, time.monotonic() - started])
@@ -254,7 +255,7 @@ class WorkerSide:
                 slots = self.slots.take(len(keys))
                 try:
                     got = self._call(self.client.get, keys, slots)
-                    good = [(s, b) for s, b, g in zip(slots, blocks, got) if g]
+                    good = [(s, b) for s, b, g in zip(slots, blocks, got, strict=False) if g]
                     if good:
                         self.layout.from_staging(self.windows, [s for s, _ in good], [b for _, b in good])
                 finally:
@@ -346,7 +347,7 @@ class WorkerSide:
         if len(rows) < 256:
             rows.append(row)
 
-    def take_timings(self) -> Optional[dict[str, list]]:
+    def take_timings(self) -> dict[str, list] | None:
         """The timings since the last call (None when there are none)."""
         if not any(self.timings.values()):
             return None
@@ -361,25 +362,19 @@ class WorkerSide:
         """Wait for the sets in flight (shutdown, preemption on CUDA)."""
         deadline = time.monotonic() + timeout
         for f in list(self.pending):
-            try:
+            with contextlib.suppress(Exception):
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
         self.pending = []
 
     def close(self) -> None:
         self.drain()
         self.io.shutdown(wait=True)
         if self.buffer_id is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.client.release_buffer(self.namespace, self.buffer_id)
-            except Exception:
-                pass
         if self.kv_buffer_id is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.client.release_buffer(self.namespace, self.kv_buffer_id)
-            except Exception:
-                pass
         self.client.close()
         if self.staging is not None:
             self.windows = []

@@ -3,8 +3,15 @@ batch/exists with 3 extra pools (600 present), and the bare FastAPI endpoint, ca
 
     PYTHONPATH=$PWD python docs/perf/exists_profile.py LABEL bare|exists|exists600|batch [N]
 """
-import asyncio, cProfile, io, pstats, sys, time
+import asyncio
+import cProfile
+import io
+import pstats
+import sys
+import time
+
 import orjson
+
 from api.app import create_app
 from loadtest.bare_app import create_bare_app
 from sidecar.config import Config

@@ -46,13 +46,14 @@ def request(sc, what: str):
 
 def top(raw: str, n: int = 40) -> list[str]:
     own, incl, total = collections.Counter(), collections.Counter(), 0
-    for line in open(raw):
-        stack, _, count = line.rstrip().rpartition(" ")
-        frames, count = stack.split(";"), int(count)
-        total += count
-        own[frames[-1]] += count
-        for f in set(frames):
-            incl[f] += count
+    with open(raw) as lines:
+        for line in lines:
+            stack, _, count = line.rstrip().rpartition(" ")
+            frames, count = stack.split(";"), int(count)
+            total += count
+            own[frames[-1]] += count
+            for f in set(frames):
+                incl[f] += count
     skip = ("runpy", "sidecar/__main__", "sidecar/cli.py", "sidecar/server.py", "uvicorn/server.py",
             "uvicorn/_compat.py")
     rows = [f for f, _ in incl.most_common() if not any(s in f for s in skip)][:n]

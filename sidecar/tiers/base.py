@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 log = logging.getLogger("kv_sidecar.tiers")
 
@@ -45,9 +46,9 @@ class Tier:
     shared = False          # other nodes publish into it: `recover` runs again every rescan
     remote_lookup = False   # `lookup` does network I/O: Tiering calls it off the event loop
     where = ""              # a directory or an address, for logs
-    degraded: Optional[str] = None   # why the tier serves misses now (/v1/stats), else None
+    degraded: str | None = None   # why the tier serves misses now (/v1/stats), else None
     # told (from any thread, in order) when pages join or leave the index: KV events
-    listener: Optional[Callable[[str, list, bool], None]] = None
+    listener: Callable[[str, list, bool], None] | None = None
 
     def changed(self, identity: str, keys: list, present: bool) -> None:
         """Tell the listener that `keys` of `identity` joined (or left) the index.
@@ -81,7 +82,7 @@ class Tier:
         answer (connection lost, timeout) answers False for every key and counts it."""
         return [self.contains(identity, k) for k in keys]
 
-    def index(self, identity: str) -> Optional[Mapping[str, Any]]:
+    def index(self, identity: str) -> Mapping[str, Any] | None:
         """The keys of `identity` as a mapping whose `in` answers `contains` (a prefix
         is then walked in C: `pools.page_pool.run_in_any`), or None when `contains` does
         more than look up (a shared tier checks the disk on a miss).
@@ -175,7 +176,7 @@ class RateLog:
 
     def __init__(self, interval: float = 10.0):
         self.interval = interval
-        self._last: Optional[float] = None
+        self._last: float | None = None
 
     def __call__(self, level: int, msg: str, *args) -> None:
         now = time.monotonic()

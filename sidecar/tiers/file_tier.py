@@ -16,6 +16,7 @@ background. Every I/O error degrades to a miss or a `False`, with a counter and 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -23,9 +24,9 @@ import stat
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict
 from itertools import repeat
-from typing import Callable, Optional
 
 from sidecar.tiers import pagefile
 from sidecar.tiers.base import Tier, TierStats
@@ -43,8 +44,8 @@ class FileTier(Tier):
     0600 and directories 0700; with `group` (a shared 3FS directory that several nodes'
     sidecars write under one group) files are 0640 and directories 2770 of that group."""
 
-    def __init__(self, name: str, root: str, capacity: Optional[int] = None, shared: bool = False,
-                 group: Optional[int] = None):
+    def __init__(self, name: str, root: str, capacity: int | None = None, shared: bool = False,
+                 group: int | None = None):
         self.name = name
         self.group = group
         self.file_mode, self.dir_mode = (0o600, 0o700) if group is None else (0o640, 0o2770)
@@ -52,7 +53,7 @@ class FileTier(Tier):
         self.capacity = capacity
         # sizes the tier from the bytes recovery found (the default size: sidecar/datadir.py),
         # so start-up reads no page file twice; set by the caller, None: `capacity` stands
-        self.sizer: Optional[Callable[[int], int]] = None
+        self.sizer: Callable[[int], int] | None = None
         self.shared = shared
         self.where = self.root
         self.keys: dict[str, dict[str, int]] = {}
@@ -65,9 +66,9 @@ class FileTier(Tier):
         self.used = 0
         self.reserved = 0       # bytes of writes between `_make_room` and publish
         self._publishing: Counter[tuple[str, str]] = Counter()  # renamed, not yet indexed
-        self._scan_log: Optional[dict] = None   # index changes while `recover` scans
+        self._scan_log: dict | None = None   # index changes while `recover` scans
         self.stats = TierStats()
-        self.degraded: Optional[str] = None
+        self.degraded: str | None = None
         self._lock = threading.Lock()
         self._quiet = False     # True while `recover` rebuilds the index (no listener calls)
         self._dirs: set[str] = set()
@@ -223,7 +224,7 @@ class FileTier(Tier):
             freed += size
         return freed
 
-    def _oldest(self) -> Optional[tuple[tuple[str, str], int]]:
+    def _oldest(self) -> tuple[tuple[str, str], int] | None:
         """The least recent page and its size (None: none); under the lock."""
         idents, keys = self._cold
         while self._cold_at < len(keys):
@@ -270,7 +271,7 @@ class FileTier(Tier):
             if not self._evict_bytes(over):
                 raise OSError(errno.ENOSPC, "the tier's capacity is held by writes in flight")
 
-    def _unreserve(self, size: int, publishing: Optional[list[tuple[str, str]]] = None) -> None:
+    def _unreserve(self, size: int, publishing: list[tuple[str, str]] | None = None) -> None:
         with self._lock:
             self.reserved -= size
             assert self.reserved >= 0, self.reserved
@@ -362,10 +363,8 @@ class FileTier(Tier):
         with self._lock:
             if not self.keys.get(identity):
                 self.keys.pop(identity, None)
-        try:
-            os.rmdir(directory)  # fails while another writer's temporary is there: harmless
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # fails while another writer's temporary is there
+            os.rmdir(directory)
 
     def _delete_unknown(self, identity: str, keys: list[str]) -> None:
         for key in keys:
@@ -491,7 +490,7 @@ def _build_index(scans: list) -> tuple[dict, tuple[list, list], int]:
     mtimes: list[float] = []
     used = 0
     for ident, found, sizes, mt in scans:
-        keys[ident] = dict(zip(found, sizes))
+        keys[ident] = dict(zip(found, sizes, strict=False))
         idents += repeat(ident, len(found))
         names += found
         mtimes += mt

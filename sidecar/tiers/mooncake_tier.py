@@ -22,6 +22,7 @@ background thread, retrying until the master answers; until then the tier is emp
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -30,7 +31,7 @@ import queue
 import socket
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import xxhash
 
@@ -84,7 +85,7 @@ def route_address(host: str, port: int) -> str:
         return "127.0.0.1"
 
 
-def _address(view) -> Optional[int]:
+def _address(view) -> int | None:
     """The address of a writable buffer; None for a read-only one."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
@@ -109,18 +110,18 @@ class MooncakeTier(Tier):
         self.host, self.port = split_address(settings.master)
         self.where = settings.master
         self.stats: MooncakeStats = MooncakeStats()
-        self.degraded: Optional[str] = "connecting"
+        self.degraded: str | None = "connecting"
         self.known: dict[str, set[str]] = {}
         self._client: Any = None
-        self._arena: Optional[tuple[int, int]] = None
+        self._arena: tuple[int, int] | None = None
         self._blocks: queue.Queue = queue.Queue()
-        self._headers: Optional[mmap.mmap] = None
-        self._staging: Optional[mmap.mmap] = None
+        self._headers: mmap.mmap | None = None
+        self._staging: mmap.mmap | None = None
         self._staging_lock = threading.Lock()
         self._known_lock = threading.Lock()
         self._put_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._logs = {k: RateLog() for k in ("unavailable", "write", "read", "corrupt")}
 
     # -- connection -------------------------------------------------------------------
@@ -247,7 +248,7 @@ class MooncakeTier(Tier):
         else:
             self.degraded = None
         found = [c == 1 for c in codes]
-        for k, hit in zip(keys, found):
+        for k, hit in zip(keys, found, strict=False):
             if hit:
                 self._remember(identity, k)
         return found
@@ -282,7 +283,7 @@ class MooncakeTier(Tier):
         try:
             with _Staged(self, jobs) as addrs:
                 keys, ptrs, sizes = [], [], []
-                for j, ((identity, key, page), addr) in enumerate(zip(jobs, addrs)):
+                for j, ((identity, key, page), addr) in enumerate(zip(jobs, addrs, strict=False)):
                     mkey = self._key(identity, key)
                     ctypes.memmove(block + j * HEADER, pagefile.encode_header(mkey, page), HEADER)
                     keys.append(mkey)
@@ -292,7 +293,7 @@ class MooncakeTier(Tier):
                     codes = self._call(client.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes)
         finally:
             self._blocks.put(block)
-        return [self._written(job, code) for job, code in zip(jobs, codes)]
+        return [self._written(job, code) for job, code in zip(jobs, codes, strict=False)]
 
     def _written(self, job: tuple, code: int) -> bool:
         identity, key, page = job
@@ -336,7 +337,7 @@ class MooncakeTier(Tier):
         finally:
             self._blocks.put(block)
         return [self._verify(identity, item, mkey, head, code)
-                for item, mkey, head, code in zip(items, keys, heads, codes)]
+                for item, mkey, head, code in zip(items, keys, heads, codes, strict=False)]
 
     def _verify(self, identity: str, item: tuple, mkey: str, head: bytes, code: int) -> bool:
         key, dst = item
@@ -432,7 +433,7 @@ class _Staged:
         self.tier._staging_lock.acquire()
         self.locked = True
         base, at, addrs = _mapped_address(staging), 0, []
-        for (_, _, page), a in zip(self.jobs, found):
+        for (_, _, page), a in zip(self.jobs, found, strict=False):
             if a is None:
                 staging[at:at + len(page)] = page
                 a = base + at
@@ -446,7 +447,5 @@ class _Staged:
 
 
 def _close(client) -> None:
-    try:
+    with contextlib.suppress(Exception):  # a client that never set up may refuse to close
         client.close()
-    except Exception:  # a client that never set up may refuse to close
-        pass

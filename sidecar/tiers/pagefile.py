@@ -19,6 +19,7 @@ who writes them, so a scan removes only provably abandoned ones (`abandoned`):
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -29,8 +30,6 @@ import socket
 import struct
 import threading
 import time
-
-from typing import Optional
 
 import xxhash
 
@@ -91,7 +90,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def abandoned(name: str, mtime: float, now: Optional[float] = None) -> bool:
+def abandoned(name: str, mtime: float, now: float | None = None) -> bool:
     """True for a temporary no live writer can still publish: one of this node's from an
     earlier boot or of an exited process, or anyone's older than TEMP_MAX_AGE."""
     now = time.time() if now is None else now
@@ -277,7 +276,5 @@ def remove(path: str) -> bool:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

@@ -16,8 +16,9 @@ import asyncio
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from sidecar.tiers.base import Tier
 
@@ -31,7 +32,7 @@ class WriteJob:
     page: Any                                # memoryview of a pinned slot, or a staged copy
     seq: int
     future: asyncio.Future
-    release: Optional[Callable[[], None]] = field(default=None)
+    release: Callable[[], None] | None = field(default=None)
     started: bool = False                    # a thread took it (under TierWriter._lock)
     cancelled: bool = False                  # deleted before a thread took it
 
@@ -56,7 +57,7 @@ class TierWriter:
         self._outstanding: dict[int, WriteJob] = {}
         self._by_key: dict[tuple[str, str], list[WriteJob]] = {}
         self._lock = threading.Lock()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: list[asyncio.Future] = []   # woken when a batch finishes
 
     def start(self) -> None:
@@ -106,7 +107,7 @@ class TierWriter:
         return job.future
 
     # -- deletes ----------------------------------------------------------------------
-    def cancel(self, identity: str, keys: Optional[Iterable[str]] = None) -> list[asyncio.Future]:
+    def cancel(self, identity: str, keys: Iterable[str] | None = None) -> list[asyncio.Future]:
         """Cancel the queued writes of `keys` (None: every key of `identity`); return the
         futures of those a thread already runs (await them before deleting the files)."""
         if keys is None:
@@ -135,7 +136,7 @@ class TierWriter:
         self._waiters.append(fut)
         return fut
 
-    def _take(self) -> Optional[list[WriteJob]]:
+    def _take(self) -> list[WriteJob] | None:
         """The next batch (cancelled jobs included, marked), or None at the stop mark."""
         job = self._q.get()
         if job is None:
@@ -163,8 +164,8 @@ class TierWriter:
                 if not live:
                     break
                 res = tier.write_batch([(j.identity, j.key, j.page) for j in live])
-                ok = [a and b for a, b in zip(ok, res)]
-            good = {id(j): g for j, g in zip(live, ok)}
+                ok = [a and b for a, b in zip(ok, res, strict=False)]
+            good = {id(j): g for j, g in zip(live, ok, strict=False)}
             self.loop.call_soon_threadsafe(self._finish, batch, good)
 
     def _finish(self, batch: list[WriteJob], good: dict[int, bool]) -> None:
@@ -200,7 +201,7 @@ class TierWriter:
                 break
             try:
                 await asyncio.wait_for(self.changed(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         return sum(1 for s in self._outstanding if s <= target)
 

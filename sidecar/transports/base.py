@@ -14,9 +14,10 @@ Every transport runs the same plan through one small protocol, `Mapping` (below)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from sidecar.errors import BadRequest, GeometryMismatch, PayloadTooLarge
 
@@ -147,7 +148,7 @@ def check_slots(slots: Any, count: int, buffer_slots: int) -> list[int]:
     """One slot per key, each in range of the buffer."""
     if not isinstance(slots, list) or len(slots) != count:
         raise BadRequest(f"'slots' must be a list with one entry per key ({count})")
-    if slots and set(map(type, slots)) == _INT and 0 <= min(slots) and max(slots) < buffer_slots:
+    if slots and set(map(type, slots)) == _INT and min(slots) >= 0 and max(slots) < buffer_slots:
         return slots   # the usual case, checked in C; the loop below names what is wrong
     for s in slots:
         if not isinstance(s, int) or isinstance(s, bool):

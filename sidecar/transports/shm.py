@@ -23,7 +23,7 @@ import fcntl
 import mmap
 import os
 import stat
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from sidecar.errors import BadRequest, Forbidden, GeometryMismatch, TooMany
 from sidecar.transports.base import CopyFailed
@@ -105,10 +105,10 @@ class ShmMapping:
     __slots__ = ("size", "fd", "ident", "sealed", "mapped", "_mm", "_anchor", "address")
 
     def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = (),
-                 span: Optional[tuple[int, int]] = None, refusal: Optional[Exception] = None):
+                 span: tuple[int, int] | None = None, refusal: Exception | None = None):
         self.fd, self.mapped, self.address = fd, 0, 0
-        self._mm: Optional[mmap.mmap] = None
-        self._anchor: Optional[ctypes.c_char] = None
+        self._mm: mmap.mmap | None = None
+        self._anchor: ctypes.c_char | None = None
         try:
             self.sealed = _sealed(fd)  # before the size check: it cannot shrink after
             st = os.fstat(fd)

@@ -4,7 +4,6 @@ server's own memory stays bounded. The sidecar is a real process, and so is the 
 neither shares the GIL or the garbage collector of the process sending the load."""
 from __future__ import annotations
 
-import http.client
 import os
 import statistics
 import subprocess

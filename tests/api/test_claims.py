@@ -5,7 +5,6 @@ import asyncio
 import hashlib
 import http.client
 import os
-import socket
 import threading
 
 import pytest

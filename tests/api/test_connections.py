@@ -46,7 +46,7 @@ def closed_by_server(s: socket.socket) -> bool:
                 return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

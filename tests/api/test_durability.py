@@ -8,8 +8,6 @@ import logging
 import os
 import threading
 
-import pytest
-
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
 from sidecar.tiers import pagefile
@@ -59,7 +57,7 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
                 buf.view(j * PAGE, PAGE)[:] = data(k)
             got = c.set("kv", keys, bid, list(range(8)))
             answers.extend(got)
-            acked.extend(k for k, ok in zip(keys, got) if ok)
+            acked.extend(k for k, ok in zip(keys, got, strict=False) if ok)
     t = threading.Thread(target=engine)
     t.start()
     wait_for(lambda: gate.entered.is_set() and writer.full)

@@ -111,7 +111,7 @@ def test_multi_chunk_layouts_round_trip(client, server):
     buf = SharedBuffer(2 * slots * sum(sizes))
     out = SharedBuffer(2 * slots * sum(sizes))
     tensors, outs, off = [], [], 0
-    for kv in range(2):
+    for _kv in range(2):
         for layer in range(layers):
             tensors.append(buf.tensor((slots, sizes[layer]), offset=off))
             outs.append(out.tensor((slots, sizes[layer]), offset=off))
@@ -125,7 +125,7 @@ def test_multi_chunk_layouts_round_trip(client, server):
     perm = [3, 1, 7, 0, 2, 6, 5, 4]
     assert client.get("lf", keys, oid, perm) == [True] * slots
     for i, j in enumerate(perm):
-        for t, o in zip(tensors, outs):
+        for t, o in zip(tensors, outs, strict=False):
             assert torch.equal(t[i], o[j])
     # the host page is the chunks in order: K layer 0..2, then V layer 0..2
     page_bytes = client.get_page("lf", "s2")

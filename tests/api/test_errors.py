@@ -158,14 +158,14 @@ def operator_ready(operator_server):
 
 def test_pid_fd_registration_is_gone(operator_server, operator_ready, tmp_path):
     server = operator_server
-    f = open(tmp_path / "plain", "wb+")
-    f.truncate(PAGE)
-    body = {"transport": "shm", "size": PAGE, "slots": 1, "pid": os.getpid(), "fd": f.fileno(),
-            "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
-    assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 400, "bad_request")
-    assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body), tcp=True),
-                 403, "forbidden")
-    f.close()
+    with open(tmp_path / "plain", "wb+") as f:
+        f.truncate(PAGE)
+        body = {"transport": "shm", "size": PAGE, "slots": 1, "pid": os.getpid(), "fd": f.fileno(),
+                "chunks": [{"offset": 0, "stride": PAGE, "size": PAGE}]}
+        assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body)), 400,
+                     "bad_request")
+        assert_error(raw(server, "POST", "/v1/namespaces/kv/buffers", orjson.dumps(body), tcp=True),
+                     403, "forbidden")
 
 
 def test_403_and_404_for_memory_the_caller_does_not_own(operator_server, operator_ready):

@@ -41,7 +41,8 @@ def bodies(bid):
         # errors: every status and code of these routes comes from the same handlers
         ("/v1/namespaces/kv/exists", {"keys": ["bad key"]}), ("/v1/namespaces/nope/exists", {"keys": keys}),
         ("/v1/namespaces/kv/set", {**move, "durable": 1}), ("/v1/namespaces/kv/get", {**move, "slots": [0, 9, 1]}),
-        ("/v1/namespaces/kv/get", {**move, "slots": [0, True, 1]}), ("/v1/namespaces/kv/get", {**move, "slots": [0, -1, 1]}),
+        ("/v1/namespaces/kv/get", {**move, "slots": [0, True, 1]}),
+        ("/v1/namespaces/kv/get", {**move, "slots": [0, -1, 1]}),
         ("/v1/namespaces/kv/set", {**move, "buffer_id": "nope"}), ("/v1/batch/exists", {"keys": keys}),
         ("/v1/batch/exists", {"keys": keys, "kv": "kv", "restorable": "yes"}),
         ("/v1/namespaces/kv/exists", [1]), ("/v1/namespaces/kv/exists", b"{"),

@@ -88,7 +88,7 @@ def test_round_trip_kv_mamba_indexer_draft(client, server):
         "hit": 6, "kv": 6, "pools": {names["mamba"]: 6, "m-indexer": 6, "m-draft": 6}}
     loaded = client.batch_get(reader.items(keys))
     assert all(all(v) for v in loaded.values())
-    for slot, k in enumerate(keys):
+    for slot, _k in enumerate(keys):
         for pool in ("kv", "mamba", "indexer", "draft"):
             assert reader.page(pool, slot) == writer.page(pool, slot)
     server.invariants()

@@ -369,7 +369,7 @@ def _register_mapped(url: str, pages: list[int]) -> list[int]:
     """As another uid: a namespace of its own, then one sealed buffer of each size."""
     c = SidecarClient(url)
     c.put_namespace("own", PAGE)
-    return [status_of(lambda: SharedBuffer(n * PAGE).register(c, "own", n, page_first_chunks(PAGE)))
+    return [status_of(lambda n=n: SharedBuffer(n * PAGE).register(c, "own", n, page_first_chunks(PAGE)))
             for n in pages]
 
 

@@ -10,7 +10,6 @@ from sidecar import metrics, report, tenancy
 from sidecar.peer import Peer
 from sidecar.spec import parse_spec
 
-
 PAGE = 4096
 
 

@@ -85,7 +85,7 @@ def prometheus(tmp_path, spawn):
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(scrape_config(srv.port, str(token_file))))
     port = free_port()
-    log = open(tmp_path / "prometheus.log", "w")
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (Prometheus writes it until it exits)
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
                             stdout=log, stderr=subprocess.STDOUT)

@@ -112,11 +112,11 @@ def test_tcp_callers_cannot_register_memory(open_server):
 
 def test_pid_fd_form_is_gone_and_echoes_nothing(open_server, scratch):
     c = open_server.client()
-    log = open(os.path.join(scratch(), "app.log"), "w")
-    status, raw = c.request("POST", "/v1/namespaces/victim/buffers",
-                            {"transport": "shm", "pid": os.getpid(), "fd": log.fileno(),
-                             "size": PAGE, "slots": 1, "chunks": page_first_chunks(PAGE)},
-                            ok=(400,))
+    with open(os.path.join(scratch(), "app.log"), "w") as log:
+        status, raw = c.request("POST", "/v1/namespaces/victim/buffers",
+                                {"transport": "shm", "pid": os.getpid(), "fd": log.fileno(),
+                                 "size": PAGE, "slots": 1, "chunks": page_first_chunks(PAGE)},
+                                ok=(400,))
     assert status == 400 and b"lease" in raw
     assert log.name.encode() not in raw and b"/proc" not in raw
 
@@ -397,5 +397,7 @@ def test_a_dead_engines_path_buffer_is_reaped(open_server, scratch):
     bid = parent.recv()
     parent.send("die")
     p.join(30)
-    buffers = lambda: open_server.on_loop(lambda: set(open_server.ns("victim").buffers))
+
+    def buffers() -> set:
+        return open_server.on_loop(lambda: set(open_server.ns("victim").buffers))
     wait_for(lambda: bid not in buffers(), 10)   # the reaper released the dead engine's buffer

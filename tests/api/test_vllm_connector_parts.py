@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from api.engine.client import SidecarClient
-from api.engine.vllm_layout import EngineScope, PageLayout, block_keys, namespace_name, namespace_spec
+from api.engine.vllm_layout import (
+    EngineScope,
+    PageLayout,
+    block_keys,
+    namespace_name,
+    namespace_spec,
+)
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
 from api.engine.vllm_worker import WorkerSide
 from loadtest.procs import free_port, socket_path
@@ -39,10 +45,9 @@ def hkeys(n, salt="k"):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_blocks_round_trip_through_staging(split):
-    if split:  # FlashAttention's [2, blocks, block_size, heads, head]: K and V views
-        src = {"l0": torch.randn(2, N, BS, 2, 16), "l1": torch.randn(2, N, BS, 2, 16)}
-    else:
-        src = cpu_caches()
+    # split: FlashAttention's [2, blocks, block_size, heads, head]: K and V views
+    src = ({"l0": torch.randn(2, N, BS, 2, 16), "l1": torch.randn(2, N, BS, 2, 16)} if split
+           else cpu_caches())
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     a, b = PageLayout.of(src, N), PageLayout.of(dst, N)
     assert a.page_bytes == sum(v.numel() * 4 for v in src.values()) // N

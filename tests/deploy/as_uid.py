@@ -2,6 +2,7 @@
 is not executable by other uids, so no exec), and engine calls from other uids."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import multiprocessing as mp
@@ -13,7 +14,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from api.engine.client import SidecarClient
 from loadtest.procs import free_port
@@ -50,7 +52,7 @@ class Sidecar:
         self.args = [self._local(a, paths) for a in args]
         self.socket = next(a.split("=", 1)[1] for a in self.args if a.startswith("--socket="))
         self.uid, self.gid = uid, gid
-        self.out = tempfile.TemporaryFile()
+        self.out = tempfile.TemporaryFile()  # noqa: SIM115 (the forked sidecar writes it until it exits)
         self.pid, self.returncode = 0, None
 
     def _local(self, arg: str, paths: dict[str, str]) -> str:
@@ -81,7 +83,8 @@ class Sidecar:
             try:
                 ref = Sidecar.__new__(Sidecar)
                 ref.socket, ref.token = f"{d}/s.sock", self.token
-                client, deadline = SidecarClient(f"http://127.0.0.1:{port}", token=self.token, timeout=2), time.time() + 60
+                client = SidecarClient(f"http://127.0.0.1:{port}", token=self.token, timeout=2)
+                deadline = time.time() + 60
                 while not self._ready(client):
                     assert time.time() < deadline and proc.poll() is None, "the reference sidecar did not start"
                     time.sleep(0.05)
@@ -92,7 +95,7 @@ class Sidecar:
             with open(out) as f:
                 return f.read().split()
 
-    def __enter__(self) -> "Sidecar":
+    def __enter__(self) -> Sidecar:
         modules = self.reference_modules()
         self.pid = os.fork()
         if self.pid == 0:   # the child: drop to the pod's user, then the CLI
@@ -103,10 +106,8 @@ class Sidecar:
                 sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's
                 logging.root.handlers.clear()   # (pytest's capture: serve's basicConfig then logs here)
                 for name in modules:
-                    try:
+                    with contextlib.suppress(Exception):   # (__main__ and the like)
                         importlib.import_module(name)
-                    except Exception:   # (__main__ and the like)
-                        pass
                 os.setgroups([])
                 os.setgid(self.gid)
                 os.setuid(self.uid)
@@ -120,7 +121,8 @@ class Sidecar:
                 os._exit(code)
         client, deadline = SidecarClient(f"http://127.0.0.1:{self.port}", token=self.token, timeout=2), time.time() + 60
         while not self._ready(client):
-            assert time.time() < deadline and self._alive(), f"the sidecar did not start ({self.returncode}): {self.log()}"
+            assert time.time() < deadline and self._alive(), \
+                f"the sidecar did not start ({self.returncode}): {self.log()}"
             time.sleep(0.05)
         return self
 

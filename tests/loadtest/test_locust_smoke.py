@@ -19,7 +19,8 @@ def test_locust_smoke_has_no_failures(spawn, tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LOCUST_PAGE_BYTES": "16384"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = {r["Name"]: r for r in csv.DictReader(open(prefix + "_stats.csv"))}
+    with open(prefix + "_stats.csv") as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
     total = rows["Aggregated"]
     assert int(total["Request Count"]) > 500 and int(total["Failure Count"]) == 0
     for name in ("exists", "get", "set", "verify", "inline put"):

@@ -101,9 +101,9 @@ class HostPoolModel(RuleBasedStateMachine):
         for name, pool in self.host.pools.items():
             for key, e in pool.ready.items():
                 assert self.host.view(e.offset, PAGE) == page(name, key), f"{name}/{key} corrupted"
-        for name, pool, e in self.pins:  # a pinned page keeps its bytes even if dropped
+        for name, _pool, e in self.pins:  # a pinned page keeps its bytes even if dropped
             assert self.host.view(e.offset, PAGE) == page(name, e.key)
-        for name, pool, r in self.reserved:
+        for name, _pool, r in self.reserved:
             assert self.host.view(r.offset, PAGE) == page(name, r.key)
 
 

@@ -105,7 +105,7 @@ class JointModel(RuleBasedStateMachine):
         truth = [sum(1 << i for i, p in enumerate(pools) if k in p.ready) for k in keys]
         run = leading(list(range(len(keys))), {i for i, t in enumerate(truth) if need and t & need == need})
         got = self.joint.walk(keys, need) if need else b""
-        assert len(got) <= run and all(g & ~t == 0 for g, t in zip(got, truth))  # never claims
+        assert len(got) <= run and all(g & ~t == 0 for g, t in zip(got, truth, strict=False))  # never claims
         if self.joint.built:
             assert list(got) == truth[:run]
 

@@ -4,8 +4,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pools.lru import LruList
-from pools.page_pool import (BUSY, EVICT_SCAN, PRESENT, READY, RESERVED, PagePool,
-                             PoolInvariantError, run_in_any)
+from pools.page_pool import (
+    BUSY,
+    EVICT_SCAN,
+    PRESENT,
+    READY,
+    RESERVED,
+    PagePool,
+    PoolInvariantError,
+    run_in_any,
+)
 
 
 def make(pages=4, page=16):
@@ -317,7 +325,7 @@ def test_run_in_any_is_the_walk_key_by_key(where, n_indexes):
     """`run_in_any` (the host pool and the file tiers' indexes, read in C by chunks)
     against the walk it replaces: key i is in index where[i] - 1 (0: in none)."""
     keys = [f"k{i}" for i in range(len(where))]
-    indexes = [{k: 0 for k, w in zip(keys, where) if w == j + 1} for j in range(n_indexes)]
+    indexes = [{k: 0 for k, w in zip(keys, where, strict=False) if w == j + 1} for j in range(n_indexes)]
     walked = 0
     for k in keys:
         if not any(k in ix for ix in indexes):

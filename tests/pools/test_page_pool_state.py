@@ -96,7 +96,7 @@ class PoolModel(RuleBasedStateMachine):
         order (repeats too), nothing is pinned."""
         found = self.pool.peek(keys)
         assert [e is not None for e in found] == [k in self.ready for k in keys]
-        for k, e in zip(keys, found):
+        for k, e in zip(keys, found, strict=False):
             if e is not None:
                 assert e is self.cur[k]
                 self._touch(k)

@@ -236,6 +236,6 @@ def test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc():
     async def main():
         lanes = Lanes("t", 2, 1)
         for i in range(3):
-            job = await lanes.call(1000, lambda: i, 10, lambda job: None)
+            job = await lanes.call(1000, lambda i=i: i, 10, lambda job: None)
             assert job.result == i and job.error is None
     assert cyclic_garbage(main, Job) == []

@@ -9,7 +9,8 @@ import operator
 import os
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar import events
 

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from pools import Arena, HostPool
 from sidecar import hybrid
+from sidecar.buffers import Sources
 from sidecar.errors import BadRequest, SidecarError
 from sidecar.hybrid import ExtraPool, Presence, batch_exists, legal_endpoints
 from sidecar.spec import parse_spec
-from sidecar.buffers import Sources
 from sidecar.store import Store
 from sidecar.tenancy import MISSING, OPERATOR
 
@@ -116,7 +116,7 @@ def run(store, case):
 def fill(store, name, present, keys=KEYS):
     store.put_namespace(name, parse_spec({"page_bytes": 512}))
     pool = store.namespace(name).pool
-    for k, here in zip(keys, present):
+    for k, here in zip(keys, present, strict=False):
         if here:
             pool.commit(pool.reserve(k))
 
@@ -193,7 +193,7 @@ def test_long_prefixes_match_brute_force(store, density):
     """300 pages, so the look-ups from the top reach down in several chunks."""
     rng = random.Random(f"rule-{density}")
     keys = [f"{i:064x}" for i in range(300)]
-    for trial in range(4):
+    for _trial in range(4):
         pools = [([rng.random() < density for _ in keys], rng.choice(["all_pages", "trailing_pages"]),
                   rng.choice([1, 2, 7, 40])) for _ in range(rng.randint(1, 3))]
         kv_present = [True] * 250 + [False] + [True] * 49

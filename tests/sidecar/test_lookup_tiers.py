@@ -38,9 +38,9 @@ def fill(store, tier, name, where):
     """where[i]: 0 absent, 1 in the host pool, 2 only in the tier."""
     store.put_namespace(name, parse_spec({"page_bytes": PAGE}))
     ns = store.namespace(name)
-    jobs = [(ns.identity, k, memoryview(bytes(PAGE))) for k, w in zip(KEYS, where) if w == 2]
+    jobs = [(ns.identity, k, memoryview(bytes(PAGE))) for k, w in zip(KEYS, where, strict=False) if w == 2]
     assert all(tier.write_batch(jobs))
-    for k, w in zip(KEYS, where):
+    for k, w in zip(KEYS, where, strict=False):
         if w == 1:
             ns.pool.commit(ns.pool.reserve(k))
 

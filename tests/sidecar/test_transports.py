@@ -155,6 +155,7 @@ def test_fd_socket_pauses_instead_of_spinning_when_out_of_fds(tmp_path, monkeypa
     import asyncio
     import errno
     import socket as so
+
     from sidecar import leases
     monkeypatch.setattr(leases, "ACCEPT_PAUSE", 0.2)
     path = str(tmp_path / "f.sock")

@@ -47,10 +47,6 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
-
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import CacheRequestHandle, PoolHitPolicy, PoolName, PoolTransfer
-
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -58,11 +54,14 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host import common as host_common
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhase
-from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+from tests.engines.sglang import kit
+from tests.engines.sglang.kit import CacheRequestHandle, PoolHitPolicy, PoolName, PoolTransfer
 
 DSA_P, DSA_TOKENS = 64, 64 * 8
 V4_P, V4_FULL, V4_SWA = 256, 256 * 8, 256 * 4   # SGLang hardcodes DeepSeek-V4's page at 256
@@ -332,7 +331,7 @@ def _acks(cc) -> tuple[int, dict]:
         try:
             ack = cc.ack_prefetch_queue.get(timeout=kit.TIMEOUT)
         except queue.Empty:
-            raise AssertionError("the controller's prefetch never completed")
+            raise AssertionError("the controller's prefetch never completed") from None
         if ack.completed_tokens is not None:
             loaded = ack.completed_tokens
         hits = getattr(ack, "pool_hits", None) or hits

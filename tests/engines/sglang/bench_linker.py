@@ -33,18 +33,17 @@ import threading
 import time
 
 import torch
-
-from tests.engines.sglang import kit  # SGLang's CPU settings first
-from tests.engines.sglang import linker_kit as lk
-
-from api.engine.client import SidecarClient
-from loadtest.procs import socket_path
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+from api.engine.client import SidecarClient
+from loadtest.procs import socket_path
 from tests.conftest import SidecarProcess
+from tests.engines.sglang import kit  # SGLang's CPU settings first
+from tests.engines.sglang import linker_kit as lk
 
 PAGE, LAYERS, HEADS, DIM = 16, 8, 8, 128
 PAGE_BYTES = PAGE * LAYERS * 2 * HEADS * DIM * 2
@@ -142,7 +141,7 @@ def bench_hicache(url: str, work: list, tokens: int) -> dict:
                 buf.view(torch.uint8).view(buf.shape[0], -1)[s] = 7
         start = time.perf_counter()
         ops = []
-        for t, s in zip(work, slots):
+        for t, s in zip(work, slots, strict=False):
             h = a_host.alloc(len(t))
             to_host(a_dev, a_host, s, h)
             ops.append(a_cc.write_storage(h, t, get_storage_hash_str(t, None, page_size=PAGE), None))

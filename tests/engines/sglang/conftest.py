@@ -5,7 +5,9 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def single_rank():
-    from tests.engines.sglang import kit  # SGLang imports here, so a missing SGLang skips/fails per module
+    from tests.engines.sglang import (
+        kit,  # SGLang imports here, so a missing SGLang skips/fails per module
+    )
     with kit.single_rank(), kit.host_budget():
         yield
 

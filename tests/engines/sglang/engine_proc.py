@@ -33,7 +33,8 @@ def main(url: str, op: str, seed: int) -> dict:
             host_idx, slot = kv[1].alloc(len(TOKENS)), state[1].alloc(1)
             done = kit.write_back(cc, host_idx, TOKENS, [kit.mamba_trailing(slot, kit.hashes(TOKENS)[-1])])
             return {"tokens": done.completed_tokens, "kv": digest(kv[1], host_idx[::kit.P] // kit.P),
-                    "mamba": digest(state[1], slot), "zero_copy": cc.storage_backend.bindings["kv"].buffer_id is not None}
+                    "mamba": digest(state[1], slot),
+                    "zero_copy": cc.storage_backend.bindings["kv"].buffer_id is not None}
         probe = kit.mamba_trailing()
         host_idx, loaded, hits = kit.prefetch(cc, TOKENS, [probe])
         return {"tokens": loaded, "kv": digest(kv[1], host_idx[::kit.P] // kit.P),

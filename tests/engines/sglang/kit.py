@@ -43,8 +43,14 @@ try:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    from sglang.srt.mem_cache.hicache_storage import (HiCacheFile, HiCacheStorage, HiCacheStorageConfig,
-                                                      PoolHitPolicy, PoolName, PoolTransfer)
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheFile,  # noqa: F401 (re-exported: test_backend.py uses kit.HiCacheFile)
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
@@ -60,7 +66,7 @@ try:
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 except ImportError as exc:
     if os.environ.get("KV_SIDECAR_REQUIRE_SGLANG"):
-        raise RuntimeError(f"SGLang is required here (make test-sglang builds .venv-sglang): {exc}")
+        raise RuntimeError(f"SGLang is required here (make test-sglang builds .venv-sglang): {exc}") from exc
     pytest.skip(f"SGLang is not installed ({exc}); make test-sglang runs these", allow_module_level=True)
 
 P, LAYERS, TOKENS = 4, 3, 64
@@ -170,7 +176,7 @@ def extra_config(url: str, **kw) -> dict:
     return extra
 
 
-def storage_config(url: str, tp=0, tp_size=1, mla=False, model=MODEL, **extra) -> "HiCacheStorageConfig":
+def storage_config(url: str, tp=0, tp_size=1, mla=False, model=MODEL, **extra) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
@@ -185,14 +191,14 @@ def dynamic_backend(cfg):
 
 
 # -- SGLang's cache controllers, driven as its scheduler drives them ---------------------
-def hicache_controller(url: str, dev, host, **extra) -> "HiCacheController":
+def hicache_controller(url: str, dev, host, **extra) -> HiCacheController:
     """HiCacheController over one KV pool, attaching the backend with storage_backend="dynamic"."""
     allocator = PagedTokenToKVPoolAllocator(TOKENS, P, dev.dtype, "cpu", dev, need_sort=False)
     return HiCacheController(allocator, host, P, None, threading.Event(), storage_backend="dynamic",
                              model_name=MODEL, storage_backend_extra_config=extra_config(url, **extra))
 
 
-def hybrid_controller(url: str, kv, extras: dict, **extra) -> "HybridCacheController":
+def hybrid_controller(url: str, kv, extras: dict, **extra) -> HybridCacheController:
     """HybridCacheController over a HostPoolGroup: KV (the anchor) and `extras`, each
     {PoolName: (device pool, host pool)} (Mamba state, SWA KV)."""
     kv_dev, kv_host = kv
@@ -211,13 +217,13 @@ def hashes(tokens) -> list[str]:
     return get_storage_hash_str(list(tokens), None, page_size=P)
 
 
-def mamba_trailing(host_indices=None, key="__placeholder__") -> "PoolTransfer":
+def mamba_trailing(host_indices=None, key="__placeholder__") -> PoolTransfer:
     """The Mamba component's transfer: one state, at the trailing page."""
     return PoolTransfer(name=PoolName.MAMBA, host_indices=host_indices, keys=[key],
                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
 
 
-def swa_trailing(host_indices=None, keys=("__placeholder__",) * 2) -> "PoolTransfer":
+def swa_trailing(host_indices=None, keys=("__placeholder__",) * 2) -> PoolTransfer:
     """The SWA component's transfer: the window's trailing pages (2 here)."""
     return PoolTransfer(name=PoolName.SWA, host_indices=host_indices, keys=list(keys),
                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
@@ -256,7 +262,7 @@ def prefetch(cc, tokens, extra_pools=None, rid="r"):
         try:
             ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
         except queue.Empty:
-            raise AssertionError("the controller's prefetch never completed")
+            raise AssertionError("the controller's prefetch never completed") from None
         if ack.completed_tokens is not None:
             loaded = ack.completed_tokens
         pool_hits = getattr(ack, "pool_hits", None) or pool_hits

@@ -32,7 +32,7 @@ import os
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -44,16 +44,25 @@ try:  # UnifiedRadixCache's request classes import SGLang's OpenAI protocol
 except ImportError as exc:
     if os.environ.get("KV_SIDECAR_REQUIRE_SGLANG"):
         raise RuntimeError(f"SGLang's UnifiedRadixCache needs openai==2.8.0 and partial-json-parser in "
-                           f".venv-sglang: {exc}")
+                           f".venv-sglang: {exc}") from exc
     pytest.skip(f"SGLang's request classes do not import ({exc})", allow_module_level=True)
 from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE as FLA_CHUNK_SIZE
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import (
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+)
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import (HybridLinearKVPool, HybridReqToTokenPool, MHATokenToKVPool,
-                                              MLATokenToKVPool, ReqToTokenPool)
+from sglang.srt.mem_cache.memory_pool import (
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -165,7 +174,7 @@ def engine(url: str, kind: str = "kv", tp_group=None, tp: tuple[int, int] = (0, 
 
 
 # -- requests -----------------------------------------------------------------------------
-def request(eng: Engine, tokens) -> "Req":
+def request(eng: Engine, tokens) -> Req:
     req = Req(rid=f"{eng.kind}-{len(eng.rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
               sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
     eng.rids.append(req.rid)
@@ -235,7 +244,7 @@ def match(eng: Engine, tokens):
 class Loaded:
     req: Any
     tokens: int                  # what init_load_back reported
-    slots: Optional[torch.Tensor]  # the request's private device slots
+    slots: torch.Tensor | None  # the request's private device slots
     failed: list                 # what finish_external_linker_loads reported
 
 

@@ -18,11 +18,10 @@ import json
 import sys
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from tests.engines.sglang import kit
 from tests.engines.sglang import linker_kit as lk
-
-from sglang.srt.mem_cache.hicache_storage import PoolName
 
 PAGES = 6
 
@@ -83,7 +82,8 @@ def tp(url: str, rank: int, init_file: str) -> dict:
                 lk.scramble(fresh, 99 + rank)
                 answers = []
                 real = fresh.linker.lookup
-                fresh.linker.lookup = lambda rid, t: answers.append(real(rid, t)) or answers[-1]
+                fresh.linker.lookup = lambda rid, t, answers=answers, real=real: \
+                    answers.append(real(rid, t)) or answers[-1]
                 req, m = lk.match(fresh, tokens)
                 got = lk.load(fresh, req)
                 prefix = written[kind][1][:got.tokens]

@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
+from api.engine.sglang_pools import namespace_name, namespace_spec
 from tests.engines.sglang import kit
 from tests.engines.sglang.kit import indices
-from api.engine.sglang_pools import namespace_name, namespace_spec
 
 FP8 = torch.float8_e4m3fn
 
@@ -48,7 +48,7 @@ def test_v1_round_trip_on_real_pools(server, build, layout, dtype, allocator):
     assert a.batch_set_v1(ks, indices(src)) == [True] * 6
     assert b.batch_exists(ks + ["0" * 64]) == 6
     assert b.batch_get_v1(ks, indices(dst)) == [True] * 6
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=False):
         assert kit.page_bytes(b_pool, d) == kit.page_bytes(a_pool, s)
     assert kit.page_bytes(b_pool, 5) != kit.page_bytes(a_pool, 5)  # untouched slots stay
     assert b.batch_get_v1(["f" * 64], indices([2])) == [False]
@@ -106,8 +106,8 @@ def test_generic_path_and_draft_keys(server):
     assert be.exists(ks[0]) and be.exists(ks[2]) and not be.exists("0" * 64)
     targets = [pool.get_dummy_flat_data_page() for _ in range(3)]
     got = be.batch_get(ks, targets)
-    assert all(g is t for g, t in zip(got, targets))
-    assert all(torch.equal(a, b) for a, b in zip(pages, targets))
+    assert all(g is t for g, t in zip(got, targets, strict=False))
+    assert all(torch.equal(a, b) for a, b in zip(pages, targets, strict=False))
     assert be.get("1" * 64, pool.get_dummy_flat_data_page()) is None
     # the draft key landed in a namespace of pool kind "draft", the others in a KV one
     c = server.client()
@@ -154,7 +154,8 @@ def test_namespaces_are_deterministic_and_scoped():
         return namespace_name(c, pool, namespace_spec(c, pool, page, layout, dtype, 64))
 
     base = cfg("http://127.0.0.1:1")
-    assert name(base, "kv", 4096, "page_first", "bfloat16") == name(cfg("http://x:2"), "kv", 4096, "page_first", "bfloat16")
+    assert name(base, "kv", 4096, "page_first", "bfloat16") == \
+        name(cfg("http://x:2"), "kv", 4096, "page_first", "bfloat16")
     names = {name(c, "kv", pb, lay, dt) for c, pb, lay, dt in [
         (base, 4096, "page_first", "bfloat16"), (cfg(tp=1, tp_size=2), 4096, "page_first", "bfloat16"),
         (cfg(model="other"), 4096, "page_first", "bfloat16"), (base, 8192, "page_first", "bfloat16"),

@@ -75,7 +75,7 @@ def test_hicache_controller_write_back_then_prefetch(server, engines, case):
     b_idx, loaded, _ = kit.prefetch(b, TOKENS)
     assert loaded == len(TOKENS)
     assert pages_of(b_idx) != pages_of(a_idx)
-    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx)):
+    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=False):
         assert kit.page_bytes(b_host, pb) == kit.page_bytes(a_host, pa)
     assert kit.prefetch(b, list(range(5000, 5008)))[1] == 0  # never written: no hit
     assert a.storage_backend.failures == b.storage_backend.failures == 0
@@ -98,7 +98,7 @@ def test_hybrid_controller_kv_and_mamba(server, engines):
     probe = kit.mamba_trailing()
     b_idx, loaded, hits = kit.prefetch(b, TOKENS, [probe])
     assert loaded == len(TOKENS) and hits["mamba"] == 1
-    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx)):
+    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=False):
         assert kit.page_bytes(b_kv[1], pb) == kit.page_bytes(a_kv[1], pa)
     assert int(probe.host_indices[0]) != int(slot[0])
     assert kit.page_bytes(b_state[1], int(probe.host_indices[0])) == kit.page_bytes(a_state[1], int(slot[0]))
@@ -142,7 +142,8 @@ def test_two_engine_processes_share_one_sidecar(spawn):
     sidecar = spawn("--host-pool", "32MiB", "--no-file-tier").wait_ready()
 
     def engine(op, seed):
-        out = subprocess.run([sys.executable, "-m", "tests.engines.sglang.engine_proc", sidecar.socket_url, op, str(seed)],
+        out = subprocess.run([sys.executable, "-m", "tests.engines.sglang.engine_proc", sidecar.socket_url, op,
+                              str(seed)],
                              capture_output=True, text=True, timeout=300, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": ROOT})
         assert out.returncode == 0, out.stderr[-3000:]

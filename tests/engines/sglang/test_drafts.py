@@ -64,7 +64,8 @@ def same_pages(a, a_idx, b, b_idx, name) -> bool:
     P = a.cc.page_size
     pa, pb = asm.pages_of(a_idx, P), asm.pages_of(b_idx, P)
     assert len(pa) == len(pb)
-    return all(kit.page_bytes(host(a, name), x) == kit.page_bytes(host(b, name), y) for x, y in zip(pa, pb))
+    return all(kit.page_bytes(host(a, name), x) == kit.page_bytes(host(b, name), y)
+               for x, y in zip(pa, pb, strict=False))
 
 
 def namespace(stack, name):

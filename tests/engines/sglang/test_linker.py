@@ -3,17 +3,16 @@ pools, against a live sidecar: SGLang's `create_tree_cache` loads it from the do
 its `UnifiedCacheLinkerWrapper` drives it, and the scheduler's steps are taken in order
 (linker_kit.py names them). Pages are compared byte for byte."""
 import pytest
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
+from api.engine.sglang_linker_pools import device_pool_group
+from api.sglang_linker import SidecarLinker
 from tests.conftest import Gate
 from tests.engines.sglang import kit  # SGLang's CPU settings before anything imports SGLang
 from tests.engines.sglang import linker_kit as lk
 from tests.engines.sglang.linker_kit import P
-
-from api.engine.sglang_linker_pools import device_pool_group
-from api.sglang_linker import SidecarLinker
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 
 @pytest.fixture
@@ -114,7 +113,7 @@ def test_nodes_queued_behind_a_set_in_flight_go_in_one_set(engines):
     lk.settle(a)
     assert sets == [3, 9] and a.linker.stats["pages_offloaded"] == 12
     assert a.linker.stats["offload_failures"] == 0
-    for tokens, slots in zip(prompts, src):
+    for tokens, slots in zip(prompts, src, strict=False):
         req, _ = lk.match(b, tokens)
         got = lk.load(b, req)
         assert got.failed == [] and lk.digest(lk.kv_buffers(b), got.slots) == lk.digest(lk.kv_buffers(a), slots)

@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 
+from sglang.srt.mem_cache.hicache_storage import PoolName
+
 from api.engine.client import SidecarClient
 from tests.conftest import ROOT
 from tests.engines.sglang import kit  # SGLang's CPU settings before anything imports SGLang
 from tests.engines.sglang import linker_kit as lk
 from tests.engines.sglang.linker_kit import P
-
-from sglang.srt.mem_cache.hicache_storage import PoolName
 
 
 def engine_procs(*args_list):
@@ -34,7 +34,7 @@ def test_two_engine_processes_load_each_others_pages(spawn):
     try:
         wrote = [answer(p) for p in procs]                   # both computed and offloaded
         assert [w["offloaded"] for w in wrote] == [7, 7]     # 6 KV pages and the node's state
-        for p, other in zip(procs, ("12", "11")):
+        for p, other in zip(procs, ("12", "11"), strict=False):
             p.stdin.write(other + "\n")
             p.stdin.flush()
         got = [answer(p) for p in procs]

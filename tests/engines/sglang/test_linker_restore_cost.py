@@ -2,12 +2,11 @@
 prefill (issue 44, api/engine/restore_cost.py), under SGLang's own UnifiedRadixCache on CPU
 device pools against a live sidecar (linker_kit.py), and the sidecar counts the skip."""
 import pytest
+from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from tests.engines.sglang import kit  # noqa: F401  SGLang's CPU settings first
 from tests.engines.sglang import linker_kit as lk
 from tests.engines.sglang.linker_kit import P
-
-from sglang.srt.mem_cache.hicache_storage import PoolName
 
 
 @pytest.fixture

@@ -164,7 +164,7 @@ class Engine:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # sha256 needs none
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                     "PYTHONUNBUFFERED": "1", **env_extra})
-        self.log = tempfile.TemporaryFile("w+")
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the engine writes it until it exits)
         self.proc = subprocess.Popen(
             [python or sys.executable, "-m", "tests.engines.vllm.engine_proc", model, url,
              *([token] if token else [])],

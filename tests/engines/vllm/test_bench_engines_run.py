@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from loadtest import bench_engines, bench_engines_lib as lib
+from loadtest import bench_engines
+from loadtest import bench_engines_lib as lib
 
 BLOCK = 32
 

@@ -49,8 +49,7 @@ def _joined(sock, srv) -> bool:
 
 @pytest.mark.parametrize("fmt", ["map", "array"])
 def test_vllm_decodes_the_sidecars_events(make_server, tmp_path, fmt):
-    from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                            KVEventBatch)
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
     port = free_port()
     srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_format=fmt, kv_events_topic="node",
                       kv_events_replay=f"tcp://127.0.0.1:{free_port()}", kv_events_token_ids=True)
@@ -91,4 +90,4 @@ def _positional(raw: list):
     names = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size",
                              "lora_id", "medium", "lora_name"],
              "BlockRemoved": ["block_hashes", "medium"], "AllBlocksCleared": []}[kind]
-    return cls(**dict(zip(names, fields)))
+    return cls(**dict(zip(names, fields, strict=False)))

@@ -33,7 +33,7 @@ class SlowTierSidecar(SidecarProcess):
         self.port, self.socket = port, socket
         self.url, self.socket_url = f"http://127.0.0.1:{port}", f"unix://{socket}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KV_SIDECAR_TEST_READ_DELAY_MS": str(delay_ms)}
-        self.log = tempfile.TemporaryFile("w+")
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the sidecar writes it until it exits)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.engines.vllm.slow_tier", "serve", "--port", str(port),
              "--socket", socket, *args], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,

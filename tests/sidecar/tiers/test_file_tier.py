@@ -3,6 +3,7 @@ import errno
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
     t = FileTier("file", str(tmp_path))
     t.write_batch([(ID, "a", memoryview(page("a"))), (ID, "b", memoryview(page("b")))])
     path = t._path(ID, "a")
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     if damage == "flip_page":
         data[100] ^= 1
     elif damage == "flip_header":
@@ -80,8 +81,8 @@ def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
     elif damage == "extend":
         data += b"x"
     else:
-        data = bytearray(open(t._path(ID, "b"), "rb").read())  # b's file under a's name
-    open(path, "wb").write(data)
+        data = bytearray(Path(t._path(ID, "b")).read_bytes())  # b's file under a's name
+    Path(path).write_bytes(data)
     fresh = FileTier("file", str(tmp_path))
     fresh.recover()
     assert read(fresh, "a") is None
@@ -183,7 +184,7 @@ def test_aligned_pages_use_the_direct_layout_and_are_verified(tmp_path, damage):
     if size != pagefile.BLOCK + 8192:
         pytest.skip(f"O_DIRECT refused by {fs_type(tmp_path)} at {tmp_path} (the buffered layout "
                     "was written): the direct layout is not exercised here")
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     if damage == "flip_page":
         data[pagefile.BLOCK + 5] ^= 1
     elif damage == "flip_header":
@@ -192,7 +193,7 @@ def test_aligned_pages_use_the_direct_layout_and_are_verified(tmp_path, damage):
         data[pagefile.HEADER.size + 3] ^= 1
     elif damage == "truncate":
         data = data[:-4096]
-    open(path, "wb").write(data)
+    Path(path).write_bytes(data)
     ok = t.read(ID, "a", memoryview(dst))
     assert ok == (damage is None)
     if ok:

@@ -4,10 +4,10 @@ import hashlib
 import pytest
 
 from loadtest.mooncake_cluster import Master, StoreNode
-from tests.conftest import wait_for
 from pools import Arena
 from sidecar.tiers import pagefile
 from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
+from tests.conftest import wait_for
 
 PAGE = 256 * 1024
 ID = "a" * 32

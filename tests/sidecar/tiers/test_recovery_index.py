@@ -5,7 +5,8 @@ import os
 import tempfile
 from collections import OrderedDict
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.tiers import pagefile
 from sidecar.tiers.file_tier import FileTier
@@ -107,6 +108,7 @@ def test_a_large_disk_reads_no_file_for_the_default_size(monkeypatch, tmp_path):
     """The default size is min(64 GiB, 90% of free + held): with 4 TB free it is 64 GiB
     whatever the tier holds, so start-up stats none of its files (1,000,000: seconds)."""
     from dataclasses import replace
+
     from sidecar import datadir
     from sidecar.config import Config
     for i in range(3):
@@ -130,6 +132,7 @@ def test_a_large_disk_reads_no_file_for_the_default_size(monkeypatch, tmp_path):
 def test_bench_recovery_runs_small(capsys, tmp_path):
     """`make bench-recovery` at 2,000 pages: every figure is there, and the temp dir goes."""
     import orjson
+
     from loadtest import bench_recovery
     assert bench_recovery.main(["--pages", "2000", "--rounds", "1", "--dir", str(tmp_path), "--json"]) == 0
     res = orjson.loads(capsys.readouterr().out.splitlines()[-1])
