@@ -1,4 +1,5 @@
 """`create_app(config)`: the FastAPI app; its lifespan builds and closes the one Context."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,12 +46,17 @@ def create_app(config: Config) -> FastAPI:
             app.state.ctx = None
             log.info("stopped")
 
-    app = SidecarApp(title="kv-sidecar", version=__version__, lifespan=lifespan,
-                     docs_url=None, redoc_url=None)
+    app = SidecarApp(
+        title="kv-sidecar", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.ctx = None
     # the page routes first: routing tries routes in order, and they are the hot path
-    for router in (routes_pages.router, routes_batch.router, routes_namespaces.router,
-                   routes_health.router):
+    for router in (
+        routes_pages.router,
+        routes_batch.router,
+        routes_namespaces.router,
+        routes_health.router,
+    ):
         app.include_router(router)
     app.include_router(routes_ui.router)  # /ui, /v1/samples, /docs
     app.include_router(routes_controls.router)  # pin, unpin, evict, warm, /v1/cost
@@ -58,5 +64,7 @@ def create_app(config: Config) -> FastAPI:
         app.add_exception_handler(exc, handler)
     app.add_middleware(Guard, token=config.token, max_body=config.max_body, stats=requests)
     # the hot routes, ahead of FastAPI's layers, behind a Guard of their own (same metrics)
-    app.hot = Guard(FastPath(app.state), token=config.token, max_body=config.max_body, stats=requests)
+    app.hot = Guard(
+        FastPath(app.state), token=config.token, max_body=config.max_body, stats=requests
+    )
     return app

@@ -1,6 +1,7 @@
 """The dependency through which routes reach the context: 503 until the sidecar is ready.
 
 It is `async` on purpose: FastAPI runs a sync dependency in a worker thread per request."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """The one table from domain errors to HTTP statuses, and the error body of API.md."""
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,12 @@ STATUS: dict[type, int] = {
     e.NoRoom: 507,
     e.PinBound: 507,
 }
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "bad_request",
-               413: "payload_too_large"}
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    400: "bad_request",
+    413: "payload_too_large",
+}
 
 
 def status_for(exc: e.SidecarError) -> int:

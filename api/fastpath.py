@@ -14,6 +14,7 @@ server's log). Each handler is `(ctx, scope, name, body)`: the FastAPI routes ca
 same functions, so a change to one route is one line. The look-ups answer on the event
 loop; only a remote tier (Mooncake) is awaited.
 """
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -42,13 +43,13 @@ HOT = "kv_sidecar.hot"  # scope key: the matched (route, namespace), until the G
 
 async def exists(ctx: Context, scope: Scope, name: str | None, body: dict) -> bytes:
     assert name is not None, "a page route without its namespace"
-    keys: Any = body.get("keys")   # the request's JSON: local_prefix validates it
+    keys: Any = body.get("keys")  # the request's JSON: local_prefix validates it
     name = ref(ctx, scope, name)
     n, more = ctx.store.lookup.local_prefix(name, keys)
     local = n
     if more:
         n = await ctx.store.lookup.remote_prefix(name, keys, n)
-    if body.get("where") is True:   # where the prefix lies: host pool, then local tiers, then remote
+    if body.get("where") is True:  # where the prefix lies: host pool, then local tiers, then remote
         host = min(ctx.store.namespace(name).pool.prefix(keys), local) if local else 0
         return b'{"prefix":%d,"host":%d,"local":%d}' % (n, host, local)
     return b'{"prefix":%d}' % n
@@ -60,17 +61,29 @@ async def set_pages(ctx: Context, scope: Scope, name: str | None, body: dict) ->
     if not isinstance(durable, bool):
         raise BadRequest("'durable' must be true or false")
     ns, meta = ref(ctx, scope, name), set_meta(body)
-    if meta is not None:   # token ids a key: the namespace's page_tokens at most
+    if meta is not None:  # token ids a key: the namespace's page_tokens at most
         check_tokens(meta, ctx.store.namespace(ns).spec.page_tokens)
-    stored = await ctx.store.set(ns, body.get("keys"), body.get("buffer_id"),
-                                 body.get("slots"), durable, scope_peer(scope), meta)
+    stored = await ctx.store.set(
+        ns,
+        body.get("keys"),
+        body.get("buffer_id"),
+        body.get("slots"),
+        durable,
+        scope_peer(scope),
+        meta,
+    )
     return orjson.dumps({"stored": stored})
 
 
 async def get_pages(ctx: Context, scope: Scope, name: str | None, body: dict) -> bytes:
     assert name is not None, "a page route without its namespace"
-    loaded = await ctx.store.get(ref(ctx, scope, name), body.get("keys"), body.get("buffer_id"), body.get("slots"),
-                                 scope_peer(scope))
+    loaded = await ctx.store.get(
+        ref(ctx, scope, name),
+        body.get("keys"),
+        body.get("buffer_id"),
+        body.get("slots"),
+        scope_peer(scope),
+    )
     return orjson.dumps({"loaded": loaded})
 
 
@@ -79,20 +92,26 @@ async def batch_exists(ctx: Context, scope: Scope, name: str | None, body: dict)
     restorable = body.get("restorable", False)
     if not isinstance(restorable, bool):
         raise BadRequest("'restorable' must be a boolean")
-    return orjson.dumps(await hybrid.batch_exists(ctx.store, body.get("keys"), body.get("kv"),
-                                                  extra, restorable, who(ctx, scope)))
+    return orjson.dumps(
+        await hybrid.batch_exists(
+            ctx.store, body.get("keys"), body.get("kv"), extra, restorable, who(ctx, scope)
+        )
+    )
 
 
 class Route:
     """What the Guard's metrics read (`scope["route"].path`), as FastAPI's routes give it."""
+
     __slots__ = ("path", "handler")
 
     def __init__(self, path: str, handler: Handler):
         self.path, self.handler = path, handler
 
 
-PAGE_ROUTES = {op: Route(PREFIX + "{name}/" + op, h)
-               for op, h in (("exists", exists), ("set", set_pages), ("get", get_pages))}
+PAGE_ROUTES = {
+    op: Route(PREFIX + "{name}/" + op, h)
+    for op, h in (("exists", exists), ("set", set_pages), ("get", get_pages))
+}
 BATCH_EXISTS = Route("/v1/batch/exists", batch_exists)
 
 
@@ -102,7 +121,7 @@ def match(scope: Scope) -> tuple[Route | None, str | None]:
         return None, None
     path = scope["path"]
     if path.startswith(PREFIX):
-        name, _, op = path[len(PREFIX):].partition("/")
+        name, _, op = path[len(PREFIX) :].partition("/")
         return (PAGE_ROUTES.get(op), name) if name else (None, None)
     return (BATCH_EXISTS, None) if path == BATCH_EXISTS.path else (None, None)
 
@@ -114,8 +133,11 @@ def _start(out: bytes) -> dict:
     """The response start for `out`, made once per length (uvicorn copies the headers)."""
     head = _HEADS.get(len(out))
     if head is None:
-        head = {"type": "http.response.start", "status": 200,
-                "headers": [JSON, (b"content-length", b"%d" % len(out))]}
+        head = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [JSON, (b"content-length", b"%d" % len(out))],
+        }
         if len(out) < 4096:
             _HEADS[len(out)] = head
     return head

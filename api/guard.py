@@ -1,4 +1,5 @@
 """Pure ASGI middleware in front of every route: bearer token, body size, request metrics."""
+
 from __future__ import annotations
 
 import base64
@@ -11,7 +12,9 @@ from sidecar.errors import PayloadTooLarge
 from sidecar.metrics import RequestStats
 
 OPEN_PATHS = ("/healthz",)
-BROWSER_USER = b"sidecar"  # a browser may send the token as HTTP Basic: user `sidecar`, password TOKEN
+BROWSER_USER = (
+    b"sidecar"  # a browser may send the token as HTTP Basic: user `sidecar`, password TOKEN
+)
 
 
 class Guard:
@@ -20,7 +23,9 @@ class Guard:
     def __init__(self, app, token: str | None, max_body: int, stats: RequestStats):
         self.app = app
         self.expected = f"Bearer {token}".encode() if token else None
-        self.basic = b"Basic " + base64.b64encode(BROWSER_USER + b":" + token.encode()) if token else None
+        self.basic = (
+            b"Basic " + base64.b64encode(BROWSER_USER + b":" + token.encode()) if token else None
+        )
         self.max_body = max_body
         self.stats = stats
 
@@ -54,20 +59,30 @@ class Guard:
             elif name == b"authorization":
                 auth = value
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            conn = scope.get(CONN_KEY)    # a TCP connection yet to show the token
+            conn = scope.get(CONN_KEY)  # a TCP connection yet to show the token
             assert self.basic is not None, "a token makes both forms (Bearer and Basic)"
             auth = auth or b""
-            if not (hmac.compare_digest(auth, self.expected) or hmac.compare_digest(auth, self.basic)):
+            if not (
+                hmac.compare_digest(auth, self.expected) or hmac.compare_digest(auth, self.basic)
+            ):
                 if conn is not None:
-                    conn.unauthorized()   # closed once this answer is out
-                return (401, "unauthorized", "missing or wrong 'Authorization: Bearer <token>'"), False
+                    conn.unauthorized()  # closed once this answer is out
+                return (
+                    401,
+                    "unauthorized",
+                    "missing or wrong 'Authorization: Bearer <token>'",
+                ), False
             if conn is not None:
                 conn.authenticated()
         if length is not None:
             if not length.isdigit():
                 return (400, "bad_request", "Content-Length is not a number"), False
             if int(length) > self.max_body:
-                return (413, "payload_too_large", f"body is over the limit of {self.max_body} bytes"), False
+                return (
+                    413,
+                    "payload_too_large",
+                    f"body is over the limit of {self.max_body} bytes",
+                ), False
             return None, True
         return None, False
 
@@ -82,6 +97,7 @@ class Guard:
                 if seen[0] > limit:
                     raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
             return message
+
         return receive_limited
 
 

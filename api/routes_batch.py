@@ -1,4 +1,5 @@
 """Several pools at once: batch exists / set / get (hybrid models)."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -26,8 +27,13 @@ async def batch_exists(request: Request, ctx: Context = Depends(context)) -> Res
 @router.post("/set", openapi_extra=body("batch_move"))
 async def batch_set(request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    return json({"stored": await hybrid.batch_set(ctx.store, body.get("items"), scope_peer(request.scope),
-                                                  who(ctx, request.scope))})
+    return json(
+        {
+            "stored": await hybrid.batch_set(
+                ctx.store, body.get("items"), scope_peer(request.scope), who(ctx, request.scope)
+            )
+        }
+    )
 
 
 @router.post("/get", openapi_extra=body("batch_move"))
@@ -36,5 +42,10 @@ async def batch_get(request: Request, ctx: Context = Depends(context)) -> Respon
     kv = body.get("kv")
     if kv is not None and not isinstance(kv, str):
         raise BadRequest("'kv' must name the KV namespace of the items")
-    return json({"loaded": await hybrid.batch_get(ctx.store, body.get("items"), kv,
-                                                  scope_peer(request.scope), who(ctx, request.scope))})
+    return json(
+        {
+            "loaded": await hybrid.batch_get(
+                ctx.store, body.get("items"), kv, scope_peer(request.scope), who(ctx, request.scope)
+            )
+        }
+    )

@@ -1,4 +1,5 @@
 """Health, readiness, metrics and stats."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,16 +35,20 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request, ctx: Context = Depends(context)) -> Response:
-    snap = snapshot(ctx.store, ctx.requests, observer(ctx, request.scope))   # on the loop
+    snap = snapshot(ctx.store, ctx.requests, observer(ctx, request.scope))  # on the loop
     text = await asyncio.get_running_loop().run_in_executor(None, render, snap)
-    return Response(text,
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/stats")
 async def stats(request: Request, ctx: Context = Depends(context)) -> Response:
-    return json({"uptime_s": round(time.time() - ctx.started, 3), "cuda_host_registered":
-                 ctx.cuda_registered, **report.stats(ctx.store, observer(ctx, request.scope))})
+    return json(
+        {
+            "uptime_s": round(time.time() - ctx.started, 3),
+            "cuda_host_registered": ctx.cuda_registered,
+            **report.stats(ctx.store, observer(ctx, request.scope)),
+        }
+    )
 
 
 @router.post("/v1/flush")

@@ -1,4 +1,5 @@
 """Namespaces and their engine buffers."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -23,16 +24,28 @@ def _describe(ctx: Context, ns: Namespace, request: Request) -> dict:
     engine socket. A buffer registered on TCP (cuda_ipc) is never listed: its id is the
     capability."""
     peer = scope_peer(request.scope)
-    return {"name": ctx.store.dir.label(ns, who(ctx, request.scope)), "owner": owner_uid(ns.owner),
-            "spec": ns.spec.to_json(), "identity": ns.identity,
-            "buffers": [b.describe() for b in ns.buffers.values()
-                        if b.owner_uid is not None and b.usable_by(peer)]}
+    return {
+        "name": ctx.store.dir.label(ns, who(ctx, request.scope)),
+        "owner": owner_uid(ns.owner),
+        "spec": ns.spec.to_json(),
+        "identity": ns.identity,
+        "buffers": [
+            b.describe()
+            for b in ns.buffers.values()
+            if b.owner_uid is not None and b.usable_by(peer)
+        ],
+    }
 
 
 @router.get("")
 async def list_namespaces(request: Request, ctx: Context = Depends(context)) -> Response:
-    return json({"namespaces": [_describe(ctx, ns, request)
-                                for ns in ctx.store.dir.visible(who(ctx, request.scope))]})
+    return json(
+        {
+            "namespaces": [
+                _describe(ctx, ns, request) for ns in ctx.store.dir.visible(who(ctx, request.scope))
+            ]
+        }
+    )
 
 
 @router.put("/{name}", openapi_extra=body("namespace"))
@@ -48,7 +61,9 @@ async def get_namespace(name: str, request: Request, ctx: Context = Depends(cont
 
 
 @router.delete("/{name}")
-async def delete_namespace(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
+async def delete_namespace(
+    name: str, request: Request, ctx: Context = Depends(context)
+) -> Response:
     ns = ctx.store.delete_namespace(ref(ctx, request.scope, name), who(ctx, request.scope))
     failed = await ctx.store.drop_tiers(ns)
     return json({"deleted": name, "failed": failed})
@@ -57,7 +72,9 @@ async def delete_namespace(name: str, request: Request, ctx: Context = Depends(c
 @router.post("/{name}/buffers", openapi_extra=body("buffer"))
 async def register_buffer(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
-    buf = await ctx.store.register_buffer(ref(ctx, request.scope, name), body, scope_peer(request.scope))
+    buf = await ctx.store.register_buffer(
+        ref(ctx, request.scope, name), body, scope_peer(request.scope)
+    )
     return json({"buffer_id": buf.id}, 201)
 
 
@@ -68,7 +85,8 @@ async def list_buffers(name: str, request: Request, ctx: Context = Depends(conte
 
 
 @router.delete("/{name}/buffers/{buffer_id}")
-async def release_buffer(name: str, buffer_id: str, request: Request,
-                         ctx: Context = Depends(context)) -> Response:
+async def release_buffer(
+    name: str, buffer_id: str, request: Request, ctx: Context = Depends(context)
+) -> Response:
     ctx.store.release_buffer(ref(ctx, request.scope, name), buffer_id, scope_peer(request.scope))
     return json({"released": buffer_id})

@@ -1,4 +1,5 @@
 """Pages of one namespace: exists, set, get, delete, and inline octet-stream pages."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -14,15 +15,20 @@ from sidecar.errors import BadRequest, KeyNotFound
 
 router = APIRouter(prefix="/v1/namespaces/{name}")
 OCTETS = "application/octet-stream"
-MAX_SKIPPED = 4096   # loads one report counts (an engine reports each, or a few at once)
+MAX_SKIPPED = 4096  # loads one report counts (an engine reports each, or a few at once)
 
 
 @router.post("/exists", openapi_extra=body("exists"))
 async def exists(name: str, request: Request, ctx: Context = Depends(context)) -> Response:
     body = await read_json(request, ctx.config.max_json_body)
     if flag(request, "each"):
-        return json({"present": await ctx.store.lookup.present(ref(ctx, request.scope, name),
-                                                        body.get("keys"))})
+        return json(
+            {
+                "present": await ctx.store.lookup.present(
+                    ref(ctx, request.scope, name), body.get("keys")
+                )
+            }
+        )
     return raw_json(await fastpath.exists(ctx, request.scope, name, body))
 
 
@@ -32,7 +38,9 @@ async def skipped(name: str, request: Request, ctx: Context = Depends(context)) 
     counted on the caller's own namespace (`restores_skipped`)."""
     body = await read_json(request, ctx.config.max_json_body)
     loads, pages = bounded(body, "loads", MAX_SKIPPED), bounded(body, "pages", MAX_SKIPPED * 4096)
-    total = ctx.store.count_skipped(ref(ctx, request.scope, name), who(ctx, request.scope), loads, pages)
+    total = ctx.store.count_skipped(
+        ref(ctx, request.scope, name), who(ctx, request.scope), loads, pages
+    )
     return json({"restores_skipped": total})
 
 
@@ -63,13 +71,17 @@ async def delete_pages(name: str, request: Request, ctx: Context = Depends(conte
 
 
 @router.put("/pages/{key}", openapi_extra=PAGE_BODY)
-async def put_page(name: str, key: str, request: Request, ctx: Context = Depends(context)) -> Response:
+async def put_page(
+    name: str, key: str, request: Request, ctx: Context = Depends(context)
+) -> Response:
     created = await ctx.store.put_page(ref(ctx, request.scope, name), key, request.stream())
     return json({"stored": True, "created": created}, 201 if created else 200)
 
 
 @router.get("/pages/{key}")
-async def get_page(name: str, key: str, request: Request, ctx: Context = Depends(context)) -> Response:
+async def get_page(
+    name: str, key: str, request: Request, ctx: Context = Depends(context)
+) -> Response:
     page = await ctx.store.read_page(ref(ctx, request.scope, name), key)
     if page is None:
         raise KeyNotFound(f"page {key!r} is not in namespace {name!r}")

@@ -1,6 +1,7 @@
 """What a person opens in a browser: `/ui` (a live status page over `/v1/samples`) and
 `/docs` (Swagger UI over `/openapi.json`). Every file is served from installed packages:
 nothing is fetched from the internet. Behind the token like every route but /healthz."""
+
 from __future__ import annotations
 
 from importlib import resources
@@ -32,8 +33,11 @@ STATIC = resources.files("api") / "static"
 # Swagger UI 5 (it reads OpenAPI 3.1) as the fastapi-offline package ships it; only its
 # files are used, found without importing it. /docs serves these names and nothing else.
 SWAGGER_DIR = package_dir("fastapi_offline") / "static"
-SWAGGER_FILES = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript",
-                 "favicon.png": "image/png"}
+SWAGGER_FILES = {
+    "swagger-ui.css": "text/css",
+    "swagger-ui-bundle.js": "text/javascript",
+    "favicon.png": "image/png",
+}
 DOCS_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kv-sidecar API</title>
 <link rel="stylesheet" href="/docs/swagger-ui.css">
@@ -67,5 +71,6 @@ async def docs_file(name: str) -> Response:
     media = SWAGGER_FILES.get(name)
     if media is None:
         raise NotFound(f"no file {name[:64]!r} under /docs")
-    return FileResponse(SWAGGER_DIR / name, media_type=media,
-                        headers={"cache-control": "max-age=86400"})
+    return FileResponse(
+        SWAGGER_DIR / name, media_type=media, headers={"cache-control": "max-age=86400"}
+    )

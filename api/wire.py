@@ -1,4 +1,5 @@
 """Reading and writing wire bodies (orjson), with the size limits of the config."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,10 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 # structural bytes counted as it arrives (a C pass, ~0.5 ms/MiB); past MAX_JSON_VALUES it is
 # refused before any parse, which bounds every parse to ~12 ms (4 MiB of 128-byte strings);
 # an uncounted body (<= COUNT_FROM) parses in at most ~14 ms (128 KiB of `[],`).
-COUNT_FROM = 128 * 1024      # above an exists of 1,000 64-char keys (67 KB): the count costs ~58 us there
-MAX_JSON_VALUES = 1 << 15       # "," "[" "{" in a body; the largest single-route request has ~8,200
+COUNT_FROM = (
+    128 * 1024
+)  # above an exists of 1,000 64-char keys (67 KB): the count costs ~58 us there
+MAX_JSON_VALUES = 1 << 15  # "," "[" "{" in a body; the largest single-route request has ~8,200
 _NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b",[{")
 
 

@@ -4,6 +4,7 @@ sidecar: uvicorn, uvloop, httptools, on loopback TCP and on a Unix socket.
 
     python -c "from loadtest.bare_app import serve; serve(PORT, '/path/s.sock')"
 """
+
 import socket
 
 import orjson
@@ -18,17 +19,23 @@ def create_bare_app() -> FastAPI:
     @app.post("/v1/namespaces/{name}/exists")
     async def exists(name: str, request: Request) -> Response:
         body = orjson.loads(await request.body())
-        return Response(orjson.dumps({"prefix": len(body["keys"]) * 0}), media_type="application/json")
+        return Response(
+            orjson.dumps({"prefix": len(body["keys"]) * 0}), media_type="application/json"
+        )
 
     @app.post("/v1/namespaces/{name}/set")
     async def set_pages(name: str, request: Request) -> Response:
         body = orjson.loads(await request.body())
-        return Response(orjson.dumps({"stored": [True] * len(body["keys"])}), media_type="application/json")
+        return Response(
+            orjson.dumps({"stored": [True] * len(body["keys"])}), media_type="application/json"
+        )
 
     @app.post("/v1/namespaces/{name}/get")
     async def get_pages(name: str, request: Request) -> Response:
         body = orjson.loads(await request.body())
-        return Response(orjson.dumps({"loaded": [True] * len(body["keys"])}), media_type="application/json")
+        return Response(
+            orjson.dumps({"loaded": [True] * len(body["keys"])}), media_type="application/json"
+        )
 
     @app.get("/readyz")
     async def healthz() -> Response:
@@ -39,10 +46,12 @@ def create_bare_app() -> FastAPI:
 
 def serve(port: int, uds: str) -> None:
     import uvicorn
+
     tcp = socket.create_server(("127.0.0.1", port), backlog=2048)
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     unix.bind(uds)
     unix.listen(2048)
-    config = uvicorn.Config(create_bare_app(), loop="uvloop", http="httptools",
-                            log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        create_bare_app(), loop="uvloop", http="httptools", log_level="warning", access_log=False
+    )
     uvicorn.Server(config).run(sockets=[tcp, unix])

@@ -6,6 +6,7 @@ same run (goal >= 0.9x); and the time of a registration (export + the sidecar's 
 Prints one line per figure and a last line `bench_cuda: ...` (scripts/gpu_check.sh's summary);
 exit 0 when measured (whatever the ratios), 2 without a device, 1 when a copy failed.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,9 @@ def torch_limit(nbytes: int, reps: int) -> tuple[float, float]:
     return nbytes / statistics.median(d2h[1:]) / 1e9, nbytes / statistics.median(h2d[1:]) / 1e9
 
 
-def registration_ms(c: SidecarClient, kv: torch.Tensor, reps: int = 5) -> tuple[float, float, float]:
+def registration_ms(
+    c: SidecarClient, kv: torch.Tensor, reps: int = 5
+) -> tuple[float, float, float]:
     """(export ms, first register ms, median register ms): each registration after a release
     opens the IPC handle again in the sidecar (its last user closed it)."""
     t = time.perf_counter()
@@ -55,7 +58,9 @@ def registration_ms(c: SidecarClient, kv: torch.Tensor, reps: int = 5) -> tuple[
     return export, times[0], statistics.median(times[1:])
 
 
-def run(c: SidecarClient, pages: int = PAGES) -> tuple[list[float], list[float], tuple[float, float, float]]:
+def run(
+    c: SidecarClient, pages: int = PAGES
+) -> tuple[list[float], list[float], tuple[float, float, float]]:
     c.put_namespace("bench-cuda", PAGE)
     c.put_namespace("bench-cuda-reg", PAGE)
     kv = torch.randint(0, 256, (pages, PAGE), dtype=torch.uint8, device="cuda")
@@ -74,7 +79,7 @@ def run(c: SidecarClient, pages: int = PAGES) -> tuple[list[float], list[float],
         if not all(c.get("bench-cuda", keys, into, list(range(pages)))):
             raise RuntimeError("a get answered false")
         t2 = time.perf_counter()
-        if r:   # the first round opens streams and touches the pool's pages
+        if r:  # the first round opens streams and touches the pool's pages
             sets.append(t1 - t)
             gets.append(t2 - t1)
     torch.cuda.synchronize()
@@ -102,16 +107,24 @@ def main() -> int:
     d2h, h2d = torch_limit(nbytes, ROUNDS)
     s, g = nbytes / statistics.median(sets) / 1e9, nbytes / statistics.median(gets) / 1e9
     print(f"device {torch.cuda.get_device_name()}; host pool cudaHostRegister-ed: {registered}")
-    print(f"set (D2H) {PAGES} x {PAGE >> 20} MiB: {s:.1f} GB/s vs torch pinned copy {d2h:.1f} GB/s "
-          f"-> {s / d2h:.2f}x (goal >= {GOAL}x; medians of {ROUNDS}, request included)")
-    print(f"get (H2D) {PAGES} x {PAGE >> 20} MiB: {g:.1f} GB/s vs torch pinned copy {h2d:.1f} GB/s "
-          f"-> {g / h2d:.2f}x (goal >= {GOAL}x)")
-    print(f"registration of a {nbytes >> 20} MiB tensor: export {export:.2f} ms; register "
-          f"(sidecar opens the handle) first {first:.2f} ms, then median {again:.2f} ms")
+    print(
+        f"set (D2H) {PAGES} x {PAGE >> 20} MiB: {s:.1f} GB/s vs torch pinned copy {d2h:.1f} GB/s "
+        f"-> {s / d2h:.2f}x (goal >= {GOAL}x; medians of {ROUNDS}, request included)"
+    )
+    print(
+        f"get (H2D) {PAGES} x {PAGE >> 20} MiB: {g:.1f} GB/s vs torch pinned copy {h2d:.1f} GB/s "
+        f"-> {g / h2d:.2f}x (goal >= {GOAL}x)"
+    )
+    print(
+        f"registration of a {nbytes >> 20} MiB tensor: export {export:.2f} ms; register "
+        f"(sidecar opens the handle) first {first:.2f} ms, then median {again:.2f} ms"
+    )
     sweep(d2h, h2d)
     met = "met" if min(s / d2h, g / h2d) >= GOAL else "NOT met"
-    print(f"bench_cuda: set {s / d2h:.2f}x get {g / h2d:.2f}x of torch pinned ({met}); "
-          f"register {again:.1f} ms; host registered {registered}")
+    print(
+        f"bench_cuda: set {s / d2h:.2f}x get {g / h2d:.2f}x of torch pinned ({met}); "
+        f"register {again:.1f} ms; host registered {registered}"
+    )
     return 0
 
 
@@ -129,10 +142,12 @@ def sweep(d2h: float, h2d: float) -> None:
             side.stop()
         n = pages * PAGE
         ms = (statistics.median(sets) * 1e3, statistics.median(gets) * 1e3)
-        floor = (n / d2h / 1e6, n / h2d / 1e6)   # the torch copy of the same bytes, ms
-        print(f"sweep {' '.join(args) or 'default threads'}, {pages} pages: set {ms[0]:.2f} ms "
-              f"({n / ms[0] / 1e6 / d2h:.2f}x, +{ms[0] - floor[0]:.2f} ms over torch), get "
-              f"{ms[1]:.2f} ms ({n / ms[1] / 1e6 / h2d:.2f}x, +{ms[1] - floor[1]:.2f} ms)")
+        floor = (n / d2h / 1e6, n / h2d / 1e6)  # the torch copy of the same bytes, ms
+        print(
+            f"sweep {' '.join(args) or 'default threads'}, {pages} pages: set {ms[0]:.2f} ms "
+            f"({n / ms[0] / 1e6 / d2h:.2f}x, +{ms[0] - floor[0]:.2f} ms over torch), get "
+            f"{ms[1]:.2f} ms ({n / ms[1] / 1e6 / h2d:.2f}x, +{ms[1] - floor[1]:.2f} ms)"
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ DIR/bench-engines.md; `loadtest.bench_engines_chart` draws DIR/bench-engines.png
 Arms run interleaved: each round takes every prompt length in turn, and for each, every arm
 in an order that rotates from round to round; the first `--warmup` rounds are dropped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,12 @@ def loadavg() -> float:
 def machine() -> dict:
     with open("/proc/meminfo") as f:
         mem = int(f.readline().split()[1]) * 1024
-    return {"cpus": os.cpu_count(), "mem_gib": round(mem / 2**30, 1), "kernel": platform.release(),
-            "python": platform.python_version()}
+    return {
+        "cpus": os.cpu_count(),
+        "mem_gib": round(mem / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
 
 
 class Out:
@@ -83,16 +88,35 @@ class LMCacheServer:
     def __init__(self, python: str, l1_gb: float, log_path: Path):
         self.port, http = free_port(), free_port()
         exe = str(Path(python).parent / "lmcache")
-        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": "0",
+            "LMCACHE_TRACK_USAGE": "false",
+            "LMCACHE_DISABLE_BANNER": "1",
+        }
         self.log = log_path.open("w")
-        self.cmd = [exe, "server", "--port", str(self.port), "--http-port", str(http), "--l1-size-gb", str(l1_gb),
-                    "--eviction-policy", "LRU", "--disable-metrics", "--supported-transfer-mode", "auto"]
+        self.cmd = [
+            exe,
+            "server",
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(http),
+            "--l1-size-gb",
+            str(l1_gb),
+            "--eviction-policy",
+            "LRU",
+            "--disable-metrics",
+            "--supported-transfer-mode",
+            "auto",
+        ]
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited {self.proc.returncode}: "
-                                   f"{log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"lmcache server exited {self.proc.returncode}: {log_path.read_text()[-3000:]}"
+                )
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return
@@ -120,6 +144,7 @@ class Memcpy:
 
     def __init__(self, nbytes: int, run: int):
         import torch
+
         torch.set_num_threads(1)
         self.src = torch.ones(nbytes, dtype=torch.uint8)
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)
@@ -145,7 +170,9 @@ class Memcpy:
 
 
 def counters(sidecar) -> lib.Counters | None:
-    return lib.Counters.of(SidecarClient(sidecar.socket_url).stats()) if sidecar is not None else None
+    return (
+        lib.Counters.of(SidecarClient(sidecar.socket_url).stats()) if sidecar is not None else None
+    )
 
 
 def settle(sidecar, seconds: float) -> None:
@@ -156,15 +183,18 @@ def settle(sidecar, seconds: float) -> None:
         return
     last, deadline = None, time.monotonic() + 60
     while time.monotonic() < deadline:
-        now = sum(ns["stored"] for ns in SidecarClient(sidecar.socket_url).stats()["namespaces"].values())
+        now = sum(
+            ns["stored"] for ns in SidecarClient(sidecar.socket_url).stats()["namespaces"].values()
+        )
         if now == last:
             return
         last = now
         time.sleep(0.2)
 
 
-def run_states(arm: str, engines: list[Engine], sidecar, prompt: list[int], out_tokens: int,
-               pause: float = 1.0) -> dict:
+def run_states(
+    arm: str, engines: list[Engine], sidecar, prompt: list[int], out_tokens: int, pause: float = 1.0
+) -> dict:
     """cold, in-engine hit, restored after a reset, and a second engine's restore of one
     new prompt; each with its TTFT, tokens, num_cached_tokens and counter delta."""
     res = {}
@@ -193,8 +223,9 @@ def prove_states(arm: str, res: dict, n: int, page_bytes: int) -> dict:
     for state, got in res.items():
         local = {"cold": 0, "hit": local_hit}.get(state, 0)
         want = 0 if state == "cold" else lib.expected_cached(arm, n, BLOCK, local)
-        proofs[state] = lib.prove(got["tokens"], cold, got["cached"], want, local, BLOCK, page_bytes,
-                                  got["delta"])
+        proofs[state] = lib.prove(
+            got["tokens"], cold, got["cached"], want, local, BLOCK, page_bytes, got["delta"]
+        )
     return proofs
 
 
@@ -206,7 +237,9 @@ def start_engines(args, stack: ExitStack, tmp: str, out: Out) -> tuple[dict, dic
     for arm in args.arms:
         if arm.startswith("sidecar"):
             with lib.sidecar_env(args.sidecar_env + (NT_ENV if arm == "sidecar+nt" else [])):
-                sidecars[arm] = start_sidecar("--no-file-tier", "--host-pool", f"{args.host_pool_mib}MiB")
+                sidecars[arm] = start_sidecar(
+                    "--no-file-tier", "--host-pool", f"{args.host_pool_mib}MiB"
+                )
             stack.callback(sidecars[arm].stop)
     engines: dict[str, list[Engine]] = {}
 
@@ -214,6 +247,7 @@ def start_engines(args, stack: ExitStack, tmp: str, out: Out) -> tuple[dict, dic
         e = Engine(*a, **kw)
         stack.callback(e.close)
         return e
+
     if "none" in args.arms:
         engines["none"] = [engine(model, "-", ENGINE_CONNECTOR="none", **env)]
     extra = json.dumps(args.sidecar_extra)
@@ -221,12 +255,24 @@ def start_engines(args, stack: ExitStack, tmp: str, out: Out) -> tuple[dict, dic
         engines[arm] = [engine(model, sc.socket_url, ENGINE_EXTRA=extra, **env) for _ in range(2)]
     if args.lmcache_python:
         try:
-            srv = LMCacheServer(args.lmcache_python, args.lmcache_l1_gb, Path(args.out) / "lmcache-server.log")
+            srv = LMCacheServer(
+                args.lmcache_python, args.lmcache_l1_gb, Path(args.out) / "lmcache-server.log"
+            )
             stack.callback(srv.stop)
-            lm_extra = {"lmcache.mp.mp_transfer_mode": args.lmcache_mode, "lmcache.mp.mq_timeout": 120}
-            lm_env = {**env, "ENGINE_CONNECTOR": "lmcache", "ENGINE_EXTRA": json.dumps(lm_extra),
-                      "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"}
-            engines["lmcache"] = [engine(model, srv.url, python=args.lmcache_python, **lm_env) for _ in range(2)]
+            lm_extra = {
+                "lmcache.mp.mp_transfer_mode": args.lmcache_mode,
+                "lmcache.mp.mq_timeout": 120,
+            }
+            lm_env = {
+                **env,
+                "ENGINE_CONNECTOR": "lmcache",
+                "ENGINE_EXTRA": json.dumps(lm_extra),
+                "PYTHONHASHSEED": "0",
+                "LMCACHE_TRACK_USAGE": "false",
+            }
+            engines["lmcache"] = [
+                engine(model, srv.url, python=args.lmcache_python, **lm_env) for _ in range(2)
+            ]
         except Exception as exc:  # the arm is reported, the rest of the bench goes on
             out.emit({"figure": "lmcache", "ran": False, "error": str(exc)[-4000:]})
             engines.pop("lmcache", None)
@@ -254,24 +300,55 @@ def restore_phase(args, tmp: str, out: Out) -> None:
                     proofs = prove_states(arm, res, n, page_bytes)
                     nbytes = proofs["restored"].nbytes if "restored" in proofs else 0
                     mm, tc, pieces = memcpy.seconds(nbytes) if nbytes else (None, None, None)
-                    runs.append({"round": rnd, "kept": kept, "arm": arm, "length": n,
-                                 "memcpy_s": min(mm, tc) if mm else None, "memmove_s": mm, "torch_copy_s": tc,
-                                 "memmove_runs_s": pieces,
-                                 "load": loads[-1], "states": {
-                                     s: {"ttft": g["ttft"], "cached": g["cached"], "tokens": g["tokens"],
-                                         "delta": g["delta"] and vars(g["delta"]),
-                                         "proof": lib.proof_dict(proofs[s])} for s, g in res.items()}})
-                    print(f"round {rnd}{'' if kept else ' (warm-up)'} {arm:8} {n:5}: " + ", ".join(
-                        f"{s} {g['ttft'] * 1e3:,.1f} ms/{g['cached']}{'' if proofs[s].ok else ' UNPROVEN'}"
-                        for s, g in res.items()), flush=True)
+                    runs.append(
+                        {
+                            "round": rnd,
+                            "kept": kept,
+                            "arm": arm,
+                            "length": n,
+                            "memcpy_s": min(mm, tc) if mm else None,
+                            "memmove_s": mm,
+                            "torch_copy_s": tc,
+                            "memmove_runs_s": pieces,
+                            "load": loads[-1],
+                            "states": {
+                                s: {
+                                    "ttft": g["ttft"],
+                                    "cached": g["cached"],
+                                    "tokens": g["tokens"],
+                                    "delta": g["delta"] and vars(g["delta"]),
+                                    "proof": lib.proof_dict(proofs[s]),
+                                }
+                                for s, g in res.items()
+                            },
+                        }
+                    )
+                    print(
+                        f"round {rnd}{'' if kept else ' (warm-up)'} {arm:8} {n:5}: "
+                        + ", ".join(
+                            f"{s} {g['ttft'] * 1e3:,.1f} ms/{g['cached']}{'' if proofs[s].ok else ' UNPROVEN'}"
+                            for s, g in res.items()
+                        ),
+                        flush=True,
+                    )
             if not kept:
-                warm_blocks(args, engines, arms, lib.prompt(args.seed * 7919 + rnd * 1000 + len(args.lengths) - 1,
-                                                            args.lengths[-1]), page_bytes)
+                warm_blocks(
+                    args,
+                    engines,
+                    arms,
+                    lib.prompt(
+                        args.seed * 7919 + rnd * 1000 + len(args.lengths) - 1, args.lengths[-1]
+                    ),
+                    page_bytes,
+                )
             if args.throughput_prompts:
                 throughput_round(args, engines, arms, rnd, kept, runs)
         (Path(args.out) / "bench-engines-runs.json").write_text(json.dumps(runs))
         for sc in sidecars.values():
-            got = {ns["page_bytes"] for ns in SidecarClient(sc.socket_url).stats()["namespaces"].values()}
+            got = {
+                ns["page_bytes"]
+                for ns in SidecarClient(sc.socket_url).stats()["namespaces"].values()
+            }
             assert got <= {page_bytes}, f"pages of {got} bytes, the bench counts {page_bytes}"
         for rec in restore_figures(runs, arms, args.lengths, page_bytes):
             out.emit(rec)
@@ -293,20 +370,40 @@ def warm_blocks(args, engines: dict, arms: list[str], prompt: list[int], page_by
     print(f"warm-up: {times} restores of {len(prompt)} tokens on each engine", flush=True)
 
 
-def throughput_round(args, engines: dict, arms: list[str], rnd: int, kept: bool, runs: list[dict]) -> None:
+def throughput_round(
+    args, engines: dict, arms: list[str], rnd: int, kept: bool, runs: list[dict]
+) -> None:
     """Store-on-miss throughput: a batch of unique prompts through every arm (rotated)."""
     n = args.throughput_length
     for k in range(len(arms)):
         arm = arms[(rnd + k) % len(arms)]
-        prompts = [lib.prompt(10**6 + args.seed * 7919 + rnd * 100 + i, n) for i in range(args.throughput_prompts)]
-        got = engines[arm][0].ask(timeout=3600, op="batch", prompts=prompts, max_tokens=args.throughput_out)
+        prompts = [
+            lib.prompt(10**6 + args.seed * 7919 + rnd * 100 + i, n)
+            for i in range(args.throughput_prompts)
+        ]
+        got = engines[arm][0].ask(
+            timeout=3600, op="batch", prompts=prompts, max_tokens=args.throughput_out
+        )
         if "error" in got:
             raise RuntimeError(f"{arm} batch: {got['error']}")
         tokens = got["prompt_tokens"] + got["output_tokens"]
-        runs.append({"round": rnd, "kept": kept, "arm": arm, "batch": True, "seconds": got["seconds"],
-                     "tokens": tokens, "cached": got["cached"], "load": loadavg()})
-        print(f"round {rnd} {arm:8} batch of {len(prompts)} x {n}: {got['seconds']:.2f} s, "
-              f"{tokens / got['seconds']:,.0f} tokens/s, cached {sum(got['cached'])}", flush=True)
+        runs.append(
+            {
+                "round": rnd,
+                "kept": kept,
+                "arm": arm,
+                "batch": True,
+                "seconds": got["seconds"],
+                "tokens": tokens,
+                "cached": got["cached"],
+                "load": loadavg(),
+            }
+        )
+        print(
+            f"round {rnd} {arm:8} batch of {len(prompts)} x {n}: {got['seconds']:.2f} s, "
+            f"{tokens / got['seconds']:,.0f} tokens/s, cached {sum(got['cached'])}",
+            flush=True,
+        )
 
 
 def kv_page_bytes(size: str) -> int:
@@ -316,31 +413,66 @@ def kv_page_bytes(size: str) -> int:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bench_engines", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench-engines-out", help="directory for the JSON lines, tables, logs")
+    ap = argparse.ArgumentParser(
+        prog="bench_engines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--out", default="bench-engines-out", help="directory for the JSON lines, tables, logs"
+    )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
-    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 8192])
-    ap.add_argument("--arms", type=lambda s: s.split(","), default=["none", "sidecar"],
-                    help="none, sidecar, sidecar+nt (its sidecar copies with non-temporal stores: "
-                         f"{NT_ENV[0]}); LMCache comes with --lmcache-python")
-    ap.add_argument("--lmcache-python", default=None,
-                    help="python of a venv with lmcache 0.5.6 (make .venv-lmcache/.installed): adds its arm")
+    ap.add_argument(
+        "--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 8192]
+    )
+    ap.add_argument(
+        "--arms",
+        type=lambda s: s.split(","),
+        default=["none", "sidecar"],
+        help="none, sidecar, sidecar+nt (its sidecar copies with non-temporal stores: "
+        f"{NT_ENV[0]}); LMCache comes with --lmcache-python",
+    )
+    ap.add_argument(
+        "--lmcache-python",
+        default=None,
+        help="python of a venv with lmcache 0.5.6 (make .venv-lmcache/.installed): adds its arm",
+    )
     ap.add_argument("--lmcache-l1-gb", type=float, default=0.75)
-    ap.add_argument("--lmcache-mode", default="lmcache_driven", choices=["lmcache_driven", "engine_driven"],
-                    help="LMCache's transfer mode (the server runs with --supported-transfer-mode auto)")
-    ap.add_argument("--settle", type=float, default=1.0,
-                    help="seconds after the cold run (and until the sidecar's saves stop), every arm")
+    ap.add_argument(
+        "--lmcache-mode",
+        default="lmcache_driven",
+        choices=["lmcache_driven", "engine_driven"],
+        help="LMCache's transfer mode (the server runs with --supported-transfer-mode auto)",
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds after the cold run (and until the sidecar's saves stop), every arm",
+    )
     ap.add_argument("--model-size", default="bench", choices=sorted(SIZES))
     ap.add_argument("--model-dir", default=None, help="keep the random model here (built once)")
-    ap.add_argument("--kv-mib", type=int, default=256, help="each engine's KV cache (8k tokens: 192 MiB)")
+    ap.add_argument(
+        "--kv-mib", type=int, default=256, help="each engine's KV cache (8k tokens: 192 MiB)"
+    )
     ap.add_argument("--host-pool-mib", type=int, default=768, help="each sidecar's host pool")
-    ap.add_argument("--out-tokens", type=int, default=4, help="greedy tokens compared with the cold run")
-    ap.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment of the sidecar process only (repeatable)")
-    ap.add_argument("--sidecar-extra", type=json.loads, default={},
-                    help="JSON merged into the connector's kv_connector_extra_config")
+    ap.add_argument(
+        "--out-tokens", type=int, default=4, help="greedy tokens compared with the cold run"
+    )
+    ap.add_argument(
+        "--sidecar-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the sidecar process only (repeatable)",
+    )
+    ap.add_argument(
+        "--sidecar-extra",
+        type=json.loads,
+        default={},
+        help="JSON merged into the connector's kv_connector_extra_config",
+    )
     ap.add_argument("--throughput-prompts", type=int, default=8, help="0: no throughput figure")
     ap.add_argument("--throughput-length", type=int, default=1024)
     ap.add_argument("--throughput-out", type=int, default=16)
@@ -348,6 +480,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-restore", action="store_true")
     ap.add_argument("--skip-share", action="store_true")
     from loadtest.bench_engines_share import add_args
+
     add_args(ap)
     return ap.parse_args(argv)
 
@@ -356,16 +489,22 @@ def main(argv=None) -> int:
     args = parse(argv)
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "model": args.model_size, "rounds": args.rounds,
-            "sidecar_env": args.sidecar_env}
+    meta = {
+        "machine": machine(),
+        "model": args.model_size,
+        "rounds": args.rounds,
+        "sidecar_env": args.sidecar_env,
+    }
     out = Out(outdir / "bench-engines.jsonl", meta)
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         if not args.skip_restore:
             restore_phase(args, tmp, out)
         if not args.skip_share:
             from loadtest.bench_engines_share import share_phase
+
             share_phase(args, tmp, out)
     from loadtest.bench_engines_report import tables
+
     text = tables(out.records)
     (outdir / "bench-engines.md").write_text(text)
     print(text)

@@ -6,13 +6,19 @@ target (hit + memcpy / 0.8 + 5 ms) drawn over the sidecar's restores.
 
 Runs in the project's .venv (matplotlib); reads only the JSON lines.
 """
+
 from __future__ import annotations
 
 import json
 import sys
 
 STYLE = {"cold": "o-", "hit": "s-", "restored": "^-", "cross": "v--"}
-COLOR = {"none": "tab:gray", "sidecar": "tab:blue", "sidecar+nt": "tab:green", "lmcache": "tab:orange"}
+COLOR = {
+    "none": "tab:gray",
+    "sidecar": "tab:blue",
+    "sidecar+nt": "tab:green",
+    "lmcache": "tab:orange",
+}
 
 
 def load(path: str) -> list[dict]:
@@ -21,9 +27,14 @@ def load(path: str) -> list[dict]:
 
 
 def series(recs: list[dict], arm: str, state: str) -> tuple[list[int], list[float]]:
-    pts = sorted((r["length"], r["ttft_s"]["median"] * 1e3) for r in recs
-                 if r["figure"] == "three_states" and r["arm"] == arm and r["state"] == state
-                 and r["ttft_s"]["median"] is not None)
+    pts = sorted(
+        (r["length"], r["ttft_s"]["median"] * 1e3)
+        for r in recs
+        if r["figure"] == "three_states"
+        and r["arm"] == arm
+        and r["state"] == state
+        and r["ttft_s"]["median"] is not None
+    )
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -31,8 +42,10 @@ def floors(recs: list[dict]) -> tuple[list[int], list[float], list[float]]:
     """Per length: hit + memcpy (the floor) and hit + the target's allowance, ms."""
     hit = dict(zip(*series(recs, "sidecar", "hit"), strict=False))
     xs, floor, target = [], [], []
-    for r in sorted((r for r in recs if r["figure"] == "restore" and r["arm"] == "sidecar"),
-                    key=lambda r: r["length"]):
+    for r in sorted(
+        (r for r in recs if r["figure"] == "restore" and r["arm"] == "sidecar"),
+        key=lambda r: r["length"],
+    ):
         if r["length"] in hit and r["memcpy_s"]["median"] is not None:
             xs.append(r["length"])
             floor.append(hit[r["length"]] + r["memcpy_s"]["median"] * 1e3)
@@ -42,11 +55,14 @@ def floors(recs: list[dict]) -> tuple[list[int], list[float], list[float]]:
 
 def draw(recs: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=100)
-    arms = [a for a in COLOR if any(r.get("arm") == a for r in recs if r["figure"] == "three_states")]
+    arms = [
+        a for a in COLOR if any(r.get("arm") == a for r in recs if r["figure"] == "three_states")
+    ]
     for arm in arms:
         for state, style in STYLE.items():
             x, y = series(recs, arm, state)
@@ -74,11 +90,19 @@ def draw(recs: list[dict], path: str) -> None:
     zoom.legend(fontsize=7, loc="upper left")
     meta = next((r for r in recs if "machine" in r), {})
     m = meta.get("machine", {})
-    loads = [x for r in recs if r["figure"] == "three_states" for x in (r["load"]["min"], r["load"]["max"])
-             if x is not None]
+    loads = [
+        x
+        for r in recs
+        if r["figure"] == "three_states"
+        for x in (r["load"]["min"], r["load"]["max"])
+        if x is not None
+    ]
     load = f", load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
-    fig.suptitle(f"vLLM CPU engine, model '{meta.get('model', '?')}', {meta.get('rounds', '?')} rounds, "
-                 f"{m.get('cpus', '?')} cores{load} (medians)", fontsize=10)
+    fig.suptitle(
+        f"vLLM CPU engine, model '{meta.get('model', '?')}', {meta.get('rounds', '?')} rounds, "
+        f"{m.get('cpus', '?')} cores{load} (medians)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -8,6 +8,7 @@ free of vLLM and torch so the project's own tests check them.
                        exactly the blocks loaded past vLLM's own, no misses
     restore target:  restored - in-engine hit <= bytes / (0.8 x memcpy GB/s) + 5 ms
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-TARGET_COPY_FRACTION = 0.8      # a restore may run at 0.8x a one-thread memcpy
-TARGET_FIXED_MS = 5.0           # ... plus 5 ms for the round trips and the step
-TARGET_STORE_ON_MISS = 1.05     # connector / no connector, cold TTFT and throughput
-TARGET_HIT_OVERHEAD = 1.03      # in-engine hit with the connector / without
-TARGET_SHARE_TOLERANCE = 0.10   # measured block hit rate vs `sidecar plan`, relative
+TARGET_COPY_FRACTION = 0.8  # a restore may run at 0.8x a one-thread memcpy
+TARGET_FIXED_MS = 5.0  # ... plus 5 ms for the round trips and the step
+TARGET_STORE_ON_MISS = 1.05  # connector / no connector, cold TTFT and throughput
+TARGET_HIT_OVERHEAD = 1.03  # in-engine hit with the connector / without
+TARGET_SHARE_TOLERANCE = 0.10  # measured block hit rate vs `sidecar plan`, relative
 
 
 def summary(xs: Sequence[float]) -> dict:
@@ -51,7 +52,9 @@ def gbps(nbytes: int, seconds: float | None) -> float | None:
     return nbytes / seconds / 1e9 if seconds and seconds > 0 else None
 
 
-def kv_page_bytes(layers: int, kv_heads: int, head_dim: int, block: int, dtype_bytes: int = 4) -> int:
+def kv_page_bytes(
+    layers: int, kv_heads: int, head_dim: int, block: int, dtype_bytes: int = 4
+) -> int:
     """One KV block of every layer, K and V: the sidecar's page for a vLLM engine."""
     return layers * 2 * kv_heads * head_dim * block * dtype_bytes
 
@@ -100,19 +103,29 @@ class Counters:
         return c
 
     def __sub__(self, other: Counters) -> Counters:
-        return Counters(self.hits - other.hits, self.misses - other.misses, self.bytes_out - other.bytes_out)
+        return Counters(
+            self.hits - other.hits, self.misses - other.misses, self.bytes_out - other.bytes_out
+        )
 
 
 @dataclass
 class Proof:
     ok: bool
     why: list[str] = field(default_factory=list)
-    blocks: int = 0          # blocks the connector loaded (counter-proven when counters exist)
+    blocks: int = 0  # blocks the connector loaded (counter-proven when counters exist)
     nbytes: int = 0
 
 
-def prove(tokens: list[int], cold_tokens: list[int], cached: int, want_cached: int,
-          local: int, block: int, page_bytes: int, delta: Counters | None) -> Proof:
+def prove(
+    tokens: list[int],
+    cold_tokens: list[int],
+    cached: int,
+    want_cached: int,
+    local: int,
+    block: int,
+    page_bytes: int,
+    delta: Counters | None,
+) -> Proof:
     """Does this run count? `local`: vLLM's own tokens in this state (0 after a reset);
     `delta`: the sidecar's counters across the run (None: the arm has none, and the proof
     rests on num_cached_tokens and the tokens)."""
@@ -166,8 +179,9 @@ def conversations(requests: Sequence[dict]) -> list[int]:
     return conv
 
 
-def multi_turn_slice(requests: Sequence[dict], n_conversations: int, min_turns: int = 2,
-                     max_blocks: int = 10**9) -> list[int]:
+def multi_turn_slice(
+    requests: Sequence[dict], n_conversations: int, min_turns: int = 2, max_blocks: int = 10**9
+) -> list[int]:
     """Indices, in trace order, of every request of the first `n_conversations`
     conversations with at least `min_turns` turns (none longer than `max_blocks`)."""
     conv = conversations(requests)

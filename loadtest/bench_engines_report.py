@@ -5,6 +5,7 @@ and proof, and the memcpy of the restored bytes timed in that round. Only kept r
 the warm-up) with proven states enter a figure; paired figures (overhead, ratios) pair the
 states of one arm in one round, or two arms in one round.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -13,8 +14,14 @@ from loadtest import bench_engines_lib as lib
 
 
 def _kept(runs: list[dict], arm: str, length: int | None = None, batch: bool = False) -> list[dict]:
-    return [r for r in runs if r["kept"] and r["arm"] == arm and bool(r.get("batch")) == batch
-            and (length is None or r.get("length") == length)]
+    return [
+        r
+        for r in runs
+        if r["kept"]
+        and r["arm"] == arm
+        and bool(r.get("batch")) == batch
+        and (length is None or r.get("length") == length)
+    ]
 
 
 def _ttft(run: dict, state: str) -> float | None:
@@ -35,19 +42,30 @@ def three_states(runs: list[dict], arms: list[str], lengths: list[int]) -> Itera
                 if not got:
                     continue
                 bad = [w for g in got for w in g["proof"]["why"]]
-                yield {"figure": "three_states", "arm": arm, "length": n, "state": state,
-                       "ttft_s": lib.summary([g["ttft"] for g in got if g["proof"]["ok"]]),
-                       "cached": lib.summary([g["cached"] for g in got])["median"],
-                       "bytes_loaded": lib.summary([g["proof"]["nbytes"] for g in got])["median"],
-                       "proven": sum(g["proof"]["ok"] for g in got), "of": len(got),
-                       "unproven_because": sorted(set(bad)), "load": _loads(mine)}
+                yield {
+                    "figure": "three_states",
+                    "arm": arm,
+                    "length": n,
+                    "state": state,
+                    "ttft_s": lib.summary([g["ttft"] for g in got if g["proof"]["ok"]]),
+                    "cached": lib.summary([g["cached"] for g in got])["median"],
+                    "bytes_loaded": lib.summary([g["proof"]["nbytes"] for g in got])["median"],
+                    "proven": sum(g["proof"]["ok"] for g in got),
+                    "of": len(got),
+                    "unproven_because": sorted(set(bad)),
+                    "load": _loads(mine),
+                }
 
 
 def _memcpy(runs: list[dict], rnd: int, n: int) -> tuple | None:
     """(memcpy s, its bytes, memmove in the layout's runs s) timed in that round."""
     for r in runs:
         if r["round"] == rnd and r.get("length") == n and r.get("memcpy_s"):
-            return r["memcpy_s"], r["states"]["restored"]["proof"]["nbytes"], r.get("memmove_runs_s")
+            return (
+                r["memcpy_s"],
+                r["states"]["restored"]["proof"]["nbytes"],
+                r.get("memmove_runs_s"),
+            )
     return None
 
 
@@ -65,7 +83,10 @@ def restore(runs: list[dict], arms: list[str], lengths: list[int]) -> Iterable[d
                 mc = _memcpy(runs, r["round"], n)
                 if h is None or x is None or mc is None:
                     continue
-                b = r["states"]["restored"]["proof"]["nbytes"] - r["states"]["hit"]["proof"]["nbytes"]
+                b = (
+                    r["states"]["restored"]["proof"]["nbytes"]
+                    - r["states"]["hit"]["proof"]["nbytes"]
+                )
                 copy_s = mc[0] * b / mc[1] if mc[1] else 0.0
                 over.append(x - h)
                 nbytes.append(b)
@@ -74,12 +95,21 @@ def restore(runs: list[dict], arms: list[str], lengths: list[int]) -> Iterable[d
                 if mc[2] and mc[1]:
                     runs64.append(mc[2] * b / mc[1])
             o, b, c, lim = (lib.summary(v) for v in (over, nbytes, copy, limit))
-            yield {"figure": "restore", "arm": arm, "length": n, "overhead_s": o, "bytes": b["median"],
-                   "gbps": lib.gbps(b["median"], o["median"]) if b["median"] else None,
-                   "memcpy_s": c, "memcpy_gbps": lib.gbps(b["median"], c["median"]) if b["median"] else None,
-                   "memcpy_in_runs_s": lib.summary(runs64),
-                   "limit_s": lim, "met": o["median"] is not None and o["median"] <= lim["median"],
-                   "pairs": len(over), "load": _loads(mine)}
+            yield {
+                "figure": "restore",
+                "arm": arm,
+                "length": n,
+                "overhead_s": o,
+                "bytes": b["median"],
+                "gbps": lib.gbps(b["median"], o["median"]) if b["median"] else None,
+                "memcpy_s": c,
+                "memcpy_gbps": lib.gbps(b["median"], c["median"]) if b["median"] else None,
+                "memcpy_in_runs_s": lib.summary(runs64),
+                "limit_s": lim,
+                "met": o["median"] is not None and o["median"] <= lim["median"],
+                "pairs": len(over),
+                "load": _loads(mine),
+            }
 
 
 def _paired(runs: list[dict], a: str, b: str, n: int, state_a: str, state_b: str) -> list[float]:
@@ -101,16 +131,30 @@ def issue33(runs: list[dict], arms: list[str], lengths: list[int]) -> Iterable[d
             if "none" in arms:
                 pr = _paired(runs, arm, "none", n, "hit", "hit")
                 med = _med_ratio(runs, arm, "none", n, "hit")
-                yield {"figure": "issue33", "arm": arm, "what": "in-engine hit / no connector", "length": n,
-                       "ratio_of_medians": med, "paired": lib.summary(pr), "target": lib.TARGET_HIT_OVERHEAD,
-                       "met": med is not None and med <= lib.TARGET_HIT_OVERHEAD}
+                yield {
+                    "figure": "issue33",
+                    "arm": arm,
+                    "what": "in-engine hit / no connector",
+                    "length": n,
+                    "ratio_of_medians": med,
+                    "paired": lib.summary(pr),
+                    "target": lib.TARGET_HIT_OVERHEAD,
+                    "met": med is not None and med <= lib.TARGET_HIT_OVERHEAD,
+                }
             if "lmcache" in arms:
                 for state in ("restored", "cross"):
                     pr = _paired(runs, arm, "lmcache", n, state, state)
                     med = _med_ratio(runs, arm, "lmcache", n, state)
-                    yield {"figure": "issue33", "arm": arm, "what": f"{state} / LMCache {state}", "length": n,
-                           "ratio_of_medians": med, "paired": lib.summary(pr), "target": 1.0,
-                           "met": med is not None and med <= 1.0}
+                    yield {
+                        "figure": "issue33",
+                        "arm": arm,
+                        "what": f"{state} / LMCache {state}",
+                        "length": n,
+                        "ratio_of_medians": med,
+                        "paired": lib.summary(pr),
+                        "target": 1.0,
+                        "met": med is not None and med <= 1.0,
+                    }
 
 
 def _med_ratio(runs, a, b, n, state) -> float | None:
@@ -128,24 +172,45 @@ def store_on_miss(runs: list[dict], arms: list[str], lengths: list[int]) -> Iter
         for n in lengths:
             pr = _paired(runs, arm, "none", n, "cold", "cold")
             med = _med_ratio(runs, arm, "none", n, "cold")
-            yield {"figure": "store_on_miss", "what": "cold TTFT", "arm": arm, "length": n,
-                   "ratio_of_medians": med, "paired": lib.summary(pr), "target": lib.TARGET_STORE_ON_MISS,
-                   "met": med is not None and med <= lib.TARGET_STORE_ON_MISS, "load": _loads(_kept(runs, arm, n))}
-        mine, base = _kept(runs, arm, batch=True), {r["round"]: r for r in _kept(runs, "none", batch=True)}
+            yield {
+                "figure": "store_on_miss",
+                "what": "cold TTFT",
+                "arm": arm,
+                "length": n,
+                "ratio_of_medians": med,
+                "paired": lib.summary(pr),
+                "target": lib.TARGET_STORE_ON_MISS,
+                "met": med is not None and med <= lib.TARGET_STORE_ON_MISS,
+                "load": _loads(_kept(runs, arm, n)),
+            }
+        mine, base = (
+            _kept(runs, arm, batch=True),
+            {r["round"]: r for r in _kept(runs, "none", batch=True)},
+        )
         if not mine:
             continue
         pr = [r["seconds"] / base[r["round"]]["seconds"] for r in mine if r["round"] in base]
         tps = lib.summary([r["tokens"] / r["seconds"] for r in mine])
         tps0 = lib.summary([r["tokens"] / r["seconds"] for r in base.values()])
         med = lib.ratio(tps0["median"], tps["median"])
-        yield {"figure": "store_on_miss", "what": "batch time (unique prompts)", "arm": arm,
-               "tokens_per_s": tps, "none_tokens_per_s": tps0, "ratio_of_medians": med,
-               "paired": lib.summary(pr), "target": lib.TARGET_STORE_ON_MISS,
-               "cached_tokens": sum(sum(r["cached"]) for r in mine),
-               "met": med is not None and med <= lib.TARGET_STORE_ON_MISS, "load": _loads(mine)}
+        yield {
+            "figure": "store_on_miss",
+            "what": "batch time (unique prompts)",
+            "arm": arm,
+            "tokens_per_s": tps,
+            "none_tokens_per_s": tps0,
+            "ratio_of_medians": med,
+            "paired": lib.summary(pr),
+            "target": lib.TARGET_STORE_ON_MISS,
+            "cached_tokens": sum(sum(r["cached"]) for r in mine),
+            "met": med is not None and med <= lib.TARGET_STORE_ON_MISS,
+            "load": _loads(mine),
+        }
 
 
-def restore_figures(runs: list[dict], arms: list[str], lengths: list[int], page_bytes: int) -> list[dict]:
+def restore_figures(
+    runs: list[dict], arms: list[str], lengths: list[int], page_bytes: int
+) -> list[dict]:
     recs = list(three_states(runs, arms, lengths)) + list(restore(runs, arms, lengths))
     recs += list(issue33(runs, arms, lengths)) + list(store_on_miss(runs, arms, lengths))
     for r in recs:
@@ -171,32 +236,95 @@ def tables(records: list[dict]) -> str:
     parts = []
     three = [r for r in records if r["figure"] == "three_states"]
     if three:
-        rows = [(r["arm"], r["length"], r["state"], _s(r["ttft_s"]), r["cached"],
-                 f"{(r['bytes_loaded'] or 0) / 2**20:.1f}", f"{r['proven']}/{r['of']}", _load(r)) for r in three]
-        parts.append("TTFT by state, ms: median (range) over proven rounds\n\n" + lib.table(
-            ["arm", "tokens", "state", "TTFT ms", "cached", "MiB loaded", "proven", "load"], rows))
+        rows = [
+            (
+                r["arm"],
+                r["length"],
+                r["state"],
+                _s(r["ttft_s"]),
+                r["cached"],
+                f"{(r['bytes_loaded'] or 0) / 2**20:.1f}",
+                f"{r['proven']}/{r['of']}",
+                _load(r),
+            )
+            for r in three
+        ]
+        parts.append(
+            "TTFT by state, ms: median (range) over proven rounds\n\n"
+            + lib.table(
+                ["arm", "tokens", "state", "TTFT ms", "cached", "MiB loaded", "proven", "load"],
+                rows,
+            )
+        )
     rest = [r for r in records if r["figure"] == "restore"]
     if rest:
-        rows = [(r["arm"], r["length"], _s(r["overhead_s"]), f"{(r['bytes'] or 0) / 2**20:.1f}",
-                 "-" if r["gbps"] is None else f"{r['gbps']:.1f}", _s(r["memcpy_s"]),
-                 "-" if r["memcpy_gbps"] is None else f"{r['memcpy_gbps']:.1f}", _s(r.get("memcpy_in_runs_s")),
-                 _s(r["limit_s"]), "met" if r["met"] else "NOT met", _load(r)) for r in rest]
-        parts.append("Restore overhead (restored - in-engine hit), paired by round; memcpy: one thread, "
-                     "the same bytes (the faster of glibc memmove and a torch copy); in runs: memmove of "
-                     "one layer's block at a time\n\n" + lib.table(
-                         ["arm", "tokens", "overhead ms", "MiB", "GB/s", "memcpy ms", "memcpy GB/s",
-                          "memcpy in runs ms", "limit ms", "target", "load"], rows))
-    for fig, title in (("issue33", "Issue 33 targets"), ("store_on_miss", "Store on miss (0% hits)")):
+        rows = [
+            (
+                r["arm"],
+                r["length"],
+                _s(r["overhead_s"]),
+                f"{(r['bytes'] or 0) / 2**20:.1f}",
+                "-" if r["gbps"] is None else f"{r['gbps']:.1f}",
+                _s(r["memcpy_s"]),
+                "-" if r["memcpy_gbps"] is None else f"{r['memcpy_gbps']:.1f}",
+                _s(r.get("memcpy_in_runs_s")),
+                _s(r["limit_s"]),
+                "met" if r["met"] else "NOT met",
+                _load(r),
+            )
+            for r in rest
+        ]
+        parts.append(
+            "Restore overhead (restored - in-engine hit), paired by round; memcpy: one thread, "
+            "the same bytes (the faster of glibc memmove and a torch copy); in runs: memmove of "
+            "one layer's block at a time\n\n"
+            + lib.table(
+                [
+                    "arm",
+                    "tokens",
+                    "overhead ms",
+                    "MiB",
+                    "GB/s",
+                    "memcpy ms",
+                    "memcpy GB/s",
+                    "memcpy in runs ms",
+                    "limit ms",
+                    "target",
+                    "load",
+                ],
+                rows,
+            )
+        )
+    for fig, title in (
+        ("issue33", "Issue 33 targets"),
+        ("store_on_miss", "Store on miss (0% hits)"),
+    ):
         recs = [r for r in records if r["figure"] == fig]
         if recs:
-            rows = [(r.get("arm", "sidecar"), r["what"], r.get("length", "-"), _r(r["ratio_of_medians"]),
-                     _paired_text(r["paired"]), f"<= {r['target']:.2f}x", "met" if r["met"] else "NOT met")
-                    for r in recs]
-            parts.append(title + "\n\n" + lib.table(
-                ["arm", "figure", "tokens", "ratio of medians", "paired rounds", "target", ""], rows))
+            rows = [
+                (
+                    r.get("arm", "sidecar"),
+                    r["what"],
+                    r.get("length", "-"),
+                    _r(r["ratio_of_medians"]),
+                    _paired_text(r["paired"]),
+                    f"<= {r['target']:.2f}x",
+                    "met" if r["met"] else "NOT met",
+                )
+                for r in recs
+            ]
+            parts.append(
+                title
+                + "\n\n"
+                + lib.table(
+                    ["arm", "figure", "tokens", "ratio of medians", "paired rounds", "target", ""],
+                    rows,
+                )
+            )
     share = [r for r in records if r["figure"] == "sharing"]
     if share:
         from loadtest.bench_engines_share import share_table
+
         parts.append(share_table(share))
     lm = [r for r in records if r["figure"] == "lmcache"]
     for r in lm:

@@ -11,6 +11,7 @@ engine holding 1/N of the memory each (the same total).
                  against `sidecar plan SLICE --capacities C --engines N` with C the pages
                  the shared sidecar held
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,15 @@ TRACE = str(Path(ROOT).parent / "shared" / "traces" / "conversation_trace.jsonl"
 def add_args(ap) -> None:
     ap.add_argument("--share-engines", type=int, default=4)
     ap.add_argument("--share-conversations", type=int, default=80)
-    ap.add_argument("--share-max-blocks", type=int, default=120, help="leave out longer conversations")
-    ap.add_argument("--share-pool-mib", type=int, default=0,
-                    help="total host pool (MiB, 1 MiB segments); 0: a quarter of the slice's blocks")
+    ap.add_argument(
+        "--share-max-blocks", type=int, default=120, help="leave out longer conversations"
+    )
+    ap.add_argument(
+        "--share-pool-mib",
+        type=int,
+        default=0,
+        help="total host pool (MiB, 1 MiB segments); 0: a quarter of the slice's blocks",
+    )
     ap.add_argument("--share-trace", default=TRACE)
 
 
@@ -50,9 +57,24 @@ def slice_trace(args, outdir: Path) -> tuple[list[dict], Path]:
 
 def plan(path: Path, capacity: int, engines: int) -> dict:
     """`sidecar plan` on the slice: the shared and the per-engine block hit rates."""
-    out = subprocess.run([sys.executable, "-m", "api.cli", "plan", str(path), "--capacities", str(capacity),
-                          "--engines", str(engines), "--json"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "api.cli",
+            "plan",
+            str(path),
+            "--capacities",
+            str(capacity),
+            "--engines",
+            str(engines),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     row = json.loads(out.strip().splitlines()[-1])["rows"][0]
     return {"shared": row["hit_rate_blocks"], "split": row["per_engine"]["hit_rate_blocks"]}
 
@@ -66,7 +88,10 @@ def share_phase(args, tmp: str, out) -> None:
     _, layers, _, kv_heads, head_dim, *_ = SIZES["share"]
     page = lib.kv_page_bytes(layers, kv_heads, head_dim, BLOCK)
     pool = args.share_pool_mib or max(n, round(unique * page / 4 / 2**20 / n) * n)
-    env = {"ENGINE_MAX_MODEL_LEN": str(args.share_max_blocks * BLOCK + 64), "ENGINE_KV_BYTES": str(128 << 20)}
+    env = {
+        "ENGINE_MAX_MODEL_LEN": str(args.share_max_blocks * BLOCK + 64),
+        "ENGINE_KV_BYTES": str(128 << 20),
+    }
     with ExitStack() as stack:
         with lib.sidecar_env(args.sidecar_env):
             shared = start_sidecar("--no-file-tier", "--host-pool", f"{pool}MiB")
@@ -87,20 +112,33 @@ def share_phase(args, tmp: str, out) -> None:
         for k, req in enumerate(reqs):
             prompt = lib.trace_prompt(req["hash_ids"], BLOCK)
             loads.append(_load())
-            for arm in (("shared", "split") if k % 2 == 0 else ("split", "shared")):
-                got = engines[arm][k % n].ask(timeout=600, op="run", prompt=prompt, max_tokens=1, reset_after=True)
+            for arm in ("shared", "split") if k % 2 == 0 else ("split", "shared"):
+                got = engines[arm][k % n].ask(
+                    timeout=600, op="run", prompt=prompt, max_tokens=1, reset_after=True
+                )
                 if "error" in got:
                     raise RuntimeError(f"sharing {arm}: {got['error']}")
-                results[arm].append({"ttft": got["ttft"], "blocks": len(req["hash_ids"]),
-                                     "hit": lib.blocks_for(got["cached"], BLOCK)})
+                results[arm].append(
+                    {
+                        "ttft": got["ttft"],
+                        "blocks": len(req["hash_ids"]),
+                        "hit": lib.blocks_for(got["cached"], BLOCK),
+                    }
+                )
             if k % 25 == 0:
                 print(f"sharing: {k + 1}/{len(reqs)} requests", flush=True)
-        stats = {"shared": [SidecarClient(shared.socket_url).stats()],
-                 "split": [SidecarClient(s.socket_url).stats() for s in split]}
+        stats = {
+            "shared": [SidecarClient(shared.socket_url).stats()],
+            "split": [SidecarClient(s.socket_url).stats() for s in split],
+        }
     cap = sum(ns["capacity_pages"] for st in stats["shared"] for ns in st["namespaces"].values())
     want = plan(path, cap, n)
     for arm in ("shared", "split"):
-        out.emit(share_record(arm, results[arm], stats[arm], want[arm], n, len(reqs), unique, cap, pool, loads))
+        out.emit(
+            share_record(
+                arm, results[arm], stats[arm], want[arm], n, len(reqs), unique, cap, pool, loads
+            )
+        )
 
 
 def _load() -> float:
@@ -108,29 +146,73 @@ def _load() -> float:
         return float(f.read().split()[0])
 
 
-def share_record(arm: str, res: list[dict], stats: list[dict], planned: float, engines: int, requests: int,
-                 unique: int, capacity: int, pool_mib: int, loads: list[float]) -> dict:
+def share_record(
+    arm: str,
+    res: list[dict],
+    stats: list[dict],
+    planned: float,
+    engines: int,
+    requests: int,
+    unique: int,
+    capacity: int,
+    pool_mib: int,
+    loads: list[float],
+) -> dict:
     blocks = sum(r["blocks"] for r in res)
     hit = sum(r["hit"] for r in res) / max(blocks, 1)
     counted = sum(lib.Counters.of(st).hits for st in stats) / max(blocks, 1)
     ttft = [r["ttft"] for r in res]
-    return {"figure": "sharing", "arm": arm, "engines": engines, "requests": requests, "unique_blocks": unique,
-            "capacity_pages": capacity if arm == "shared" else
-            [sum(ns["capacity_pages"] for ns in st["namespaces"].values()) for st in stats],
-            "pool_mib": pool_mib if arm == "shared" else pool_mib // engines,
-            "hit_rate_blocks": hit, "hit_rate_counters": counted, "plan_hit_rate_blocks": planned,
-            "met": lib.within(hit, planned), "ttft_p50_s": lib.percentile(ttft, 50),
-            "ttft_p99_s": lib.percentile(ttft, 99), "load": lib.summary(loads)}
+    return {
+        "figure": "sharing",
+        "arm": arm,
+        "engines": engines,
+        "requests": requests,
+        "unique_blocks": unique,
+        "capacity_pages": capacity
+        if arm == "shared"
+        else [sum(ns["capacity_pages"] for ns in st["namespaces"].values()) for st in stats],
+        "pool_mib": pool_mib if arm == "shared" else pool_mib // engines,
+        "hit_rate_blocks": hit,
+        "hit_rate_counters": counted,
+        "plan_hit_rate_blocks": planned,
+        "met": lib.within(hit, planned),
+        "ttft_p50_s": lib.percentile(ttft, 50),
+        "ttft_p99_s": lib.percentile(ttft, 99),
+        "load": lib.summary(loads),
+    }
 
 
 def share_table(recs: list[dict]) -> str:
     rows = []
     for r in recs:
-        rows.append((r["arm"], r["engines"], r["requests"], f"{r['pool_mib']} MiB",
-                     f"{r['hit_rate_blocks']:.3f}", f"{r['hit_rate_counters']:.3f}",
-                     f"{r['plan_hit_rate_blocks']:.3f}", "met" if r["met"] else "NOT met",
-                     lib.fmt_ms(r["ttft_p50_s"] * 1e3), lib.fmt_ms(r["ttft_p99_s"] * 1e3),
-                     f"{r['load']['min']:.1f}-{r['load']['max']:.1f}"))
+        rows.append(
+            (
+                r["arm"],
+                r["engines"],
+                r["requests"],
+                f"{r['pool_mib']} MiB",
+                f"{r['hit_rate_blocks']:.3f}",
+                f"{r['hit_rate_counters']:.3f}",
+                f"{r['plan_hit_rate_blocks']:.3f}",
+                "met" if r["met"] else "NOT met",
+                lib.fmt_ms(r["ttft_p50_s"] * 1e3),
+                lib.fmt_ms(r["ttft_p99_s"] * 1e3),
+                f"{r['load']['min']:.1f}-{r['load']['max']:.1f}",
+            )
+        )
     return "Sharing: one sidecar vs one per engine (same total memory)\n\n" + lib.table(
-        ["arm", "engines", "requests", "pool each", "block hit rate", "by counters", "sidecar plan",
-         "within 10%", "TTFT p50 ms", "TTFT p99 ms", "load"], rows)
+        [
+            "arm",
+            "engines",
+            "requests",
+            "pool each",
+            "block hit rate",
+            "by counters",
+            "sidecar plan",
+            "within 10%",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "load",
+        ],
+        rows,
+    )

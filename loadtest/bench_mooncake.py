@@ -14,6 +14,7 @@ warm-up round is not counted; raw and tier alternate which goes first in each ro
 Prints median GB/s and the median of per-round tier/raw ratios (target >= 0.8x); --json
 for one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ PAGE = 2 << 20
 
 def raw_client(master: Master, size: int):
     from mooncake.store import MooncakeDistributedStore
+
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.address) == 0
     buf = mmap.mmap(-1, size)
@@ -57,15 +59,16 @@ def raw_round(client, addr: int, keys: list[str]) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-async def tier_round(tiering: Tiering, host: HostPool, keys: list[str], payload: bytes,
-                     name: str) -> tuple[float, float]:
+async def tier_round(
+    tiering: Tiering, host: HostPool, keys: list[str], payload: bytes, name: str
+) -> tuple[float, float]:
     ident = "b" * 32
     # a pool twice the burst: write-through's back-pressure (half a pool pinned) stays out
     src = host.create(name + "-w", PAGE, 2 * len(keys) * PAGE)
     entries = []
     for i, k in enumerate(keys):
         e = src.reserve(k)
-        host.view(e.offset, PAGE)[:] = payload[i * PAGE:(i + 1) * PAGE]
+        host.view(e.offset, PAGE)[:] = payload[i * PAGE : (i + 1) * PAGE]
         src.commit(e)
         entries.append(e)
     t0 = time.perf_counter()
@@ -80,7 +83,7 @@ async def tier_round(tiering: Tiering, host: HostPool, keys: list[str], payload:
     t3 = time.perf_counter()
     for i, k in enumerate(keys):  # byte-exact, outside the timing
         e = dst.pin(k)
-        assert host.view(e.offset, PAGE) == payload[i * PAGE:(i + 1) * PAGE]
+        assert host.view(e.offset, PAGE) == payload[i * PAGE : (i + 1) * PAGE]
         dst.unpin(e)
     host.drop(dst.name)
     await asyncio.get_running_loop().run_in_executor(None, tiering.tiers[0].delete, ident, keys)
@@ -108,10 +111,14 @@ async def run(args) -> dict:
         buf[:] = payload
         res = {"tier_put": [], "tier_get": [], "raw_put": [], "raw_get": []}
         for r in range(-1, args.rounds):  # round -1 warms the store node's segment up
+
             async def tier_side(r: int = r) -> tuple[float, float]:
-                return await tier_round(tiering, host, [f"t{r}-{i}" for i in range(n)], payload, f"r{r}")
+                return await tier_round(
+                    tiering, host, [f"t{r}-{i}" for i in range(n)], payload, f"r{r}"
+                )
+
             raw_keys = [f"raw{r}-{i}" for i in range(n)]
-            if r % 2:   # alternate which side goes first: no order bias
+            if r % 2:  # alternate which side goes first: no order bias
                 tier = await tier_side()
                 raw = raw_round(client, addr, raw_keys)
             else:
@@ -127,10 +134,20 @@ async def run(args) -> dict:
         gbs = {k: total / statistics.median(v) / 1e9 for k, v in res.items()}
         # paired per round (raw and tier run back to back), so load from other processes
         # on the machine moves both sides of a ratio together
-        paired = {p: statistics.median(r / t for r, t in zip(res[f"raw_{p}"], res[f"tier_{p}"], strict=False))
-                  for p in ("put", "get")}
-        return {"pages": n, "page_bytes": PAGE, "rounds": args.rounds, "gbs": gbs,
-                "write_ratio": paired["put"], "promote_ratio": paired["get"]}
+        paired = {
+            p: statistics.median(
+                r / t for r, t in zip(res[f"raw_{p}"], res[f"tier_{p}"], strict=False)
+            )
+            for p in ("put", "get")
+        }
+        return {
+            "pages": n,
+            "page_bytes": PAGE,
+            "rounds": args.rounds,
+            "gbs": gbs,
+            "write_ratio": paired["put"],
+            "promote_ratio": paired["get"],
+        }
     finally:
         node.kill()
         master.kill()
@@ -149,10 +166,14 @@ def main() -> None:
         return
     g = out["gbs"]
     print(f"{out['pages']} x 2 MiB pages, median of {out['rounds']} rounds")
-    print(f"write-through  tier {g['tier_put']:6.2f} GB/s   raw batch_put_from  {g['raw_put']:6.2f} GB/s"
-          f"   {out['write_ratio']:.2f}x (target >= 0.8x)")
-    print(f"promotion      tier {g['tier_get']:6.2f} GB/s   raw batch_get_into  {g['raw_get']:6.2f} GB/s"
-          f"   {out['promote_ratio']:.2f}x (target >= 0.8x)")
+    print(
+        f"write-through  tier {g['tier_put']:6.2f} GB/s   raw batch_put_from  {g['raw_put']:6.2f} GB/s"
+        f"   {out['write_ratio']:.2f}x (target >= 0.8x)"
+    )
+    print(
+        f"promotion      tier {g['tier_get']:6.2f} GB/s   raw batch_get_into  {g['raw_get']:6.2f} GB/s"
+        f"   {out['promote_ratio']:.2f}x (target >= 0.8x)"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from 1,000,000 page files, in one run.
 The page cache is warm (the files were just written): a restart after a reboot also reads
 the directory from disk. The target is ready in under 10 s for 1,000,000 pages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ def identity(i: int) -> str:
 
 
 def key_of(i: int) -> str:
-    return f"{i:064x}"   # a 256-bit hash in hex, as engines name pages
+    return f"{i:064x}"  # a 256-bit hash in hex, as engines name pages
 
 
 def _write_range(job: tuple[str, int, int, int, int]) -> int:
@@ -91,7 +92,7 @@ def recover_times(root: str, n: int, rounds: int, page_bytes: int) -> list[tuple
         times.append((time.perf_counter() - t, time.process_time() - cpu))
         assert tier.used == n * (pagefile.HEADER_SIZE + page_bytes) and tier.pages() == n, tier.used
         buf = bytearray(page_bytes)
-        for i in (0, n // 2, n - 1):   # the index points at real, valid pages
+        for i in (0, n // 2, n - 1):  # the index points at real, valid pages
             assert tier.read(identity(i % len(tier.keys)), key_of(i), memoryview(buf))
             assert buf == bytes([7]) * page_bytes
         del tier
@@ -100,8 +101,13 @@ def recover_times(root: str, n: int, rounds: int, page_bytes: int) -> list[tuple
 
 def index_memory(root: str, n: int) -> tuple[int, int]:
     """(bytes the index keeps, peak bytes while building it), in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", _MEMORY, root], capture_output=True, text=True,
-                         check=True, timeout=600).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY, root],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout.split()
     assert int(out[0]) == n, out
     return int(out[1]), int(out[2])
 
@@ -127,47 +133,77 @@ def measure(root: str, args) -> dict:
     write_s = 0.0
     if not args.tier:
         write_s = make_pages(root, n, args.identities, args.page_bytes, args.workers)
-        print(f"wrote {n} pages of {args.page_bytes} bytes in {args.identities} directories "
-              f"in {write_s:.1f} s", flush=True)
+        print(
+            f"wrote {n} pages of {args.page_bytes} bytes in {args.identities} directories "
+            f"in {write_s:.1f} s",
+            flush=True,
+        )
     rounds = recover_times(root, n, args.rounds, args.page_bytes)
     print(f"in process (wall, CPU seconds): {rounds}", flush=True)
     kept, peak = index_memory(root, n)
     ready = sorted(start_to_ready(root, "--file-tier-size", "1TiB") for _ in range(args.rounds))
     print(f"start to ready (wall, CPU seconds): {ready}", flush=True)
     ready_default = start_to_ready(root)
-    return {"pages": n, "identities": args.identities, "page_bytes": args.page_bytes,
-            "write_s": write_s, "recover_s": statistics.median(w for w, _ in rounds),
-            "recover_cpu_s": statistics.median(c for _, c in rounds), "recover_rounds": rounds,
-            "index_bytes_per_page": kept / n, "peak_bytes_per_page": peak / n,
-            "ready_s": ready[len(ready) // 2][0], "ready_cpu_s": ready[len(ready) // 2][1],
-            "ready_rounds": ready, "ready_default_size_s": ready_default[0],
-            "ready_default_size_cpu_s": ready_default[1], "target_s": TARGET_S,
-            "loadavg": os.getloadavg(), "cpus": os.cpu_count()}
+    return {
+        "pages": n,
+        "identities": args.identities,
+        "page_bytes": args.page_bytes,
+        "write_s": write_s,
+        "recover_s": statistics.median(w for w, _ in rounds),
+        "recover_cpu_s": statistics.median(c for _, c in rounds),
+        "recover_rounds": rounds,
+        "index_bytes_per_page": kept / n,
+        "peak_bytes_per_page": peak / n,
+        "ready_s": ready[len(ready) // 2][0],
+        "ready_cpu_s": ready[len(ready) // 2][1],
+        "ready_rounds": ready,
+        "ready_default_size_s": ready_default[0],
+        "ready_default_size_cpu_s": ready_default[1],
+        "target_s": TARGET_S,
+        "loadavg": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def report(res: dict) -> None:
     n, target = res["pages"], res["target_s"]
-    print(f"recover {n} pages in process: {res['recover_s']:.2f} s, {res['recover_cpu_s']:.2f} s "
-          f"of CPU (medians of {len(res['recover_rounds'])})")
-    print(f"index memory: {res['index_bytes_per_page']:.0f} bytes a page kept "
-          f"({res['index_bytes_per_page'] * n / 2**20:.0f} MiB), "
-          f"{res['peak_bytes_per_page']:.0f} bytes a page at peak")
-    for what, s, cpu in (("--file-tier-size 1TiB, median", res["ready_s"], res["ready_cpu_s"]),
-                         ("default size", res["ready_default_size_s"], res["ready_default_size_cpu_s"])):
-        print(f"process start to ready ({what}): {s:.2f} s ({cpu:.2f} s of the sidecar's CPU) -> "
-              f"{s / target:.2f} of the {target:.0f} s target ({'met' if s < target else 'MISSED'})")
-    print("load average while measuring: {:.2f} {:.2f} {:.2f} on {:d} CPUs".format(*res["loadavg"], res["cpus"]))
+    print(
+        f"recover {n} pages in process: {res['recover_s']:.2f} s, {res['recover_cpu_s']:.2f} s "
+        f"of CPU (medians of {len(res['recover_rounds'])})"
+    )
+    print(
+        f"index memory: {res['index_bytes_per_page']:.0f} bytes a page kept "
+        f"({res['index_bytes_per_page'] * n / 2**20:.0f} MiB), "
+        f"{res['peak_bytes_per_page']:.0f} bytes a page at peak"
+    )
+    for what, s, cpu in (
+        ("--file-tier-size 1TiB, median", res["ready_s"], res["ready_cpu_s"]),
+        ("default size", res["ready_default_size_s"], res["ready_default_size_cpu_s"]),
+    ):
+        print(
+            f"process start to ready ({what}): {s:.2f} s ({cpu:.2f} s of the sidecar's CPU) -> "
+            f"{s / target:.2f} of the {target:.0f} s target ({'met' if s < target else 'MISSED'})"
+        )
+    print(
+        "load average while measuring: {:.2f} {:.2f} {:.2f} on {:d} CPUs".format(
+            *res["loadavg"], res["cpus"]
+        )
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--pages", type=int, default=1_000_000)
     p.add_argument("--identities", type=int, default=4, help="namespace directories (4)")
     p.add_argument("--page-bytes", type=int, default=512, help="page size (512, the smallest)")
     p.add_argument("--rounds", type=int, default=3, help="recoveries and starts; medians count")
     p.add_argument("--workers", type=int, default=2, help="processes writing the files")
     p.add_argument("--dir", help="a directory on the disk to measure (default: a temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the pages written (the path is printed)")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the pages written (the path is printed)"
+    )
     p.add_argument("--tier", help="measure the pages a --keep run left there instead of writing")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

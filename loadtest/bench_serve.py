@@ -14,6 +14,7 @@ Out: DIR/bench-serve.jsonl (one row per fleet, arm, policy, level), DIR/requests
 request); `python -m loadtest.bench_serve_report DIR` prints the tables and targets and draws
 one TTFT CDF per arm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,20 @@ class Arm:
     def __init__(self, name: str, args, n: int, stack: ExitStack):
         self.name, self.sidecars, self.lmcache = name, [], None
         if name == "shared":
-            self.sidecars = [start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib}MiB", *AUTH)]
+            self.sidecars = [
+                start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib}MiB", *AUTH)
+            ]
         elif name == "split":
-            self.sidecars = [start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib // n}MiB", *AUTH)
-                             for _ in range(n)]
+            self.sidecars = [
+                start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib // n}MiB", *AUTH)
+                for _ in range(n)
+            ]
         elif name == "lmcache":
             from loadtest.bench_engines import LMCacheServer
-            self.lmcache = LMCacheServer(args.lmcache_python, args.pool_mib / 1024,
-                                         Path(args.out) / f"lmcache-{n}.log")
+
+            self.lmcache = LMCacheServer(
+                args.lmcache_python, args.pool_mib / 1024, Path(args.out) / f"lmcache-{n}.log"
+            )
             stack.callback(self.lmcache.stop)
         for s in self.sidecars:
             stack.callback(s.stop)
@@ -65,62 +72,119 @@ class Arm:
             return cfg
         if self.lmcache:
             host, _, port = self.lmcache.url.rpartition(":")
-            return {"kv_connector": "LMCacheMPConnector",
-                    "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
-                    "kv_role": "kv_both", "kv_connector_extra_config": {
-                        "lmcache.mp.host": host, "lmcache.mp.port": int(port),
-                        "lmcache.mp.mp_transfer_mode": "lmcache_driven", "lmcache.mp.mq_timeout": 120}}
+            return {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "lmcache.mp.host": host,
+                    "lmcache.mp.port": int(port),
+                    "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+                    "lmcache.mp.mq_timeout": 120,
+                },
+            }
         return None
 
     def pids(self) -> list[int]:
-        return [s.proc.pid for s in self.sidecars] + ([self.lmcache.proc.pid] if self.lmcache else [])
+        return [s.proc.pid for s in self.sidecars] + (
+            [self.lmcache.proc.pid] if self.lmcache else []
+        )
 
     def counters(self) -> lib.Counters:
         total = lib.Counters()
         for s in self.sidecars:
             c = lib.Counters.of(SidecarClient(s.url, token=TOKEN).stats())
-            total = lib.Counters(total.hits + c.hits, total.misses + c.misses, total.bytes_out + c.bytes_out)
+            total = lib.Counters(
+                total.hits + c.hits, total.misses + c.misses, total.bytes_out + c.bytes_out
+            )
         return total
 
 
 def usage(pids: list[int]) -> dict:
     got = [fl.proc_usage(p) for p in pids]
-    return {"cpu_s": sum(g["cpu_s"] for g in got), "rss": sum(g["rss"] for g in got),
-            "peak_rss": sum(g["peak_rss"] for g in got)}
+    return {
+        "cpu_s": sum(g["cpu_s"] for g in got),
+        "rss": sum(g["rss"] for g in got),
+        "peak_rss": sum(g["peak_rss"] for g in got),
+    }
 
 
-def run_level(args, arm: Arm, servers: list, model: str, policy: str, level: int, convs: list,
-              offset: int) -> dict:
+def run_level(
+    args, arm: Arm, servers: list, model: str, policy: str, level: int, convs: list, offset: int
+) -> dict:
     """One policy and level through Locust; its row (figures, counters, usage)."""
     n = len(servers)
     users = level * n
     tag = f"{arm.name}-{n}-{policy}-{level}"
     out = Path(args.out) / f"requests-{tag}.jsonl"
     out.write_text("")
-    plan = {"engines": [s.port for s in servers], "model": model, "policy": policy, "out": str(out),
-            "requests": args.requests + args.warmup * users,
-            "users": [[{"cid": c.cid, "turns": [list(vars(t).values()) for t in c.turns]} for c in mine]
-                      for mine in sl.assign(convs, users, offset)]}
+    plan = {
+        "engines": [s.port for s in servers],
+        "model": model,
+        "policy": policy,
+        "out": str(out),
+        "requests": args.requests + args.warmup * users,
+        "users": [
+            [{"cid": c.cid, "turns": [list(vars(t).values()) for t in c.turns]} for c in mine]
+            for mine in sl.assign(convs, users, offset)
+        ],
+    }
     plan_path = Path(args.out) / f"plan-{tag}.json"
     plan_path.write_text(json.dumps(plan))
     before = ([s.prompt_tokens() for s in servers], arm.counters(), usage(arm.pids()))
-    cmd = [args.locust, "-f", str(Path(ROOT) / "loadtest" / "serve_locust.py"), "--headless", "-u", str(users),
-           "-r", str(users), "-t", f"{args.max_seconds}s", "--only-summary", "--stop-timeout", "600"]
-    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "SERVE_PLAN": str(plan_path)}, check=False,
-                   stdout=subprocess.DEVNULL)
+    cmd = [
+        args.locust,
+        "-f",
+        str(Path(ROOT) / "loadtest" / "serve_locust.py"),
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{args.max_seconds}s",
+        "--only-summary",
+        "--stop-timeout",
+        "600",
+    ]
+    subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "SERVE_PLAN": str(plan_path)},
+        check=False,
+        stdout=subprocess.DEVNULL,
+    )
     after = ([s.prompt_tokens() for s in servers], arm.counters(), usage(arm.pids()))
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     recs.sort(key=lambda r: r["end"])
-    src = {k: sum(a[k] - b[k] for a, b in zip(after[0], before[0], strict=True)) for k in after[0][0]}
+    src = {
+        k: sum(a[k] - b[k] for a, b in zip(after[0], before[0], strict=True)) for k in after[0][0]
+    }
     delta = after[1] - before[1]
     loads = sum(1 for r in recs if (r.get("cached_tokens") or 0) > 0)
-    return {"arm": arm.name, "engines": n, "policy": policy, "users_per_engine": level, "users": users,
-            **sl.level_summary(recs, args.warmup * users), "vllm_tokens": src,
-            "sidecar": {"hits": delta.hits, "misses": delta.misses, "bytes_out": delta.bytes_out,
-                        "agree": sl.counters_agree(delta.hits, int(src["external_kv_transfer"]), loads, fl.BLOCK)
-                        if arm.sidecars else None},
-            "cache_cpu_s": after[2]["cpu_s"] - before[2]["cpu_s"], "cache_rss": after[2]["rss"],
-            "cache_peak_rss": after[2]["peak_rss"], "conversations_from": offset}
+    return {
+        "arm": arm.name,
+        "engines": n,
+        "policy": policy,
+        "users_per_engine": level,
+        "users": users,
+        **sl.level_summary(recs, args.warmup * users),
+        "vllm_tokens": src,
+        "sidecar": {
+            "hits": delta.hits,
+            "misses": delta.misses,
+            "bytes_out": delta.bytes_out,
+            "agree": sl.counters_agree(
+                delta.hits, int(src["external_kv_transfer"]), loads, fl.BLOCK
+            )
+            if arm.sidecars
+            else None,
+        },
+        "cache_cpu_s": after[2]["cpu_s"] - before[2]["cpu_s"],
+        "cache_rss": after[2]["rss"],
+        "cache_peak_rss": after[2]["peak_rss"],
+        "conversations_from": offset,
+    }
 
 
 def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
@@ -129,7 +193,9 @@ def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
         extra = fl.sizing(args.max_model_len, args.kv_mib << 20)
         python = args.lmcache_python if name == "lmcache" else None
         env = {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"} if name == "lmcache" else {}
-        servers = [fl.Server(model, arm.connector(i), extra, python=python, env=env) for i in range(n)]
+        servers = [
+            fl.Server(model, arm.connector(i), extra, python=python, env=env) for i in range(n)
+        ]
         for s in servers:
             stack.callback(s.stop)
         for s in servers:
@@ -144,20 +210,29 @@ def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
 
 def parse(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    ap = argparse.ArgumentParser(prog="bench_serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench_serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", default="build/bench-serve")
     ap.add_argument("--engines", type=ints, default=[2, 4])
     ap.add_argument("--levels", type=ints, default=[1, 4, 8], help="users per engine")
     ap.add_argument("--policies", type=lambda s: s.split(","), default=["rr", "sticky"])
-    ap.add_argument("--arms", type=lambda s: s.split(","), default=["none", "shared", "split", "lmcache"])
+    ap.add_argument(
+        "--arms", type=lambda s: s.split(","), default=["none", "shared", "split", "lmcache"]
+    )
     ap.add_argument("--requests", type=int, default=160, help="requests measured per level")
     ap.add_argument("--warmup", type=int, default=1, help="requests per user dropped first")
-    ap.add_argument("--conversations-per-user", type=int, default=4, help="conversations set aside a user")
+    ap.add_argument(
+        "--conversations-per-user", type=int, default=4, help="conversations set aside a user"
+    )
     ap.add_argument("--model-size", default="bench", choices=sorted(SIZES))
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--kv-mib", type=int, default=128, help="each engine's own KV cache")
-    ap.add_argument("--pool-mib", type=int, default=1024, help="host memory beneath the engines, every arm")
+    ap.add_argument(
+        "--pool-mib", type=int, default=1024, help="host memory beneath the engines, every arm"
+    )
     ap.add_argument("--scale", type=int, default=16, help="trace tokens per bench token")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-seconds", type=int, default=3600, help="Locust's limit per level")
@@ -178,20 +253,28 @@ def main(argv=None) -> int:
     convs = sl.conversations(rows, args.scale, args.max_model_len - 64)
     path = outdir / "bench-serve.jsonl"
     path.write_text("")
-    meta = {"model": args.model_size, "kv_mib": args.kv_mib, "pool_mib": args.pool_mib, "scale": args.scale,
-            "requests": args.requests, "cpus": os.cpu_count()}
+    meta = {
+        "model": args.model_size,
+        "kv_mib": args.kv_mib,
+        "pool_mib": args.pool_mib,
+        "scale": args.scale,
+        "requests": args.requests,
+        "cpus": os.cpu_count(),
+    }
 
     def emit(row: dict) -> None:
         row = {**row, **meta, "load": lib.summary([os.getloadavg()[0]])["median"]}
         with path.open("a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
         print(json.dumps(row, sort_keys=True), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         model = build(args.model_dir or f"{tmp}/model-{args.model_size}", size=args.model_size)
         for n in args.engines:
             for name in args.arms:
                 run_arm(args, name, n, model, convs, emit)
     from loadtest.bench_serve_report import report
+
     print(report(outdir))
     return 0
 

@@ -4,6 +4,7 @@ script exits before parsing a flag. This runs the same CLI with that one answer 
 
     python -m loadtest.bench_serve_cli serve MODEL --port 8000 --enable-prefix-caching ...
 """
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
@@ -26,9 +27,10 @@ def version(name: str) -> str:
 def main() -> None:
     metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main
+
     sys.argv[0] = "vllm"
     vllm_main()
 
 
-if __name__ == "__main__":   # vLLM spawns its engine core: the guard keeps it from re-running
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard keeps it from re-running
     main()

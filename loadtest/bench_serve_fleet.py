@@ -2,6 +2,7 @@
 test: each started with deploy/engine-vllm.yaml's flags (bench_serve_lib.serve_args), its
 OpenAI API on a free port, plus the bench's sizing flags; a streamed completion client;
 vLLM's prompt-token counters from /metrics; a process's CPU seconds and RSS from /proc."""
+
 from __future__ import annotations
 
 import http.client
@@ -22,31 +23,58 @@ BLOCK = 32
 def sizing(max_model_len: int, kv_bytes: int) -> list[str]:
     """The bench's flags beside the manifest's: the tiny model's dtype and block, a KV cache
     of `kv_bytes` (small: vLLM's own cache evicts), eager mode, usage with cached tokens."""
-    return ["--dtype=float32", f"--max-model-len={max_model_len}", f"--block-size={BLOCK}", "--enforce-eager",
-            f"--kv-cache-memory-bytes={kv_bytes}", "--seed=0", "--enable-prompt-tokens-details"]
+    return [
+        "--dtype=float32",
+        f"--max-model-len={max_model_len}",
+        f"--block-size={BLOCK}",
+        "--enforce-eager",
+        f"--kv-cache-memory-bytes={kv_bytes}",
+        "--seed=0",
+        "--enable-prompt-tokens-details",
+    ]
 
 
 class Server:
     """One `vllm serve` child (loadtest.bench_serve_cli); `wait()` until /health answers."""
 
-    def __init__(self, model: str, connector: dict | None, extra: Sequence[str] = (),
-                 python: str | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        connector: dict | None,
+        extra: Sequence[str] = (),
+        python: str | None = None,
+        env: dict | None = None,
+    ):
         self.port = free_port()
         self.model = model
         args = sl.serve_args(model, self.port, connector, extra)
         full = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-        full.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
-            "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "PYTHONUNBUFFERED": "1", **(env or {})})
+        full.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+                "PYTHONUNBUFFERED": "1",
+                **(env or {}),
+            }
+        )
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open as long as the server)
-            "w+", prefix="vllm-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([python or sys.executable, "-m", "loadtest.bench_serve_cli", "serve", *args],
-                                     cwd=ROOT, env=full, stdout=self.log, stderr=subprocess.STDOUT)
+            "w+", prefix="vllm-serve-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(
+            [python or sys.executable, "-m", "loadtest.bench_serve_cli", "serve", *args],
+            cwd=ROOT,
+            env=full,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait(self, timeout: float = 900) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {self.proc.returncode}:\n{self.output()[-6000:]}")
+                raise RuntimeError(
+                    f"vllm serve exited {self.proc.returncode}:\n{self.output()[-6000:]}"
+                )
             try:
                 if self.get("/health")[0] == 200:
                     return self
@@ -89,16 +117,32 @@ class Server:
         os.unlink(self.log.name)
 
 
-def stream_completion(host: str, port: int, model: str, prompt: list[int], max_tokens: int,
-                      timeout: float = 600) -> dict:
+def stream_completion(
+    host: str, port: int, model: str, prompt: list[int], max_tokens: int, timeout: float = 600
+) -> dict:
     """One streamed /v1/completions call, greedy, `max_tokens` exactly: status, TTFT at the
     first streamed token, e2e, the answer's token ids and usage's cached tokens."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "return_token_ids": True,
-                       "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     start = time.perf_counter()
     c = http.client.HTTPConnection(host, port, timeout=timeout)
-    out: dict = {"status": None, "ttft": None, "tokens": [], "cached_tokens": None, "start": time.time()}
+    out: dict = {
+        "status": None,
+        "ttft": None,
+        "tokens": [],
+        "cached_tokens": None,
+        "start": time.time(),
+    }
     try:
         c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         r = c.getresponse()

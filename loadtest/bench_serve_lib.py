@@ -11,6 +11,7 @@ per-level report with its targets.
                   <= 0.5x no connector's; req/s >= LMCache's; TTFT p99 <= no connector's at
                   every level
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,13 +32,13 @@ TARGET_LEVEL = 4
 
 @dataclass(frozen=True)
 class Turn:
-    new_tokens: int      # user tokens appended after the previous prompt and answer
-    max_tokens: int      # the answer's length
+    new_tokens: int  # user tokens appended after the previous prompt and answer
+    max_tokens: int  # the answer's length
 
 
 @dataclass(frozen=True)
 class Conversation:
-    cid: int             # the trace index of its first request
+    cid: int  # the trace index of its first request
     turns: tuple[Turn, ...]
 
 
@@ -45,8 +46,9 @@ def scaled(n: int, scale: int) -> int:
     return max(1, -(-n // scale))
 
 
-def conversations(rows: Sequence[dict], scale: int = 16, max_prompt: int = 4096,
-                  min_turns: int = 2) -> list[Conversation]:
+def conversations(
+    rows: Sequence[dict], scale: int = 16, max_prompt: int = 4096, min_turns: int = 2
+) -> list[Conversation]:
     """The trace's multi-turn conversations, turns scaled by `scale` (512-token trace
     blocks become 32 tokens at 16). A conversation is cut where a turn's prompt plus answer
     would pass `max_prompt` tokens; those left with fewer than `min_turns` turns are dropped."""
@@ -58,8 +60,13 @@ def conversations(rows: Sequence[dict], scale: int = 16, max_prompt: int = 4096,
     for c in sorted(members):
         turns, length, prev_in, prev_out = [], 0, 0, 0
         for i in members[c]:
-            grown = scaled(rows[i]["input_length"], scale) - scaled(prev_in, scale) - scaled(prev_out, scale) \
-                if turns else scaled(rows[i]["input_length"], scale)
+            grown = (
+                scaled(rows[i]["input_length"], scale)
+                - scaled(prev_in, scale)
+                - scaled(prev_out, scale)
+                if turns
+                else scaled(rows[i]["input_length"], scale)
+            )
             turn = Turn(max(1, grown), scaled(rows[i]["output_length"], scale))
             if length + turn.new_tokens + turn.max_tokens > max_prompt:
                 break
@@ -79,7 +86,9 @@ def user_tokens(cid: int, turn: int, n: int, vocab: int = 1024) -> list[int]:
     return [r.randrange(2, vocab) for _ in range(n)]
 
 
-def next_prompt(prev_prompt: list[int], prev_answer: list[int], conv: Conversation, k: int) -> list[int]:
+def next_prompt(
+    prev_prompt: list[int], prev_answer: list[int], conv: Conversation, k: int
+) -> list[int]:
     """Turn k's prompt: turn k-1's prompt and answer, then turn k's new user tokens."""
     new = user_tokens(conv.cid, k, conv.turns[k].new_tokens)
     return (prev_prompt + prev_answer + new) if k else new
@@ -105,6 +114,7 @@ def route(policy: str, seq: int, cid: int, engines: int) -> int:
 def manifest_args(path: Path = MANIFEST) -> list[str]:
     """The `vllm serve` args of the engine manifest's vllm container (model first)."""
     import yaml
+
     for doc in yaml.safe_load_all(path.read_text()):
         if doc and doc.get("kind") == "Pod":
             for c in doc["spec"]["containers"]:
@@ -113,8 +123,13 @@ def manifest_args(path: Path = MANIFEST) -> list[str]:
     raise ValueError(f"no vllm container in {path}")
 
 
-def serve_args(model: str, port: int, connector: dict | None, extra: Sequence[str] = (),
-               manifest: Sequence[str] = ()) -> list[str]:
+def serve_args(
+    model: str,
+    port: int,
+    connector: dict | None,
+    extra: Sequence[str] = (),
+    manifest: Sequence[str] = (),
+) -> list[str]:
     """`vllm serve` args: the manifest's flags (its model, host and port replaced; its
     --kv-transfer-config replaced by `connector`, or left out when None), then `extra`."""
     args = [model, "--host=127.0.0.1", f"--port={port}"]
@@ -132,7 +147,7 @@ def serve_args(model: str, port: int, connector: dict | None, extra: Sequence[st
 
 def sidecar_connector(socket_url: str, manifest: Sequence[str] = ()) -> dict:
     """The manifest's --kv-transfer-config with the bench's sidecar socket."""
-    for a in (manifest or manifest_args()):
+    for a in manifest or manifest_args():
         if a.startswith("--kv-transfer-config="):
             cfg = json.loads(a.split("=", 1)[1])
             cfg["kv_connector_extra_config"]["sidecar_url"] = socket_url
@@ -148,13 +163,19 @@ def level_summary(recs: Sequence[dict], warmup: int) -> dict:
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
     e2e = [r["e2e"] for r in ok]
     span = (max(r["end"] for r in kept) - min(r["start"] for r in kept)) if kept else 0.0
-    return {"requests": len(kept), "errors": len(kept) - len(ok), "ttft_p50_s": lib.percentile(ttft, 50),
-            "ttft_p90_s": lib.percentile(ttft, 90), "ttft_p99_s": lib.percentile(ttft, 99),
-            "e2e_p50_s": lib.percentile(e2e, 50), "e2e_p99_s": lib.percentile(e2e, 99),
-            "req_s": len(ok) / span if span > 0 else None,
-            "out_tok_s": sum(r["out_tokens"] for r in ok) / span if span > 0 else None,
-            "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
-            "cached_tokens": sum(r.get("cached_tokens") or 0 for r in ok)}
+    return {
+        "requests": len(kept),
+        "errors": len(kept) - len(ok),
+        "ttft_p50_s": lib.percentile(ttft, 50),
+        "ttft_p90_s": lib.percentile(ttft, 90),
+        "ttft_p99_s": lib.percentile(ttft, 99),
+        "e2e_p50_s": lib.percentile(e2e, 50),
+        "e2e_p99_s": lib.percentile(e2e, 99),
+        "req_s": len(ok) / span if span > 0 else None,
+        "out_tok_s": sum(r["out_tokens"] for r in ok) / span if span > 0 else None,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in ok),
+    }
 
 
 def counters_agree(sidecar_pages: int, external_tokens: int, loads: int, block: int) -> bool:
@@ -175,16 +196,38 @@ def targets(rows: Sequence[dict], policy: str = "rr", level: int = TARGET_LEVEL)
         ratio = lib.ratio(a, b)
         met = None if ratio is None else (ratio >= limit if above else ratio <= limit)
         return {"target": name, "ratio": ratio, "limit": limit, "met": met}
-    out = [one(f"shared p50 TTFT / LMCache's at {level} users/engine",
-               shared and shared["ttft_p50_s"], lm and lm["ttft_p50_s"], TARGET_P50_VS_LMCACHE),
-           one(f"shared p50 TTFT / no connector's at {level} users/engine",
-               shared and shared["ttft_p50_s"], none and none["ttft_p50_s"], TARGET_P50_VS_NONE),
-           one(f"shared req/s / LMCache's at {level} users/engine",
-               shared and shared["req_s"], lm and lm["req_s"], 1.0, above=True)]
+
+    out = [
+        one(
+            f"shared p50 TTFT / LMCache's at {level} users/engine",
+            shared and shared["ttft_p50_s"],
+            lm and lm["ttft_p50_s"],
+            TARGET_P50_VS_LMCACHE,
+        ),
+        one(
+            f"shared p50 TTFT / no connector's at {level} users/engine",
+            shared and shared["ttft_p50_s"],
+            none and none["ttft_p50_s"],
+            TARGET_P50_VS_NONE,
+        ),
+        one(
+            f"shared req/s / LMCache's at {level} users/engine",
+            shared and shared["req_s"],
+            lm and lm["req_s"],
+            1.0,
+            above=True,
+        ),
+    ]
     for (arm, pol, lvl), r in sorted(at.items()):
         if arm == "shared" and pol == policy and (arm, pol, lvl) and ("none", pol, lvl) in at:
-            out.append(one(f"shared p99 TTFT / no connector's at {lvl} users/engine", r["ttft_p99_s"],
-                           at[("none", pol, lvl)]["ttft_p99_s"], 1.0))
+            out.append(
+                one(
+                    f"shared p99 TTFT / no connector's at {lvl} users/engine",
+                    r["ttft_p99_s"],
+                    at[("none", pol, lvl)]["ttft_p99_s"],
+                    1.0,
+                )
+            )
     return out
 
 

@@ -5,6 +5,7 @@
 Reads DIR/bench-serve.jsonl and DIR/requests-*.jsonl; writes DIR/bench-serve.md and
 DIR/ttft-cdf-<arm>.png (one line per fleet size, policy and level; warm-up dropped).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,29 @@ from pathlib import Path
 from loadtest import bench_engines_lib as lib
 from loadtest import bench_serve_lib as sl
 
-HEAD = ["engines", "arm", "policy", "users/engine", "requests", "errors", "TTFT p50 ms", "p90", "p99",
-        "e2e p50 ms", "e2e p99", "req/s", "out tok/s", "own cache tok", "beneath tok", "computed tok",
-        "sidecar pages hit", "agree", "cache CPU s", "cache RSS MiB", "load"]
+HEAD = [
+    "engines",
+    "arm",
+    "policy",
+    "users/engine",
+    "requests",
+    "errors",
+    "TTFT p50 ms",
+    "p90",
+    "p99",
+    "e2e p50 ms",
+    "e2e p99",
+    "req/s",
+    "out tok/s",
+    "own cache tok",
+    "beneath tok",
+    "computed tok",
+    "sidecar pages hit",
+    "agree",
+    "cache CPU s",
+    "cache RSS MiB",
+    "load",
+]
 
 
 def _ms(x) -> str:
@@ -27,24 +48,48 @@ def table(rows: list[dict]) -> str:
     out = []
     for r in rows:
         v, sc = r["vllm_tokens"], r["sidecar"]
-        out.append((r["engines"], r["arm"], r["policy"], r["users_per_engine"], r["requests"], r["errors"],
-                    _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["ttft_p99_s"]), _ms(r["e2e_p50_s"]),
-                    _ms(r["e2e_p99_s"]), f"{r['req_s']:.2f}" if r["req_s"] else "-",
-                    f"{r['out_tok_s']:.1f}" if r["out_tok_s"] else "-", f"{v['local_cache_hit']:,.0f}",
-                    f"{v['external_kv_transfer']:,.0f}", f"{v['local_compute']:,.0f}",
-                    sc["hits"] if r["arm"] in ("shared", "split") else "-",
-                    {None: "-", True: "yes", False: "NO"}[sc["agree"]], f"{r['cache_cpu_s']:.1f}",
-                    f"{r['cache_rss'] / 2**20:,.0f}" if r["cache_rss"] else "-", f"{r['load']:.1f}"))
+        out.append(
+            (
+                r["engines"],
+                r["arm"],
+                r["policy"],
+                r["users_per_engine"],
+                r["requests"],
+                r["errors"],
+                _ms(r["ttft_p50_s"]),
+                _ms(r["ttft_p90_s"]),
+                _ms(r["ttft_p99_s"]),
+                _ms(r["e2e_p50_s"]),
+                _ms(r["e2e_p99_s"]),
+                f"{r['req_s']:.2f}" if r["req_s"] else "-",
+                f"{r['out_tok_s']:.1f}" if r["out_tok_s"] else "-",
+                f"{v['local_cache_hit']:,.0f}",
+                f"{v['external_kv_transfer']:,.0f}",
+                f"{v['local_compute']:,.0f}",
+                sc["hits"] if r["arm"] in ("shared", "split") else "-",
+                {None: "-", True: "yes", False: "NO"}[sc["agree"]],
+                f"{r['cache_cpu_s']:.1f}",
+                f"{r['cache_rss'] / 2**20:,.0f}" if r["cache_rss"] else "-",
+                f"{r['load']:.1f}",
+            )
+        )
     return lib.table(HEAD, out)
 
 
 def report(outdir: Path, plot: bool = True) -> str:
-    rows = [json.loads(x) for x in (outdir / "bench-serve.jsonl").read_text().splitlines() if x.strip()]
-    parts = ["Served: vllm serve fleets under Locust (TTFT at the first streamed token)\n", table(rows)]
+    rows = [
+        json.loads(x) for x in (outdir / "bench-serve.jsonl").read_text().splitlines() if x.strip()
+    ]
+    parts = [
+        "Served: vllm serve fleets under Locust (TTFT at the first streamed token)\n",
+        table(rows),
+    ]
     for n in sorted({r["engines"] for r in rows}):
         mine = [r for r in rows if r["engines"] == n]
         for policy in sorted({r["policy"] for r in mine}):
-            parts.append(f"\nTargets, {n} engines, {policy}:\n" + sl.targets_text(sl.targets(mine, policy)))
+            parts.append(
+                f"\nTargets, {n} engines, {policy}:\n" + sl.targets_text(sl.targets(mine, policy))
+            )
     errors = sum(r["errors"] for r in rows)
     parts.append(f"\nErrors in all: {errors} (must be 0)")
     text = "\n".join(parts) + "\n"
@@ -58,6 +103,7 @@ def cdf_plots(outdir: Path, rows: list[dict]) -> None:
     """One figure per arm: the kept requests' TTFT CDF for each fleet size, policy, level."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -66,12 +112,20 @@ def cdf_plots(outdir: Path, rows: list[dict]) -> None:
     for arm in sorted({r["arm"] for r in rows}):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in (r for r in rows if r["arm"] == arm):
-            path = outdir / f"requests-{arm}-{r['engines']}-{r['policy']}-{r['users_per_engine']}.jsonl"
-            recs = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda x: x["end"])
-            ttft = sorted(x["ttft"] for x in recs[r["users"]:] if x.get("ttft") is not None)
+            path = (
+                outdir
+                / f"requests-{arm}-{r['engines']}-{r['policy']}-{r['users_per_engine']}.jsonl"
+            )
+            recs = sorted(
+                (json.loads(x) for x in path.read_text().splitlines()), key=lambda x: x["end"]
+            )
+            ttft = sorted(x["ttft"] for x in recs[r["users"] :] if x.get("ttft") is not None)
             if ttft:
-                ax.plot([t * 1e3 for t in ttft], [(i + 1) / len(ttft) for i in range(len(ttft))],
-                        label=f"{r['engines']} eng, {r['policy']}, {r['users_per_engine']} u/eng")
+                ax.plot(
+                    [t * 1e3 for t in ttft],
+                    [(i + 1) / len(ttft) for i in range(len(ttft))],
+                    label=f"{r['engines']} eng, {r['policy']}, {r['users_per_engine']} u/eng",
+                )
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")

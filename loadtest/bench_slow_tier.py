@@ -16,6 +16,7 @@ Prints one JSON line per arm (TTFT p50/p90/p99, ms, all rounds) and the verdict:
 p99 over the engine alone's, the median of `--rounds` rounds (target <= 1.05), the sidecar's
 restores_skipped, and the pages the rule still loaded (its probes of the slow tier).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,33 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def slow_sidecar(data: str, delay_ms: int) -> Proc:
     os.environ["KV_SIDECAR_TEST_READ_DELAY_MS"] = str(delay_ms)
     port, sock = free_port(), socket_path()
-    return Proc([sys.executable, "-m", "tests.engines.vllm.slow_tier", "serve", "--port", str(port),
-                 "--socket", sock, "--data-dir", data, "--host-pool", "1GiB", "--log-level", "warning"],
-                port, sock)
+    return Proc(
+        [
+            sys.executable,
+            "-m",
+            "tests.engines.vllm.slow_tier",
+            "serve",
+            "--port",
+            str(port),
+            "--socket",
+            sock,
+            "--data-dir",
+            data,
+            "--host-pool",
+            "1GiB",
+            "--log-level",
+            "warning",
+        ],
+        port,
+        sock,
+    )
 
 
 def summary(ms: list[float]) -> dict:
     return {f"p{q}": round(float(np.percentile(ms, q)), 1) for q in (50, 90, 99)} | {
-        "max": round(max(ms), 1), "n": len(ms)}
+        "max": round(max(ms), 1),
+        "n": len(ms),
+    }
 
 
 def main() -> None:
@@ -64,7 +84,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-slow-tier-")
     model = build(f"{tmp}/model", size=args.model_size)
     env = {"ENGINE_MAX_MODEL_LEN": str(args.length + 64), "ENGINE_KV_BYTES": str(256 << 20)}
-    rounds = prompts(args.prompts * args.rounds, args.length, 1)   # each round its own prompts
+    rounds = prompts(args.prompts * args.rounds, args.length, 1)  # each round its own prompts
     warm, norule = prompts(WARM, args.length, 2), prompts(10, args.length, 4)
     fresh = prompts(WARM, args.length, 3)
     data = f"{tmp}/data"
@@ -76,27 +96,33 @@ def main() -> None:
     SidecarClient(sc.url).request("POST", "/v1/flush")
     sc.stop()
     slow = slow_sidecar(data, args.delay_ms)
-    arms = {"none": Engine(model, "-", ENGINE_CONNECTOR="none", **env),
-            "rule": Engine(model, slow.socket_url, ENGINE_RESTORE_COST="1", **env)}
+    arms = {
+        "none": Engine(model, "-", ENGINE_CONNECTOR="none", **env),
+        "rule": Engine(model, slow.socket_url, ENGINE_RESTORE_COST="1", **env),
+    }
     ttft: dict[str, list[float]] = {arm: [] for arm in arms}
     try:
-        for e in arms.values():         # warm-up: prefills (timed), then the slow tier (timed)
+        for e in arms.values():  # warm-up: prefills (timed), then the slow tier (timed)
             for p in fresh + warm:
                 e.ask(op="ttft", prompt=p)
-        mine = SidecarClient(slow.socket_url)   # the engines' own namespaces
+        mine = SidecarClient(slow.socket_url)  # the engines' own namespaces
         loaded = sum(ns["hits"] for ns in mine.stats()["namespaces"].values())
         ratios = []
-        for r in range(args.rounds):     # each round: the engine alone, then the rule
+        for r in range(args.rounds):  # each round: the engine alone, then the rule
             got: dict[str, list[float]] = {arm: [] for arm in arms}
             for arm, e in arms.items():  # one arm after the other: two engines computing
-                for p in rounds[r * args.prompts:(r + 1) * args.prompts]:   # in turn slow each other
+                for p in rounds[
+                    r * args.prompts : (r + 1) * args.prompts
+                ]:  # in turn slow each other
                     got[arm].append(e.ask(op="ttft", prompt=p)["seconds"] * 1e3)
             ratios.append(float(np.percentile(got["rule"], 99) / np.percentile(got["none"], 99)))
             for arm in arms:
                 ttft[arm] += got[arm]
         stats = mine.stats()["namespaces"]
         skipped = sum(ns["restores_skipped"] for ns in stats.values())
-        loaded = sum(ns["hits"] for ns in stats.values()) - loaded   # pages the rule still loaded (probes)
+        loaded = (
+            sum(ns["hits"] for ns in stats.values()) - loaded
+        )  # pages the rule still loaded (probes)
         arms["none"].close()
         arms["rule"].close()
         no = Engine(model, slow.socket_url, ENGINE_RESTORE_COST="0", **env)
@@ -108,11 +134,24 @@ def main() -> None:
     for arm, s in out.items():
         print(json.dumps({"arm": arm, **s}))
     ratio = float(np.median(ratios))
-    print(json.dumps({"figure": "slow_tier_p99_ratio", "rule_over_none": round(ratio, 3), "limit": 1.05,
-                      "met": ratio <= 1.05, "rounds": [round(r, 3) for r in ratios],
-                      "pooled": round(out["rule"]["p99"] / out["none"]["p99"], 3),
-                      "restores_skipped": skipped, "pages_loaded_by_rule": loaded, "delay_ms": args.delay_ms,
-                      "length": args.length, "model": args.model_size, "cpus": os.cpu_count()}))
+    print(
+        json.dumps(
+            {
+                "figure": "slow_tier_p99_ratio",
+                "rule_over_none": round(ratio, 3),
+                "limit": 1.05,
+                "met": ratio <= 1.05,
+                "rounds": [round(r, 3) for r in ratios],
+                "pooled": round(out["rule"]["p99"] / out["none"]["p99"], 3),
+                "restores_skipped": skipped,
+                "pages_loaded_by_rule": loaded,
+                "delay_ms": args.delay_ms,
+                "length": args.length,
+                "model": args.model_size,
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ One sidecar process; in interleaved rounds, through `api.engine.client`:
 - shm set/get of 64 x 2 MiB a request from a sealed memfd (mmap + memmove) and from an
   unsealable memfd, as SGLang's allocator makes (pread/pwrite on the fd: no SIGBUS).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,9 +76,11 @@ def bench_small_moves(uds: SidecarClient, tcp: SidecarClient, rounds: int, n: in
             lat["uds_shm_get"] += timed(lambda keys=keys: uds.get("bs-small", keys, bid, slots), 1)
             tkeys = [k + "t" for k in keys]
             lat["tcp_inline_put"] += timed(
-                lambda tkeys=tkeys: [tcp.put_page("bs-small", k, data) for k in tkeys], 1)
+                lambda tkeys=tkeys: [tcp.put_page("bs-small", k, data) for k in tkeys], 1
+            )
             lat["tcp_inline_get"] += timed(
-                lambda tkeys=tkeys: [tcp.get_page("bs-small", k) for k in tkeys], 1)
+                lambda tkeys=tkeys: [tcp.get_page("bs-small", k) for k in tkeys], 1
+            )
     return {k: summary(v, pages * page) for k, v in lat.items()}
 
 
@@ -94,9 +97,11 @@ def bench_copy_modes(uds: SidecarClient, rounds: int) -> dict:
         for mode in bufs:
             keys = [f"{mode}-{r}-{i}" for i in range(pages)]
             lat.setdefault(f"{mode}_set", []).extend(
-                timed(lambda keys=keys, mode=mode: uds.set("bs-big", keys, bids[mode], slots), 1))
+                timed(lambda keys=keys, mode=mode: uds.set("bs-big", keys, bids[mode], slots), 1)
+            )
             lat.setdefault(f"{mode}_get", []).extend(
-                timed(lambda keys=keys, mode=mode: uds.get("bs-big", keys, bids[mode], slots), 1))
+                timed(lambda keys=keys, mode=mode: uds.get("bs-big", keys, bids[mode], slots), 1)
+            )
             uds.delete("bs-big", keys)
     return {k: summary(v, pages * page) for k, v in lat.items()}
 
@@ -112,9 +117,11 @@ def run(rounds: int, n: int) -> dict:
     try:
         uds = SidecarClient(side.socket_url, timeout=120, token=token)
         tcp = SidecarClient(side.url, timeout=120, token=token)
-        res = {"exists": bench_exists(uds, tcp, rounds, n, side.proc.pid),
-               "small_moves": bench_small_moves(uds, tcp, rounds, max(n // 10, 5)),
-               "copy_modes": bench_copy_modes(uds, rounds)}
+        res = {
+            "exists": bench_exists(uds, tcp, rounds, n, side.proc.pid),
+            "small_moves": bench_small_moves(uds, tcp, rounds, max(n // 10, 5)),
+            "copy_modes": bench_copy_modes(uds, rounds),
+        }
     finally:
         side.stop()
         os.unlink(f.name)
@@ -122,10 +129,13 @@ def run(rounds: int, n: int) -> dict:
     res["ratios"] = {
         "exists_uds_vs_tcp_req_s": e["uds"]["req_s"] / e["tcp"]["req_s"],
         "exists_uds_vs_tcp_p99": e["uds"]["p99_ms"] / e["tcp"]["p99_ms"],
-        "small_set_uds_shm_vs_tcp_inline_gb_s": s["uds_shm_set"]["gb_s"] / s["tcp_inline_put"]["gb_s"],
-        "small_get_uds_shm_vs_tcp_inline_gb_s": s["uds_shm_get"]["gb_s"] / s["tcp_inline_get"]["gb_s"],
+        "small_set_uds_shm_vs_tcp_inline_gb_s": s["uds_shm_set"]["gb_s"]
+        / s["tcp_inline_put"]["gb_s"],
+        "small_get_uds_shm_vs_tcp_inline_gb_s": s["uds_shm_get"]["gb_s"]
+        / s["tcp_inline_get"]["gb_s"],
         "fd_vs_mmap_set_gb_s": m["fd_set"]["gb_s"] / m["mmap_set"]["gb_s"],
-        "fd_vs_mmap_get_gb_s": m["fd_get"]["gb_s"] / m["mmap_get"]["gb_s"]}
+        "fd_vs_mmap_get_gb_s": m["fd_get"]["gb_s"] / m["mmap_get"]["gb_s"],
+    }
     return res
 
 

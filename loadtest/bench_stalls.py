@@ -12,6 +12,7 @@ measured in the same run (the red-team round of stop 43; docs/security.md).
 Ratios are ours over the limit: below the target is better. The pools are real (a memfd
 arena); no HTTP, no copy: what is measured is what runs on the event loop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ class arena:
         self.arena = Arena(pages * PAGE)
 
     def __enter__(self) -> HostPool:
-        return HostPool(self.arena, self.arena.size // 64)   # 64 segments
+        return HostPool(self.arena, self.arena.size // 64)  # 64 segments
 
     def __exit__(self, *exc) -> None:
         self.arena.close()
@@ -88,13 +89,15 @@ def neighbour(pages: int, keys: int) -> dict:
             a = host.create("a", PAGE, owner=1)
             fill(a, "a", pages if pinned else pages // 2)
             b = host.create("b", PAGE, owner=2)
-            fill(b, "b", 1)                       # b holds one segment, below its share
+            fill(b, "b", 1)  # b holds one segment, below its share
             seen = set()
             for key, e in list(a.ready.items()) if pinned else ():
                 if e.offset // host.segment_size not in seen:
                     seen.add(e.offset // host.segment_size)
                     a.pin(key)
-            out["ms" if pinned else "limit_ms"] = timed(lambda b=b: reserves(b, "n", keys, True)) * 1e3
+            out["ms" if pinned else "limit_ms"] = (
+                timed(lambda b=b: reserves(b, "n", keys, True)) * 1e3
+            )
     return out
 
 
@@ -107,14 +110,20 @@ def drop(pages: int) -> dict:
 
 
 def run(pages: int, keys: int) -> dict:
-    res = {"full_pool": full_pool(pages, keys), "neighbour": neighbour(pages, keys), "drop": drop(pages)}
+    res = {
+        "full_pool": full_pool(pages, keys),
+        "neighbour": neighbour(pages, keys),
+        "drop": drop(pages),
+    }
     for name, r in res.items():
         r["ratio"], r["target"] = r["ms"] / r["limit_ms"], TARGETS[name]
     return res
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--pages", type=int, default=65536, help="pages of the busy namespace (65,536)")
     p.add_argument("--keys", type=int, default=4096, help="keys of the set (4,096: the largest)")
     p.add_argument("--json", action="store_true")
@@ -122,8 +131,10 @@ def main(argv=None) -> int:
     res = run(args.pages, args.keys)
     for name, r in res.items():
         verdict = "met" if r["ratio"] <= r["target"] else "MISSED"
-        print(f"{name}: {r['ms']:.1f} ms vs {r['limit_ms']:.1f} ms -> {r['ratio']:.2f}x "
-              f"(target <= {r['target']}x: {verdict})")
+        print(
+            f"{name}: {r['ms']:.1f} ms vs {r['limit_ms']:.1f} ms -> {r['ratio']:.2f}x "
+            f"(target <= {r['target']}x: {verdict})"
+        )
     if args.json:
         print(orjson.dumps(res).decode())
     return 0

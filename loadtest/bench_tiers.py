@@ -7,6 +7,7 @@
 Same bytes, same thread count (--tier-threads), same directory's disk. Page cache is dropped
 (posix_fadvise DONTNEED) before each read phase, so reads come from the disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,8 +104,16 @@ def _timed_pass(args: tuple, buf: SharedBuffer, op: str, pages: int) -> float:
 
 def sidecar_write_read(directory: str, pages: int, threads: int) -> tuple[float, float]:
     """GB/s of write-through (set + flush) and of promotion (get after a restart)."""
-    args = ("--host-pool", "1GiB", "--data-dir", directory, "--tier-threads", str(threads),
-            "--segment-size", "64MiB")
+    args = (
+        "--host-pool",
+        "1GiB",
+        "--data-dir",
+        directory,
+        "--tier-threads",
+        str(threads),
+        "--segment-size",
+        "64MiB",
+    )
     buf = SharedBuffer(64 * PAGE)
     buf.bytes.fill_(3)
     write = _timed_pass(args, buf, "set", pages)
@@ -141,7 +150,9 @@ def recovery(directory: str, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dir", help="a directory on the disk to measure (default: a temp dir)")
     p.add_argument("--pages", type=int, default=256, help="2 MiB pages a round (256)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are medians")
@@ -162,20 +173,33 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     med = lambda i: statistics.median(x[i] for x in rounds)  # noqa: E731
-    res = {"bytes": args.pages * PAGE, "threads": args.threads, "rounds": len(rounds),
-           "raw_write_gbps": med(0), "raw_read_gbps": med(1),
-           "write_through_gbps": med(2), "promotion_gbps": med(3),
-           "write_ratio": statistics.median(x[2] / x[0] for x in rounds),
-           "read_ratio": statistics.median(x[3] / x[1] for x in rounds), "recovery": rec}
+    res = {
+        "bytes": args.pages * PAGE,
+        "threads": args.threads,
+        "rounds": len(rounds),
+        "raw_write_gbps": med(0),
+        "raw_read_gbps": med(1),
+        "write_through_gbps": med(2),
+        "promotion_gbps": med(3),
+        "write_ratio": statistics.median(x[2] / x[0] for x in rounds),
+        "read_ratio": statistics.median(x[3] / x[1] for x in rounds),
+        "recovery": rec,
+    }
     side_w, side_r, raw_w, raw_r = med(2), med(3), med(0), med(1)
     mib = res["bytes"] / 2**20
     print(f"medians of {len(rounds)} rounds")
-    print(f"write-through {mib:.0f} MiB, {args.threads} threads: {side_w:.2f} GB/s vs raw O_DIRECT write "
-          f"{raw_w:.2f} GB/s -> {res['write_ratio']:.2f}x (target >= 0.7x)")
-    print(f"promotion {mib:.0f} MiB: {side_r:.2f} GB/s vs raw O_DIRECT read {raw_r:.2f} GB/s -> "
-          f"{res['read_ratio']:.2f}x (target >= 0.7x)")
-    print(f"recovery of {rec['pages']} pages: index rebuilt in {rec['recover_s']:.2f} s; "
-          f"process start to ready {rec['start_to_ready_s']:.2f} s")
+    print(
+        f"write-through {mib:.0f} MiB, {args.threads} threads: {side_w:.2f} GB/s vs raw O_DIRECT write "
+        f"{raw_w:.2f} GB/s -> {res['write_ratio']:.2f}x (target >= 0.7x)"
+    )
+    print(
+        f"promotion {mib:.0f} MiB: {side_r:.2f} GB/s vs raw O_DIRECT read {raw_r:.2f} GB/s -> "
+        f"{res['read_ratio']:.2f}x (target >= 0.7x)"
+    )
+    print(
+        f"recovery of {rec['pages']} pages: index rebuilt in {rec['recover_s']:.2f} s; "
+        f"process start to ready {rec['start_to_ready_s']:.2f} s"
+    )
     if args.json:
         print(orjson.dumps(res).decode())
     return 0

@@ -8,6 +8,7 @@ loaded through a real sidecar; each round times the connector's copy into stagin
 sidecar's `get` into the same slots, and the copy from staging into the KV blocks. The
 staging copies are what placing vLLM's own KV pool in shared memory would save.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ def main() -> None:
     caches = {f"l{i}": torch.randn(n, 4, 32, 256) for i in range(args.layers)}
     layout = PageLayout.of(caches, n)
     spec = namespace_spec(EngineScope("bench", "float32", 32, "CPU_ATTN", "sha256/32", {}), layout)
-    sidecar = start_sidecar("--no-file-tier", "--host-pool", f"{2 * n * layout.page_bytes >> 20}MiB")
+    sidecar = start_sidecar(
+        "--no-file-tier", "--host-pool", f"{2 * n * layout.page_bytes >> 20}MiB"
+    )
     w = WorkerSide(SidecarClient(sidecar.socket_url), layout, spec, args.pages)
     try:
         keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(args.pages)]
@@ -47,7 +50,7 @@ def main() -> None:
         b = torch.empty_like(a).fill_(2)
         for _ in range(args.rounds):
             t = time.perf_counter()
-            b.copy_(a)                       # the limit: one contiguous copy of the same bytes
+            b.copy_(a)  # the limit: one contiguous copy of the same bytes
             plain.append(time.perf_counter() - t)
             t0 = time.perf_counter()
             layout.to_staging(w.windows, blocks, slots)
@@ -58,11 +61,13 @@ def main() -> None:
             out.append(t1 - t0), get.append(t2 - t1), into.append(time.perf_counter() - t2)
         mb = args.pages * layout.page_bytes / 1e6
         o, g, i, p = (statistics.median(x) for x in (out, get, into, plain))
-        print(f"{args.pages} pages of {layout.page_bytes >> 10} KiB ({mb:.0f} MB), medians of {args.rounds}: "
-              f"KV->staging {o * 1e3:.1f} ms ({mb / o / 1e3:.1f} GB/s), sidecar get {g * 1e3:.1f} ms, "
-              f"staging->KV {i * 1e3:.1f} ms ({mb / i / 1e3:.1f} GB/s); a load is get + staging->KV: "
-              f"staging is {i / (g + i):.0%} of it. One plain copy of the bytes: {p * 1e3:.1f} ms "
-              f"({mb / p / 1e3:.1f} GB/s): staging copies run at {p / o:.2f}x and {p / i:.2f}x of it")
+        print(
+            f"{args.pages} pages of {layout.page_bytes >> 10} KiB ({mb:.0f} MB), medians of {args.rounds}: "
+            f"KV->staging {o * 1e3:.1f} ms ({mb / o / 1e3:.1f} GB/s), sidecar get {g * 1e3:.1f} ms, "
+            f"staging->KV {i * 1e3:.1f} ms ({mb / i / 1e3:.1f} GB/s); a load is get + staging->KV: "
+            f"staging is {i / (g + i):.0%} of it. One plain copy of the bytes: {p * 1e3:.1f} ms "
+            f"({mb / p / 1e3:.1f} GB/s): staging copies run at {p / o:.2f}x and {p / i:.2f}x of it"
+        )
         direct(args, sidecar, spec, keys, blocks, p)
     finally:
         w.close()
@@ -75,10 +80,12 @@ def direct(args, sidecar, spec: dict, keys: list[str], blocks: list[int], plain:
     faults on its new mapping; the median is of the runs after it."""
     n = args.pages + 2
     per_layer = n * 4 * 32 * 256 * 4
-    with KvArena() as arena:                 # vLLM's one allocation, LBHNC: layer-major
+    with KvArena() as arena:  # vLLM's one allocation, LBHNC: layer-major
         raw = torch.zeros(args.layers * per_layer, dtype=torch.int8)
-    caches = {f"l{i}": raw[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(n, 4, 32, 256)
-              for i in range(args.layers)}
+    caches = {
+        f"l{i}": raw[i * per_layer : (i + 1) * per_layer].view(torch.float32).view(n, 4, 32, 256)
+        for i in range(args.layers)
+    }
     layout = PageLayout.of(caches, n)
     w = WorkerSide(SidecarClient(sidecar.socket_url), layout, spec, 8, arena.holding(layout.views))
     try:
@@ -90,9 +97,11 @@ def direct(args, sidecar, spec: dict, keys: list[str], blocks: list[int], plain:
             assert not w.take_load_errors()
         mb = args.pages * layout.page_bytes / 1e6
         d = statistics.median(times[1:])
-        print(f"KV cache in the memfd ({len(kv_chunks(layout, w.kv_buffer))} chunks a page): load {d * 1e3:.1f} ms "
-              f"({mb / d / 1e3:.1f} GB/s, {plain / d:.2f}x the plain copy), the first one "
-              f"{times[0] * 1e3:.1f} ms (the sidecar's page faults on its new mapping)")
+        print(
+            f"KV cache in the memfd ({len(kv_chunks(layout, w.kv_buffer))} chunks a page): load {d * 1e3:.1f} ms "
+            f"({mb / d / 1e3:.1f} GB/s, {plain / d:.2f}x the plain copy), the first one "
+            f"{times[0] * 1e3:.1f} ms (the sidecar's page faults on its new mapping)"
+        )
     finally:
         w.close()
 

@@ -19,6 +19,7 @@ again. `--events` turns KV events on in both (`ipc://` sockets in the workdir, n
 subscriber). Exit status 1 on any violation (see chaos_ledger.VIOLATIONS); the last line printed
 is `CHAOS-SUMMARY {json}`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,20 +60,37 @@ class Soak:
         self.workdir = args.workdir or tempfile.mkdtemp(prefix="kv-chaos-")
         self.disk = Disk(os.path.join(self.workdir, "tier"), parse_size(args.disk_size))
         self.ledger = Ledger(args.seed, args.page_bytes)
-        tier_cap = str(int(self.disk.size * 0.4))   # each; pages of 4 KiB take 8 KiB on disk
-        extra = ["--host-pool", args.host_pool, "--file-tier-size", tier_cap, "--shutdown-timeout", "30"]
+        tier_cap = str(int(self.disk.size * 0.4))  # each; pages of 4 KiB take 8 KiB on disk
+        extra = [
+            "--host-pool",
+            args.host_pool,
+            "--file-tier-size",
+            tier_cap,
+            "--shutdown-timeout",
+            "30",
+        ]
         self.procs = {}
         for name, policy in (("wt", "write_through"), ("wb", "write_back")):
             node = Node(name, policy)
             # write_through with a short write queue: sets wait for room while the other
             # tenant's sets evict (issue 26, item 1: acknowledged pages lost there before)
             more = ["--write-queue-pages", "8"] if policy == "write_through" else []
-            if args.events:   # KV events on ipc:// sockets in the (private) workdir
+            if args.events:  # KV events on ipc:// sockets in the (private) workdir
                 ev = os.path.join(self.workdir, f"{name}-ev")
-                more += ["--kv-events", f"ipc://{ev}.pub", "--kv-events-replay", f"ipc://{ev}.replay",
-                         "--kv-events-buffer-bytes", "8MiB"]
-            self.procs[name] = SidecarProcess(node, os.path.join(self.disk.root, name),
-                                              os.path.join(self.workdir, f"{name}.log"), extra + more)
+                more += [
+                    "--kv-events",
+                    f"ipc://{ev}.pub",
+                    "--kv-events-replay",
+                    f"ipc://{ev}.replay",
+                    "--kv-events-buffer-bytes",
+                    "8MiB",
+                ]
+            self.procs[name] = SidecarProcess(
+                node,
+                os.path.join(self.disk.root, name),
+                os.path.join(self.workdir, f"{name}.log"),
+                extra + more,
+            )
         self.tenant = None
         self.faults: list[dict] = []
         self.filling, self.fill_epoch, self.busy = False, 0, set()
@@ -114,16 +132,16 @@ class Soak:
             client.put_namespace(ns, pb, **self.world.spec(ns))
             bid = buf.register(client, ns, BATCH, page_first_chunks(pb))
             for i in range(0, len(pages), BATCH):
-                self.poll(sp)                  # the tier's evictions so far bound its misses
-                part, sent = pages[i:i + BATCH], self.world.now()
+                self.poll(sp)  # the tier's evictions so far bound its misses
+                part, sent = pages[i : i + BATCH], self.world.now()
                 loaded = self._get(client, ns, [p.key for p in part], bid)
                 if loaded is None:
-                    continue                   # counted: an error is no verdict on the pages
+                    continue  # counted: an error is no verdict on the pages
                 for slot, (page, ok) in enumerate(zip(part, loaded, strict=False)):
                     if ok:
                         self.ledger.served(ns, page.key, buf.view(slot * pb, pb))
                     if page.inflight or page.last_start >= sent or (page.deleted_at or 0) >= sent:
-                        continue               # a user set or deleted it during the get
+                        continue  # a user set or deleted it during the get
                     self.ledger.judge(sp.node, page, bool(ok))
             client.release_buffer(ns, bid)
         finally:
@@ -154,8 +172,13 @@ class Soak:
             sp.node.poll(c.stats())
             epoch, before, start = self.fill_epoch, sp.node.failed_seen, self.world.now()
             status, body = c.request("POST", "/v1/flush?timeout=30", ok=(504,))
-            if (status == 200 and body.get("failed", 0) == before and not self.filling
-                    and epoch == self.fill_epoch and sp.node.name not in self.busy):
+            if (
+                status == 200
+                and body.get("failed", 0) == before
+                and not self.filling
+                and epoch == self.fill_epoch
+                and sp.node.name not in self.busy
+            ):
                 self.ledger.flushed(sp.node, start)
         except SidecarUnavailable:
             pass
@@ -191,7 +214,9 @@ class Soak:
             else:
                 t = self.world.now()
                 rc = sp.terminate()
-                f = self.record("sigterm", sp.node.name, rc=rc, stop_s=round(self.world.now() - t, 2))
+                f = self.record(
+                    "sigterm", sp.node.name, rc=rc, stop_s=round(self.world.now() - t, 2)
+                )
                 # a set sent before the exit and answered true was owed a write
                 sp.node.stops.append((self.world.now(), "sigterm" if rc == 0 else "sigkill"))
                 if rc != 0:
@@ -224,7 +249,7 @@ class Soak:
         self.ledger.taint_since(start)
         self.fill_epoch += 1
         self.filling = False
-        for sp in self.procs.values():         # what a failed write lost is missing now
+        for sp in self.procs.values():  # what a failed write lost is missing now
             self.check(sp, self.world.now())
 
     def ns_delete(self, ns: str) -> None:
@@ -267,7 +292,7 @@ class Soak:
             self.ledger.served(ns, keys[0], page)
         elif stored and page is None:
             self.ledger.note("stalled_set_lost", f"{ns}/{keys[0]}", node=sp.node.name)
-        self.ledger.unknown(ns, [keys[0]])   # judged here, not again
+        self.ledger.unknown(ns, [keys[0]])  # judged here, not again
 
     def _set_one(self, sp: SidecarProcess, ns: str, key: str) -> bool:
         """A set, over shm, of a key whose upload is stalled; recorded in the ledger."""
@@ -355,34 +380,64 @@ def summary(soak: Soak, elapsed: float) -> dict:
     led, w = soak.ledger, soak.world
     kinds = {k: sum(f["kind"] == k for f in soak.faults) for k in KINDS}
     violations = {k: led.counts.get(k, 0) for k in (*VIOLATIONS, "bad_exit", "check_unavailable")}
-    bound = {sp.node.name: parse_size(soak.args.host_pool) // soak.args.page_bytes + 256
-             for sp in soak.procs.values()}
-    return {"seed": soak.args.seed, "duration_s": round(elapsed, 1), "disk": soak.disk.mode,
-            "requests": w.counts["requests"], "unavailable": w.counts["unavailable"],
-            "http_4xx": w.counts["http_4xx"], "no_room_507": w.counts["no_room_507"],
-            "not_ready_503": w.counts["not_ready_503"], "gone_404": w.counts["gone_404"],
-            "faults": kinds, "faults_total": len(soak.faults), "pages": len(led.pages),
-            "pages_checked": led.counts["pages_checked"], "checks": led.counts["checks"],
-            "losses": sum(v for k, v in violations.items()
-                          if k.startswith("lost") or k == "stalled_set_lost"),
-            "violations": violations, "violations_by_node": led.by_node,
-            "allowed": {"sigkill_not_durable": led.counts["allowed_sigkill"],
-                        "disk_full_not_durable": led.counts["allowed_disk_full"],
-                        "evicted_by_tier": led.counts["evicted_by_tier"],
-                        "sigkill_bound_per_kill": bound},
-            "tier": {sp.node.name: {"evictions": sp.node.tier_evictions, "write_failed": sp.node.failed,
-                                    "write_dropped": sp.node.dropped, "incarnations": sp.incarnations}
-                     for sp in soak.procs.values()},
-            "tenants": {"engines": f"this process (uid {os.geteuid()})",
-                        "second": soak.tenant.describe() if soak.tenant else None},
-            "fault_log": soak.faults, "examples": led.examples, "errors_4xx": w.errors[:10], "workdir": soak.workdir}
+    bound = {
+        sp.node.name: parse_size(soak.args.host_pool) // soak.args.page_bytes + 256
+        for sp in soak.procs.values()
+    }
+    return {
+        "seed": soak.args.seed,
+        "duration_s": round(elapsed, 1),
+        "disk": soak.disk.mode,
+        "requests": w.counts["requests"],
+        "unavailable": w.counts["unavailable"],
+        "http_4xx": w.counts["http_4xx"],
+        "no_room_507": w.counts["no_room_507"],
+        "not_ready_503": w.counts["not_ready_503"],
+        "gone_404": w.counts["gone_404"],
+        "faults": kinds,
+        "faults_total": len(soak.faults),
+        "pages": len(led.pages),
+        "pages_checked": led.counts["pages_checked"],
+        "checks": led.counts["checks"],
+        "losses": sum(
+            v for k, v in violations.items() if k.startswith("lost") or k == "stalled_set_lost"
+        ),
+        "violations": violations,
+        "violations_by_node": led.by_node,
+        "allowed": {
+            "sigkill_not_durable": led.counts["allowed_sigkill"],
+            "disk_full_not_durable": led.counts["allowed_disk_full"],
+            "evicted_by_tier": led.counts["evicted_by_tier"],
+            "sigkill_bound_per_kill": bound,
+        },
+        "tier": {
+            sp.node.name: {
+                "evictions": sp.node.tier_evictions,
+                "write_failed": sp.node.failed,
+                "write_dropped": sp.node.dropped,
+                "incarnations": sp.incarnations,
+            }
+            for sp in soak.procs.values()
+        },
+        "tenants": {
+            "engines": f"this process (uid {os.geteuid()})",
+            "second": soak.tenant.describe() if soak.tenant else None,
+        },
+        "fault_log": soak.faults,
+        "examples": led.examples,
+        "errors_4xx": w.errors[:10],
+        "workdir": soak.workdir,
+    }
 
 
 def run(args) -> int:
     logging.getLogger("locust").setLevel(logging.WARNING)
     soak, t0 = Soak(args), time.monotonic()
-    print(f"chaos soak: seed {args.seed}, {args.duration:.0f} s, disk {soak.disk.mode}, "
-          f"workdir {soak.workdir}", flush=True)
+    print(
+        f"chaos soak: seed {args.seed}, {args.duration:.0f} s, disk {soak.disk.mode}, "
+        f"workdir {soak.workdir}",
+        flush=True,
+    )
     try:
         soak.start()
         ChaosEngine.world = soak.world
@@ -407,14 +462,21 @@ def run(args) -> int:
 
 
 def print_summary(out: dict) -> None:
-    print(f"duration {out['duration_s']} s | requests {out['requests']} (unavailable during restarts "
-          f"{out['unavailable']}, 503 not_ready {out['not_ready_503']}, 404 {out['gone_404']}, "
-          f"other 4xx {out['http_4xx']}, "
-          f"507 {out['no_room_507']})")
-    print("faults " + ", ".join(f"{k} {v}" for k, v in out["faults"].items())
-          + f" (total {out['faults_total']})")
-    print(f"pages {out['pages']}, checked {out['pages_checked']} in {out['checks']} checks, "
-          f"losses {out['losses']}")
+    print(
+        f"duration {out['duration_s']} s | requests {out['requests']} (unavailable during restarts "
+        f"{out['unavailable']}, 503 not_ready {out['not_ready_503']}, 404 {out['gone_404']}, "
+        f"other 4xx {out['http_4xx']}, "
+        f"507 {out['no_room_507']})"
+    )
+    print(
+        "faults "
+        + ", ".join(f"{k} {v}" for k, v in out["faults"].items())
+        + f" (total {out['faults_total']})"
+    )
+    print(
+        f"pages {out['pages']}, checked {out['pages_checked']} in {out['checks']} checks, "
+        f"losses {out['losses']}"
+    )
     print("violations " + ", ".join(f"{k} {v}" for k, v in out["violations"].items()))
     print(f"violations by node {out['violations_by_node']}")
     print(f"allowed by design {out['allowed']}")
@@ -435,11 +497,19 @@ def main(argv=None) -> int:
     p.add_argument("--page-bytes", type=int, default=4096)
     p.add_argument("--host-pool", default="16MiB")
     p.add_argument("--disk-size", default="1GiB", help="the tiers' tmpfs (both sidecars)")
-    p.add_argument("--think", type=float, default=0.1, help="mean seconds each user waits between tasks")
-    p.add_argument("--gap", type=float, default=0.0,
-                   help="mean seconds between faults (default: duration/16, 2..20)")
+    p.add_argument(
+        "--think", type=float, default=0.1, help="mean seconds each user waits between tasks"
+    )
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        help="mean seconds between faults (default: duration/16, 2..20)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temp workdir")
-    p.add_argument("--events", action="store_true", help="KV events on (ipc:// sockets, no subscriber)")
+    p.add_argument(
+        "--events", action="store_true", help="KV events on (ipc:// sockets, no subscriber)"
+    )
     return run(p.parse_args(argv))
 
 

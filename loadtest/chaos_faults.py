@@ -7,6 +7,7 @@ that can really fill up, and uploads that stall half way.
         filler         the disk-fill fault's file, taking every free byte while it lasts
       wt.log wb.log    each sidecar's stderr, all incarnations
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ class SidecarProcess:
         self.node, self.data_dir, self.extra = node, data_dir, extra
         self.port = free_port()
         self.sock = os.path.join(tempfile.mkdtemp(prefix="kvc-"), "s.sock")
-        os.chmod(os.path.dirname(self.sock), 0o755)    # the second tenant (another uid) connects
+        os.chmod(os.path.dirname(self.sock), 0o755)  # the second tenant (another uid) connects
         self.log = open(log_path, "ab")  # noqa: SIM115 (each incarnation of the sidecar writes it)
         self.proc: Proc | None = None
         self.incarnations = 0
@@ -45,9 +46,23 @@ class SidecarProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), "--socket", self.sock,
-               "--log-level", "warning", "--data-dir", self.data_dir,
-               "--write-policy", self.node.policy, *self.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "serve",
+            "--port",
+            str(self.port),
+            "--socket",
+            self.sock,
+            "--log-level",
+            "warning",
+            "--data-dir",
+            self.data_dir,
+            "--write-policy",
+            self.node.policy,
+            *self.extra,
+        ]
         self.log.write(f"--- start {self.incarnations}\n".encode())
         self.log.flush()
         self.proc = Proc(cmd, self.port, self.sock)
@@ -93,8 +108,11 @@ class Disk:
         self.root, self.size, self.mounted = root, size, False
         os.makedirs(root, exist_ok=True)
         if os.geteuid() == 0:
-            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", root],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", root],
+                capture_output=True,
+                text=True,
+            )
             self.mounted = r.returncode == 0
             self.why = "" if self.mounted else r.stderr.strip()
         else:
@@ -121,7 +139,7 @@ class Disk:
                         raise
                     if len(chunk) <= 4096:
                         return taken
-                    chunk = chunk[:len(chunk) // 4]
+                    chunk = chunk[: len(chunk) // 4]
         finally:
             os.close(fd)
 
@@ -151,8 +169,10 @@ def stall_uploads(path: str, ns: str, keys: list[str], pages: list[bytes]) -> li
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(5)
         s.connect(path)
-        head = (f"PUT /v1/namespaces/{ns}/pages/{key} HTTP/1.1\r\nHost: chaos\r\n"
-                f"Content-Type: application/octet-stream\r\nContent-Length: {len(page)}\r\n\r\n")
-        s.sendall(head.encode() + page[:len(page) // 2])
+        head = (
+            f"PUT /v1/namespaces/{ns}/pages/{key} HTTP/1.1\r\nHost: chaos\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {len(page)}\r\n\r\n"
+        )
+        s.sendall(head.encode() + page[: len(page) // 2])
         socks.append(s)
     return socks

@@ -18,6 +18,7 @@ first stop after the set was sent was a SIGKILL), allowed by a full disk (tainte
 by the writes the sidecar counted failed), or evicted by the tier (bounded by the tier's own
 eviction counter).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,11 +36,11 @@ class Page:
     key: str
     acked: bool = False
     acked_at: float = 0.0
-    acked_start: float = 0.0           # when the set that acknowledged it was sent
+    acked_start: float = 0.0  # when the set that acknowledged it was sent
     last_start: float = 0.0
     last_end: float = 0.0
     inflight: int = 0
-    durable: str | None = None      # how: "flag" | "flush" (a clean stop: see `judge`)
+    durable: str | None = None  # how: "flag" | "flush" (a clean stop: see `judge`)
     tainted: bool = False
     deleted_at: float | None = None
     ambiguous: bool = False
@@ -48,13 +49,14 @@ class Page:
 @dataclass
 class Node:
     """One sidecar process (restarted in place): its policy and its history of faults."""
+
     name: str
     policy: str
-    stops: list = field(default_factory=list)   # (time, "sigkill" | "sigterm") of each stop
-    tier_evictions: int = 0            # summed over incarnations (last poll of each)
-    evictions_seen: int = 0            # this incarnation's last poll
+    stops: list = field(default_factory=list)  # (time, "sigkill" | "sigterm") of each stop
+    tier_evictions: int = 0  # summed over incarnations (last poll of each)
+    evictions_seen: int = 0  # this incarnation's last poll
     evictions_used: int = 0
-    failed: int = 0                    # writer failures, summed over incarnations
+    failed: int = 0  # writer failures, summed over incarnations
     failed_seen: int = 0
     failed_used: int = 0
     dropped: int = 0
@@ -74,8 +76,17 @@ class Node:
         self.evictions_seen = self.failed_seen = self.dropped_seen = 0
 
 
-VIOLATIONS = ("wrong_bytes", "lost_durable_flag", "lost_durable_flush", "lost_after_sigterm",
-              "lost_running", "deleted_came_back", "http_5xx", "stalled_set_lost", "temps_left")
+VIOLATIONS = (
+    "wrong_bytes",
+    "lost_durable_flag",
+    "lost_durable_flush",
+    "lost_after_sigterm",
+    "lost_running",
+    "deleted_came_back",
+    "http_5xx",
+    "stalled_set_lost",
+    "temps_left",
+)
 
 
 class Ledger:
@@ -84,12 +95,13 @@ class Ledger:
     def __init__(self, seed: int, page_bytes: int):
         self.seed, self.page_bytes = seed, page_bytes
         self.pages: dict[tuple[str, str], Page] = {}
-        self.owner: dict[str, Node] = {}           # namespace -> node
+        self.owner: dict[str, Node] = {}  # namespace -> node
         self.counts = {k: 0 for k in VIOLATIONS}
-        self.counts.update(allowed_sigkill=0, allowed_disk_full=0, evicted_by_tier=0,
-                           pages_checked=0, checks=0)
+        self.counts.update(
+            allowed_sigkill=0, allowed_disk_full=0, evicted_by_tier=0, pages_checked=0, checks=0
+        )
         self.examples: dict[str, list[str]] = {}
-        self.by_node: dict[str, dict[str, int]] = {}   # violation -> node name -> count
+        self.by_node: dict[str, dict[str, int]] = {}  # violation -> node name -> count
 
     def bytes_of(self, ns: str, key: str) -> bytes:
         return payload(self.seed, ns, key, self.page_bytes)
@@ -115,7 +127,9 @@ class Ledger:
             p.inflight += 1
             p.last_start = max(p.last_start, t)
 
-    def set_done(self, ns: str, keys, stored, start: float, t: float, durable: bool = False) -> None:
+    def set_done(
+        self, ns: str, keys, stored, start: float, t: float, durable: bool = False
+    ) -> None:
         """`stored` None: the set failed (no answer); the page's fate is unknown."""
         for i, k in enumerate(keys):
             p = self._page(ns, k)
@@ -124,16 +138,16 @@ class Ledger:
             ok = stored is not None and stored[i]
             if p.deleted_at is not None:
                 if start < p.deleted_at:
-                    p.ambiguous = True     # raced with the delete: either answer is right
+                    p.ambiguous = True  # raced with the delete: either answer is right
                     continue
                 if stored is None:
-                    p.ambiguous = True     # sent after the delete, fate unknown
+                    p.ambiguous = True  # sent after the delete, fate unknown
                     continue
-                p.deleted_at = None        # stored again after the delete
+                p.deleted_at = None  # stored again after the delete
             if stored is None and not p.acked:
-                p.ambiguous = True         # a set without an answer may have stored it
+                p.ambiguous = True  # a set without an answer may have stored it
             if ok:
-                if not p.acked:                # a fresh store: its own fate from here
+                if not p.acked:  # a fresh store: its own fate from here
                     p.tainted, p.durable = False, None
                 p.acked, p.acked_at, p.acked_start = True, t, start
                 if durable and p.durable is None:
@@ -141,8 +155,11 @@ class Ledger:
 
     def deleted(self, ns: str, keys, start: float, end: float) -> None:
         """A delete (keys, or None for the whole namespace) answered at `end`."""
-        pages = [self._page(ns, k) for k in keys] if keys is not None else \
-            [p for p in self.pages.values() if p.ns == ns]
+        pages = (
+            [self._page(ns, k) for k in keys]
+            if keys is not None
+            else [p for p in self.pages.values() if p.ns == ns]
+        )
         for p in pages:
             if p.inflight or p.last_end >= start:
                 p.ambiguous = True
@@ -164,7 +181,13 @@ class Ledger:
         if node.policy != "write_through":
             return 0
         for p in self._node_pages(node):
-            if p.acked and not p.durable and not p.tainted and not p.inflight and p.last_end < start:
+            if (
+                p.acked
+                and not p.durable
+                and not p.tainted
+                and not p.inflight
+                and p.last_end < start
+            ):
                 p.durable, n = "flush", n + 1
         return n
 
@@ -182,8 +205,14 @@ class Ledger:
     # -- verdicts ---------------------------------------------------------------------
     def settled(self, node: Node, before: float) -> list[Page]:
         """Pages of `node` whose state is known at `before` (no set in flight)."""
-        return [p for p in self._node_pages(node) if not p.ambiguous and not p.inflight
-                and p.last_end < before and (p.acked or p.deleted_at is not None)]
+        return [
+            p
+            for p in self._node_pages(node)
+            if not p.ambiguous
+            and not p.inflight
+            and p.last_end < before
+            and (p.acked or p.deleted_at is not None)
+        ]
 
     def served(self, ns: str, key: str, got) -> bool:
         """A page answered present: check its bytes (a mismatch is a violation)."""
@@ -200,28 +229,34 @@ class Ledger:
         if page.deleted_at is not None:
             if present:
                 self.note("deleted_came_back", where, node=node.name)
-                page.ambiguous = True      # count it once
+                page.ambiguous = True  # count it once
             return
         if present:
             if node.policy == "write_back":
-                page.tainted = False           # in the host pool after the fill: written later
+                page.tainted = False  # in the host pool after the fill: written later
             return
         stop = next((how for t, how in node.stops if t > page.acked_start), None)
         if not page.durable and stop == "sigkill":
-            self.counts["allowed_sigkill"] += 1      # first, so it spends no budget below
+            self.counts["allowed_sigkill"] += 1  # first, so it spends no budget below
         elif node.tier_evictions > node.evictions_used:
             node.evictions_used += 1
             self.counts["evicted_by_tier"] += 1
         elif page.tainted and not page.durable and node.failed > node.failed_used:
-            node.failed_used += 1          # its write may be one the sidecar counted failed
+            node.failed_used += 1  # its write may be one the sidecar counted failed
             self.counts["allowed_disk_full"] += 1
         elif page.durable:
-            self.note({"flag": "lost_durable_flag", "flush": "lost_durable_flush"}[page.durable],
-                      where, node=node.name)
+            self.note(
+                {"flag": "lost_durable_flag", "flush": "lost_durable_flush"}[page.durable],
+                where,
+                node=node.name,
+            )
         elif stop == "sigterm":
             self.note("lost_after_sigterm", where, node=node.name)
         else:
-            self.note("lost_running", f"{where} set {page.acked_start:.2f}-{page.acked_at:.2f}s, "
-                      f"tainted {page.tainted}, last stop {node.stops[-1] if node.stops else None}",
-                      node=node.name)
-        page.acked, page.durable, page.tainted = False, None, False   # gone: counted once
+            self.note(
+                "lost_running",
+                f"{where} set {page.acked_start:.2f}-{page.acked_at:.2f}s, "
+                f"tainted {page.tainted}, last stop {node.stops[-1] if node.stops else None}",
+                node=node.name,
+            )
+        page.acked, page.durable, page.tainted = False, None, False  # gone: counted once

@@ -14,6 +14,7 @@ soak's clock (`time.monotonic() - t0`), which the soak applies to its ledger:
 
 A page's bytes are the ledger's (`chaos_ledger.payload`), so the soak checks what it reads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,12 @@ class Tenant:
     def setup(self) -> bool:
         a = self.args
         try:
-            self.client.put_namespace(a.ns, a.page_bytes, model="chaos", page_tokens=16,
-                                      share_gid=a.share_gid)
-            self.bid = self.buf.register(self.client, a.ns, a.slots, page_first_chunks(a.page_bytes))
+            self.client.put_namespace(
+                a.ns, a.page_bytes, model="chaos", page_tokens=16, share_gid=a.share_gid
+            )
+            self.bid = self.buf.register(
+                self.client, a.ns, a.slots, page_first_chunks(a.page_bytes)
+            )
             return True
         except (SidecarUnavailable, SidecarError, OSError):
             self.client.close_leases()
@@ -75,7 +79,7 @@ class Tenant:
         except SidecarError as exc:
             stored = None
             if exc.status == 404:
-                self.bid = None           # the sidecar restarted: register again
+                self.bid = None  # the sidecar restarted: register again
         emit(ev="done", keys=keys, stored=stored, start=start, t=self.now())
 
     def run(self) -> None:

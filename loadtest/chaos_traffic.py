@@ -7,6 +7,7 @@ finished conversation. Every answer goes to the ledger; every page served is che
 its deterministic bytes. A sidecar that is down (restarting) is waited for, and the user
 registers again (namespace, buffer) once it answers.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,13 +30,21 @@ SLOTS = 48
 @dataclass
 class World:
     """What the users, the fault driver and the checks share (one gevent thread: no locks)."""
+
     ledger: Ledger
     page_bytes: int
-    namespaces: dict                   # name -> {"url": unix://..., "tcp": http://..., "node": Node}
-    gen: dict = field(default_factory=dict)          # namespace -> generation (bumped on delete)
-    counts: dict = field(default_factory=lambda: {"requests": 0, "unavailable": 0, "http_4xx": 0,
-                                                   "no_room_507": 0, "not_ready_503": 0,
-                                                   "gone_404": 0})
+    namespaces: dict  # name -> {"url": unix://..., "tcp": http://..., "node": Node}
+    gen: dict = field(default_factory=dict)  # namespace -> generation (bumped on delete)
+    counts: dict = field(
+        default_factory=lambda: {
+            "requests": 0,
+            "unavailable": 0,
+            "http_4xx": 0,
+            "no_room_507": 0,
+            "not_ready_503": 0,
+            "gone_404": 0,
+        }
+    )
     errors: list = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
 
@@ -43,7 +52,7 @@ class World:
         return time.monotonic() - self.t0
 
     def spec(self, ns: str) -> dict:
-        if self.namespaces[ns].get("tenant"):      # the second tenant's, shared with our group
+        if self.namespaces[ns].get("tenant"):  # the second tenant's, shared with our group
             return {"model": "chaos", "page_tokens": 16, "share_gid": os.getegid()}
         return {"model": "chaos", "page_tokens": 16}
 
@@ -53,11 +62,13 @@ class World:
 
     def failed(self, exc: SidecarError, what: str, node: str = "-") -> None:
         if exc.status == 503 and exc.code == "not_ready":
-            self.counts["not_ready_503"] += 1      # starting or draining: the contract's answer
+            self.counts["not_ready_503"] += 1  # starting or draining: the contract's answer
         elif exc.status >= 500:
-            self.ledger.note("http_5xx", f"{what}: {exc.status} {exc.code} {exc.message[:120]}", node=node)
+            self.ledger.note(
+                "http_5xx", f"{what}: {exc.status} {exc.code} {exc.message[:120]}", node=node
+            )
         elif exc.status == 404:
-            self.counts["gone_404"] += 1           # after a namespace delete or a restart
+            self.counts["gone_404"] += 1  # after a namespace delete or a restart
         elif exc.status == 507:
             self.counts["no_room_507"] += 1
         else:
@@ -68,6 +79,7 @@ class World:
 
 class ChaosEngine(User):
     """One engine on one namespace (assigned round-robin by `world`)."""
+
     abstract = True
     wait_time = constant(0.005)
     world: World = None
@@ -100,12 +112,17 @@ class ChaosEngine(User):
             self.bid, exc = None, e
         except SidecarError as e:
             if e.status == 404:
-                self.bid = None            # the namespace or buffer is gone: register again
+                self.bid = None  # the namespace or buffer is gone: register again
             w.failed(e, name, self.info["node"].name)
             exc = e if e.status >= 500 and e.code != "not_ready" else None
         self.environment.events.request.fire(
-            request_type="chaos", name=name, response_time=(time.perf_counter() - start) * 1e3,
-            response_length=0, exception=exc, context={})
+            request_type="chaos",
+            name=name,
+            response_time=(time.perf_counter() - start) * 1e3,
+            response_length=0,
+            exception=exc,
+            context={},
+        )
         return out
 
     def _setup(self) -> bool:
@@ -139,13 +156,18 @@ class ChaosEngine(User):
         if hit is None:
             return
         if hit:
-            loaded = self._call("get", self.client.get, self.ns, keys[:hit], self.bid, list(range(hit)))
+            loaded = self._call(
+                "get", self.client.get, self.ns, keys[:hit], self.bid, list(range(hit))
+            )
             if loaded is None:
                 return
             for slot, ok in enumerate(loaded):
                 if ok:
-                    self.world.ledger.served(self.ns, keys[slot], self.buf.view(slot * self.world.page_bytes,
-                                                                                self.world.page_bytes))
+                    self.world.ledger.served(
+                        self.ns,
+                        keys[slot],
+                        self.buf.view(slot * self.world.page_bytes, self.world.page_bytes),
+                    )
         self._store(keys, hit)
 
     def _store(self, keys: list[str], hit: int) -> None:
@@ -155,7 +177,12 @@ class ChaosEngine(User):
         for slot in range(hit, len(keys)):
             self.buf.view(slot * pb, pb)[:] = w.ledger.bytes_of(self.ns, keys[slot])
         durable = self.info["node"].policy == "write_through" and self.serial % 3 == 0
-        body = {"keys": todo, "buffer_id": self.bid, "slots": list(range(hit, len(keys))), "durable": durable}
+        body = {
+            "keys": todo,
+            "buffer_id": self.bid,
+            "slots": list(range(hit, len(keys))),
+            "durable": durable,
+        }
         start = w.now()
         w.ledger.set_started(self.ns, todo, start)
         out = self._call("set", self.client.request, "POST", f"/v1/namespaces/{self.ns}/set", body)
@@ -173,15 +200,18 @@ class ChaosEngine(User):
         w = self.world
         start = w.now()
         w.ledger.set_started(self.ns, [key], start)
-        stored = self._call("inline put", self.client.put_page, self.ns, key, w.ledger.bytes_of(self.ns, key))
+        stored = self._call(
+            "inline put", self.client.put_page, self.ns, key, w.ledger.bytes_of(self.ns, key)
+        )
         w.ledger.set_done(self.ns, [key], None if stored is None else [True], start, w.now())
 
     @task(1)
     def finish(self) -> None:
         """End the conversation; one in four is deleted (its own pages, not the shared ones)."""
         if self.serial % 4 == 0 and self.gen == self.world.gen.get(self.ns, 0):
-            mine = [k for k in self.keys if k.startswith(self.conv)] + \
-                   [f"{self.conv}-inline-{i}" for i in range(7)]
+            mine = [k for k in self.keys if k.startswith(self.conv)] + [
+                f"{self.conv}-inline-{i}" for i in range(7)
+            ]
             w, start = self.world, self.world.now()
             if self._call("delete", self.client.delete, self.ns, mine) is not None:
                 w.ledger.deleted(self.ns, mine, start, w.now())
@@ -198,15 +228,41 @@ class SecondTenant:
     def __init__(self, soak, sp):
         w = soak.world
         self.ns, self.sets, self.acked, self.info = f"{sp.node.name}-t2", 0, 0, {}
-        w.namespaces[self.ns] = {"url": sp.url, "tcp": sp.tcp, "node": sp.node, "proc": sp,
-                                 "tenant": True}
+        w.namespaces[self.ns] = {
+            "url": sp.url,
+            "tcp": sp.tcp,
+            "node": sp.node,
+            "proc": sp,
+            "tenant": True,
+        }
         w.ledger.owner[self.ns] = sp.node
         self.uid = 65534 if os.geteuid() == 0 else os.geteuid()
-        cmd = [sys.executable, "-m", "loadtest.chaos_tenant", "--url", sp.url, "--ns", self.ns,
-               "--seed", str(w.ledger.seed), "--page-bytes", str(w.page_bytes), "--t0", repr(w.t0),
-               "--uid", str(self.uid), "--share-gid", str(os.getegid())]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "loadtest.chaos_tenant",
+            "--url",
+            sp.url,
+            "--ns",
+            self.ns,
+            "--seed",
+            str(w.ledger.seed),
+            "--page-bytes",
+            str(w.page_bytes),
+            "--t0",
+            repr(w.t0),
+            "--uid",
+            str(self.uid),
+            "--share-gid",
+            str(os.getegid()),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.world = w
         self.reader = gevent.spawn(self._read)
 
@@ -234,5 +290,10 @@ class SecondTenant:
         self.reader.join(30)
 
     def describe(self) -> dict:
-        return {"namespace": self.ns, "uid": self.info.get("uid", self.uid),
-                "groups": self.info.get("groups"), "sets": self.sets, "acked_pages": self.acked}
+        return {
+            "namespace": self.ns,
+            "uid": self.info.get("uid", self.uid),
+            "groups": self.info.get("groups"),
+            "sets": self.sets,
+            "acked_pages": self.acked,
+        }

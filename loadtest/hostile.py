@@ -1,5 +1,6 @@
 """What a hostile neighbour hands the sidecar, shared by the red-team runners
 (loadtest/redteam_*.py) and the regression tests that force the same cases."""
+
 from __future__ import annotations
 
 import socket
@@ -13,7 +14,7 @@ def lingering_tcp(linger_s: int = 60) -> tuple[socket.socket, socket.socket]:
     lst = socket.socket()
     lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     lst.bind(("127.0.0.1", 0))
-    lst.listen(8)                      # never accepted: the data stays unread
+    lst.listen(8)  # never accepted: the data stays unread
     cli = socket.socket()
     cli.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     cli.connect(lst.getsockname())

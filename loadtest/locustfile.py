@@ -9,6 +9,7 @@ of the rest (through the buffer), and one turn in five goes through the inline p
 endpoints. Every loaded page is checked against its key, so a mixed-up page is a failure.
 Locust exits 1 when any request failed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,8 +66,13 @@ class EngineUser(User):
         except Exception as e:  # reported to Locust as a failure
             exc = e
         self.environment.events.request.fire(
-            request_type="REST", name=name, response_time=(time.perf_counter() - start) * 1e3,
-            response_length=0, exception=exc, context={})
+            request_type="REST",
+            name=name,
+            response_time=(time.perf_counter() - start) * 1e3,
+            response_length=0,
+            exception=exc,
+            context={},
+        )
         if exc is not None:
             raise StopTurn()
         return result
@@ -85,13 +91,21 @@ class EngineUser(User):
             keys = self._next_keys()
             hit = self._measure("exists", self.client.exists, NAMESPACE, keys)
             if hit:
-                loaded = self._measure("get", self.client.get, NAMESPACE, keys[:hit], self.bid, list(range(hit)))
+                loaded = self._measure(
+                    "get", self.client.get, NAMESPACE, keys[:hit], self.bid, list(range(hit))
+                )
                 self._measure("verify", self._verify, keys[:hit], loaded)
             if hit < len(keys):
                 for slot in range(hit, len(keys)):
                     self.buf.view(slot * PAGE, TAG)[:] = tag(keys[slot])
-                self._measure("set", self.client.set, NAMESPACE, keys[hit:], self.bid,
-                              list(range(hit, len(keys))))
+                self._measure(
+                    "set",
+                    self.client.set,
+                    NAMESPACE,
+                    keys[hit:],
+                    self.bid,
+                    list(range(hit, len(keys))),
+                )
         except StopTurn:
             pass
 

@@ -1,5 +1,6 @@
 """A real Mooncake cluster on loopback for tests and benchmarks: `mooncake_master` and a
 store node (`mooncake_client` lending a segment), on free ports, restartable in place."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,13 @@ class _Child:
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the child process writes it until it exits)
 
     def _spawn(self, cmd: list[str]) -> subprocess.Popen:
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+        )
         return self.proc
 
     def kill(self) -> None:
@@ -70,8 +76,16 @@ class Master(_Child):
 
     def start(self) -> Master:
         lease = [] if self.lease_ms is None else [f"--default_kv_lease_ttl={self.lease_ms}"]
-        self._spawn([binary("mooncake_master"), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                     f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2", *lease])
+        self._spawn(
+            [
+                binary("mooncake_master"),
+                f"--rpc_port={self.port}",
+                "--rpc_address=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                "--rpc_thread_num=2",
+                *lease,
+            ]
+        )
         _wait_port(self.port, self.proc, "mooncake_master")
         return self
 
@@ -88,9 +102,17 @@ class StoreNode(_Child):
         self.master, self.segment, self.port = master, segment, free_port()
 
     def start(self) -> StoreNode:
-        self._spawn([binary("mooncake_client"), "--host=127.0.0.1", f"--port={self.port}",
-                     f"--global_segment_size={self.segment}", "--local_buffer_size=0",
-                     f"--master_server_address={self.master.address}",
-                     "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"])
+        self._spawn(
+            [
+                binary("mooncake_client"),
+                "--host=127.0.0.1",
+                f"--port={self.port}",
+                f"--global_segment_size={self.segment}",
+                "--local_buffer_size=0",
+                f"--master_server_address={self.master.address}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp",
+            ]
+        )
         _wait_port(self.port, self.proc, "mooncake_client")
         return self

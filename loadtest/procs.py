@@ -1,4 +1,5 @@
 """Start the sidecar and the bare baseline as separate processes on loopback ports."""
+
 from __future__ import annotations
 
 import atexit
@@ -17,7 +18,7 @@ from api.engine.client import SidecarClient, SidecarError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-_GIVEN: set[int] = set()   # ports free_port handed out, in this process
+_GIVEN: set[int] = set()  # ports free_port handed out, in this process
 
 
 def free_port() -> int:
@@ -39,8 +40,13 @@ class Proc:
     def __init__(self, cmd: list[str], port: int, socket_path: str | None = None):
         self.url = f"http://127.0.0.1:{port}"
         self.socket_url = f"unix://{socket_path}" if socket_path else None
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         client, deadline = SidecarClient(self.url, timeout=2), time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -48,7 +54,7 @@ class Proc:
             try:
                 if client.ready():
                     return
-            except SidecarError as exc:   # behind a token (the red-team runner): up, answering 401
+            except SidecarError as exc:  # behind a token (the red-team runner): up, answering 401
                 if exc.status != 401:
                     raise
                 return
@@ -83,8 +89,23 @@ def socket_path() -> str:
 def start_sidecar(*args: str) -> Proc:
     """`sidecar serve` on a free port and its own engine socket (`Proc.socket_url`)."""
     port, sock = free_port(), socket_path()
-    return Proc([sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--socket", sock,
-                 "--log-level", "warning", *args], port, sock)
+    return Proc(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "serve",
+            "--port",
+            str(port),
+            "--socket",
+            sock,
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        port,
+        sock,
+    )
 
 
 def start_bare() -> Proc:

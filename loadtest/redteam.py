@@ -23,6 +23,7 @@ one row per attack. A promise is kept only when `held`, the sidecar lived, /heal
 under 50 ms on both listeners and its RSS grew less than the attack's `rss_limit_mib`
 (128 MiB unless the attack says; issue 43).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,20 +45,28 @@ from typing import Any
 from loadtest.procs import Proc, free_port
 
 NOBODY = 65534
-MODULES = ("loadtest.redteam_conn", "loadtest.redteam_lend", "loadtest.redteam_store",
-           "loadtest.redteam_controls", "loadtest.redteam_pipe",
-           "loadtest.redteam_events", "loadtest.redteam_tenancy", "loadtest.redteam_skipped")
+MODULES = (
+    "loadtest.redteam_conn",
+    "loadtest.redteam_lend",
+    "loadtest.redteam_store",
+    "loadtest.redteam_controls",
+    "loadtest.redteam_pipe",
+    "loadtest.redteam_events",
+    "loadtest.redteam_tenancy",
+    "loadtest.redteam_skipped",
+)
 HEALTHZ_LIMIT_MS = 50.0
 
 
 @dataclass
 class Target:
     """A running sidecar under attack."""
-    url: str            # http://127.0.0.1:PORT
-    socket: str         # engine socket path (its fd socket is socket + ".fds")
+
+    url: str  # http://127.0.0.1:PORT
+    socket: str  # engine socket path (its fd socket is socket + ".fds")
     token: str | None
     pid: int
-    workdir: str        # a temp dir the attack may use (world-writable, sticky)
+    workdir: str  # a temp dir the attack may use (world-writable, sticky)
 
     @property
     def socket_url(self) -> str:
@@ -66,17 +75,22 @@ class Target:
 
 @dataclass
 class Attack:
-    item: int                                            # issue 26 item
+    item: int  # issue 26 item
     name: str
     run: Callable[[Target, threading.Event], dict]
     seconds: float = 5.0
-    sidecar_args: tuple = ()                             # extra flags for its sidecar
-    token: str | None = "redteam-token"               # the sidecar's token (None: none)
-    rss_limit_mib: float = 128.0                         # growth of the sidecar's RSS allowed
+    sidecar_args: tuple = ()  # extra flags for its sidecar
+    token: str | None = "redteam-token"  # the sidecar's token (None: none)
+    rss_limit_mib: float = 128.0  # growth of the sidecar's RSS allowed
 
 
-def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, timeout: float = 120,
-            groups: Sequence[int] = ()) -> Any:
+def as_user(
+    fn: Callable[..., Any],
+    *args: Any,
+    uid: int = NOBODY,
+    timeout: float = 120,
+    groups: Sequence[int] = (),
+) -> Any:
     """Run `fn(*args)` in a forked child as `uid` (gid the same, supplementary `groups`);
     its result."""
     ctx = mp.get_context("fork")
@@ -90,6 +104,7 @@ def as_user(fn: Callable[..., Any], *args: Any, uid: int = NOBODY, timeout: floa
             q.put(("ok", fn(*args)))
         except BaseException as exc:  # report, never hang the parent
             q.put(("error", repr(exc)))
+
     p = ctx.Process(target=child, daemon=True)
     p.start()
     kind, value = q.get(timeout=timeout)
@@ -113,17 +128,20 @@ class _UnixConnection(http.client.HTTPConnection):
 @dataclass
 class Prober:
     """GET /healthz every `interval` s on one kept-alive connection per listener."""
+
     target: Target
     interval: float = 0.02
     seen: dict = field(default_factory=lambda: {"tcp": [], "unix": []})
-    rss: list = field(default_factory=list)              # the sidecar's RSS (MiB), each round
+    rss: list = field(default_factory=list)  # the sidecar's RSS (MiB), each round
 
     def __post_init__(self):
         port = int(self.target.url.rsplit(":", 1)[1])
-        self.conns = {"tcp": http.client.HTTPConnection("127.0.0.1", port, timeout=30),
-                      "unix": _UnixConnection(self.target.socket, timeout=30)}
+        self.conns = {
+            "tcp": http.client.HTTPConnection("127.0.0.1", port, timeout=30),
+            "unix": _UnixConnection(self.target.socket, timeout=30),
+        }
         for conn in self.conns.values():
-            self._probe(conn)    # connect now: a connection cap reached later must not refuse it
+            self._probe(conn)  # connect now: a connection cap reached later must not refuse it
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -153,8 +171,11 @@ class Prober:
             out["rss_mib"] = {"start": rss[0], "max": max(rss), "growth": max(rss) - rss[0]}
         for name, ms in self.seen.items():
             ms = sorted(ms)
-            out[name] = {"probes": len(ms), "max_ms": ms[-1] if ms else None,
-                         "p99_ms": ms[int(0.99 * (len(ms) - 1))] if ms else None}
+            out[name] = {
+                "probes": len(ms),
+                "max_ms": ms[-1] if ms else None,
+                "p99_ms": ms[int(0.99 * (len(ms) - 1))] if ms else None,
+            }
         return out
 
 
@@ -164,10 +185,25 @@ def start_sidecar(attack: Attack, workdir: str) -> tuple[Proc, Target]:
     os.makedirs(own, 0o755)
     port, sock = free_port(), os.path.join(own, "s.sock")
     token = attack.token
-    cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--socket", sock,
-           "--socket-mode", "0666", "--log-level", "warning", "--host-pool", "64MiB",
-           "--data-dir", os.path.join(own, "data"),
-           *(a.replace("{own}", own) for a in attack.sidecar_args)]   # {own}: the sidecar's dir
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "serve",
+        "--port",
+        str(port),
+        "--socket",
+        sock,
+        "--socket-mode",
+        "0666",
+        "--log-level",
+        "warning",
+        "--host-pool",
+        "64MiB",
+        "--data-dir",
+        os.path.join(own, "data"),
+        *(a.replace("{own}", own) for a in attack.sidecar_args),
+    ]  # {own}: the sidecar's dir
     env_token = {"SIDECAR_TOKEN": token} if token else {}
     os.environ.update(env_token)
     try:
@@ -179,11 +215,11 @@ def start_sidecar(attack: Attack, workdir: str) -> tuple[Proc, Target]:
 
 
 def run_one(attack: Attack, seconds: float | None = None) -> dict:
-    top = tempfile.mkdtemp(prefix="kv-redteam-")     # 0700, removed at the end
+    top = tempfile.mkdtemp(prefix="kv-redteam-")  # 0700, removed at the end
     workdir = os.path.join(top, "w")
     os.mkdir(workdir)
     os.chmod(top, 0o755)
-    os.chmod(workdir, 0o1777)                          # the attackers' (sticky)
+    os.chmod(workdir, 0o1777)  # the attackers' (sticky)
     try:
         return _run(attack, seconds, workdir)
     finally:
@@ -200,7 +236,7 @@ def _run(attack: Attack, seconds: float | None, workdir: str) -> dict:
         timer.start()
         try:
             facts = attack.run(target, stop)
-        except Exception as exc:   # an attack that breaks is a finding, not a crash
+        except Exception as exc:  # an attack that breaks is a finding, not a crash
             facts = {"held": False, "error": repr(exc)}
         finally:
             timer.cancel()
@@ -215,8 +251,15 @@ def _run(attack: Attack, seconds: float | None, workdir: str) -> dict:
     fast = all(h["max_ms"] is not None and h["max_ms"] < HEALTHZ_LIMIT_MS for h in health.values())
     small = rss is not None and rss["growth"] < attack.rss_limit_mib
     kept = bool(facts.get("held")) and alive and fast and small
-    return {"item": attack.item, "attack": attack.name, "kept": kept, "alive": alive,
-            "healthz": health, "rss_mib": rss, **facts}
+    return {
+        "item": attack.item,
+        "attack": attack.name,
+        "kept": kept,
+        "alive": alive,
+        "healthz": health,
+        "rss_mib": rss,
+        **facts,
+    }
 
 
 def rss_mib(pid: int) -> float | None:
@@ -249,7 +292,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON line per attack")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
-        print("the red-team runner attacks a root sidecar as uid nobody: run it as root", file=sys.stderr)
+        print(
+            "the red-team runner attacks a root sidecar as uid nobody: run it as root",
+            file=sys.stderr,
+        )
         return 2
     rows = [run_one(a, args.seconds) for a in attacks() if not args.only or a.name in args.only]
     for r in rows:
@@ -257,9 +303,11 @@ def main(argv=None) -> int:
             print(json.dumps(r, default=str))
         else:
             h, rss = r["healthz"], r["rss_mib"] or {"growth": float("nan"), "max": float("nan")}
-            print(f"{r['item']:>3} {r['attack']:<36} {'kept' if r['kept'] else 'BROKEN':<7}"
-                  f" healthz max unix {h['unix']['max_ms']:.1f} ms, tcp {h['tcp']['max_ms']:.1f} ms,"
-                  f" RSS +{rss['growth']:.1f} MiB (max {rss['max']:.0f})")
+            print(
+                f"{r['item']:>3} {r['attack']:<36} {'kept' if r['kept'] else 'BROKEN':<7}"
+                f" healthz max unix {h['unix']['max_ms']:.1f} ms, tcp {h['tcp']['max_ms']:.1f} ms,"
+                f" RSS +{rss['growth']:.1f} MiB (max {rss['max']:.0f})"
+            )
     print(f"{sum(r['kept'] for r in rows)} kept, {sum(not r['kept'] for r in rows)} broken")
     return 0 if all(r["kept"] for r in rows) else 1
 

@@ -3,6 +3,7 @@
 the attacker is a child process of uid nobody, the victim engine one of another uid.
 A child cannot see the runner's `stop` event: `_shared_stop` mirrors it into one a forked
 child can."""
+
 from __future__ import annotations
 
 import array
@@ -17,9 +18,9 @@ from api.engine.client import SidecarClient, SidecarError
 from loadtest.hostile import lingering_tcp
 from loadtest.redteam import Attack, Target, as_user
 
-OTHER = 65532                  # the victim tenant's uid
-BIG_HEAD = 48 << 20            # item 3: a 48 MiB request line or header
-IDLE_CONNECTIONS = 1030        # item 6
+OTHER = 65532  # the victim tenant's uid
+BIG_HEAD = 48 << 20  # item 3: a 48 MiB request line or header
+IDLE_CONNECTIONS = 1030  # item 6
 
 
 def _shared_stop(stop: threading.Event):
@@ -71,11 +72,14 @@ def _send_fds(path: str, stop) -> dict:
     listeners stay open until the end: closing one would reset its connection first."""
     out, listeners = {"eperm": 0, "sent": 0}, []
     while not stop.is_set():
-        listener, linger = lingering_tcp(10)   # its last close blocks up to 10 s
+        listener, linger = lingering_tcp(10)  # its last close blocks up to 10 s
         listeners.append(listener)
         s = _unix(path)
         try:
-            s.sendmsg([b"G"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [linger.fileno()]))])
+            s.sendmsg(
+                [b"G"],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [linger.fileno()]))],
+            )
             out["sent"] += 1
         except PermissionError:
             out["eperm"] += 1
@@ -104,7 +108,7 @@ def _big_head(url: str, path: str, stop) -> dict:
     out = {"tries": 0, "fully_sent": 0, "answers": {}}
     while not stop.is_set():
         i = out["tries"]
-        s = _tcp(url) if i % 2 == 0 else _unix(path)   # TCP without the token, and the engine socket
+        s = _tcp(url) if i % 2 == 0 else _unix(path)  # TCP without the token, and the engine socket
         try:
             s.sendall(heads[(i // 2) % 2])
             out["fully_sent"] += 1
@@ -124,8 +128,12 @@ def huge_head(t: Target, stop: threading.Event) -> dict:
     before = _rss_anon(t.pid)
     out = as_user(_big_head, t.url, t.socket, _shared_stop(stop))
     grew = (_rss_anon(t.pid) - before) >> 20
-    held = out["tries"] > 0 and out["fully_sent"] == 0 and grew < 16 and \
-        set(out["answers"]) <= {"414", "431", "reset"}
+    held = (
+        out["tries"] > 0
+        and out["fully_sent"] == 0
+        and grew < 16
+        and set(out["answers"]) <= {"414", "431", "reset"}
+    )
     return {"held": held, **out, "rss_grew_mib": grew}
 
 
@@ -153,7 +161,7 @@ def _hold_idle(connect, stop) -> dict:
             closed += gone
             (s.close() if gone else alive.append(s))
         socks = alive
-        stop.wait(1.0)            # then reopen what the server closed
+        stop.wait(1.0)  # then reopen what the server closed
     for s in socks:
         s.close()
     return {"opened": opened, "closed_by_server": closed}
@@ -174,7 +182,7 @@ def _attack_then_victims(t: Target, stop: threading.Event, connect, seconds: flo
     result = {}
     attacker = threading.Thread(target=lambda: result.update(as_user(_hold_idle, connect, shared)))
     attacker.start()
-    time.sleep(seconds)            # the attacker's connections are all open by now
+    time.sleep(seconds)  # the attacker's connections are all open by now
     victims = _victims(t)
     stop.wait()
     attacker.join(120)
@@ -201,7 +209,7 @@ def _trickle(url: str, path: str, stop) -> dict:
     head = b"PUT /v1/namespaces/trickle/pages/k%d HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
     socks, lives, start = [], [], time.monotonic()
     for i in range(64):
-        s = _unix(path, timeout=None)    # blocking: MSG_DONTWAIT below then never waits
+        s = _unix(path, timeout=None)  # blocking: MSG_DONTWAIT below then never waits
         s.sendall(head % (i, PUT_PAGE))
         socks.append(s)
     answered = 0
@@ -213,19 +221,23 @@ def _trickle(url: str, path: str, stop) -> dict:
                 got = None
             except OSError:
                 got = b""
-            if got:              # answered before its body was whole (a refusal)
+            if got:  # answered before its body was whole (a refusal)
                 answered += 1
             if got is not None:  # closed by the server: the body deadline
                 lives.append(time.monotonic() - start)
                 socks.remove(s)
                 s.close()
             else:
-                s.send(b"t")     # one byte every 1.5 s: within the 2 s read timeout
+                s.send(b"t")  # one byte every 1.5 s: within the 2 s read timeout
         stop.wait(1.5)
     for s in socks:
         s.close()
-    return {"cut": len(lives), "answered": answered, "still_open": len(socks),
-            "longest_s": round(max(lives, default=0), 1)}
+    return {
+        "cut": len(lives),
+        "answered": answered,
+        "still_open": len(socks),
+        "longest_s": round(max(lives, default=0), 1),
+    }
 
 
 def _victim_puts(url: str, tag: str, n: int) -> int:
@@ -243,15 +255,21 @@ def _victim_puts(url: str, tag: str, n: int) -> int:
 
 def trickling_puts(t: Target, stop: threading.Event) -> dict:
     out = {}
-    attacker = threading.Thread(target=lambda: out.update(
-        as_user(_trickle, t.socket_url, t.socket, _shared_stop(stop))))
+    attacker = threading.Thread(
+        target=lambda: out.update(as_user(_trickle, t.socket_url, t.socket, _shared_stop(stop)))
+    )
     attacker.start()
-    time.sleep(2.0)               # the 64 PUTs hold their slots now
+    time.sleep(2.0)  # the 64 PUTs hold their slots now
     during = as_user(_victim_puts, t.socket_url, "during", 16, uid=OTHER)
     attacker.join(120)
     after = as_user(_victim_puts, t.socket_url, "after", 16, uid=OTHER)
-    held = out["still_open"] == 0 and out["cut"] == 64 and out["longest_s"] < 5 + 3 and \
-        out["answered"] == 0 and after == 16
+    held = (
+        out["still_open"] == 0
+        and out["cut"] == 64
+        and out["longest_s"] < 5 + 3
+        and out["answered"] == 0
+        and after == 16
+    )
     return {"held": held, **out, "victim_stored_during": during, "victim_stored_after": after}
 
 
@@ -264,7 +282,7 @@ def _unread(url: str, path: str, stop) -> dict:
         s = _unix(path, timeout=15)
         s.sendall(b"GET /v1/namespaces/big/pages/k HTTP/1.1\r\nHost: x\r\n\r\n")
         socks.append(s)
-    stop.wait()                    # never read while the attack lasts
+    stop.wait()  # never read while the attack lasts
     cut = 0
     for s in socks:
         got = 0
@@ -274,7 +292,7 @@ def _unread(url: str, path: str, stop) -> dict:
         except ConnectionResetError:
             pass
         except TimeoutError:
-            got = PUT_PAGE         # still open: the server kept the answer
+            got = PUT_PAGE  # still open: the server kept the answer
         cut += got < PUT_PAGE
         s.close()
     return {"connections": len(socks), "cut": cut}
@@ -290,8 +308,20 @@ ATTACKS = [
     Attack(3, "head_48mib", huge_head, seconds=6.0),
     Attack(6, "idle_tcp_1030", idle_tcp, seconds=8.0),
     Attack(6, "one_uid_1030_on_engine_socket", one_uid_engine_socket, seconds=5.0, token=None),
-    Attack(10, "trickling_puts_64", trickling_puts, seconds=10.0, token=None,
-           sidecar_args=("--read-timeout", "2", "--body-timeout", "5")),
-    Attack(10, "unread_answers_64", unread_answers, seconds=5.0, token=None,
-           sidecar_args=("--write-timeout", "2")),
+    Attack(
+        10,
+        "trickling_puts_64",
+        trickling_puts,
+        seconds=10.0,
+        token=None,
+        sidecar_args=("--read-timeout", "2", "--body-timeout", "5"),
+    ),
+    Attack(
+        10,
+        "unread_answers_64",
+        unread_answers,
+        seconds=5.0,
+        token=None,
+        sidecar_args=("--write-timeout", "2"),
+    ),
 ]

@@ -45,7 +45,7 @@ def _victim_setup(url: str) -> None:
 
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
-    c.put_namespace("team", PAGE, share_gid=OTHER)   # a member joins the shared one
+    c.put_namespace("team", PAGE, share_gid=OTHER)  # a member joins the shared one
     return {
         f"{verb} {ns}": _status(lambda ns=ns, verb=verb: _post(c, ns, verb, {"chain": ["a", "b"]}))
         for ns in ("kv", "team")
@@ -65,7 +65,7 @@ def _victim_state(url: str) -> dict:
 
 
 def others_namespace(t: Target, stop: threading.Event) -> dict:
-    as_user(_victim_setup, t.socket_url, uid=NOBODY, groups=[OTHER])   # a member may share
+    as_user(_victim_setup, t.socket_url, uid=NOBODY, groups=[OTHER])  # a member may share
     got = as_user(_attacker, t.socket_url, uid=OTHER)
     after = as_user(_victim_state, t.socket_url, uid=NOBODY)
     want = {f"{v} {ns}": (404 if ns == "kv" else 403) for ns in ("kv", "team") for v in VERBS}

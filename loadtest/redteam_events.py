@@ -5,6 +5,7 @@ events it may while a subscriber never reads; a create-delete loop of namespaces
 
 A victim tenant (uid VICTIM, engine socket) stores pages with their token ids; the
 attacker is uid nobody (or OTHER), in no group."""
+
 from __future__ import annotations
 
 # every module a child as another uid needs is loaded here: it cannot read this
@@ -26,9 +27,9 @@ from loadtest.redteam import Attack, Target, as_user
 
 VICTIM, OTHER = 65533, 65532
 PAGE = 4096
-TOKEN = "redteam-token"   # the runner's sidecar token (`Attack.token`)
-PROMPT = [424242 + i for i in range(16)]   # the victim's token ids: found = leaked
-TCP = free_port()          # the loopback endpoint of the TCP attack (its replay: + 1)
+TOKEN = "redteam-token"  # the runner's sidecar token (`Attack.token`)
+PROMPT = [424242 + i for i in range(16)]  # the victim's token ids: found = leaked
+TCP = free_port()  # the loopback endpoint of the TCP attack (its replay: + 1)
 
 
 def _victim(url: str, name: str, rounds: int = 4) -> int:
@@ -40,8 +41,11 @@ def _victim(url: str, name: str, rounds: int = 4) -> int:
     stored = 0
     for r in range(rounds):
         keys = [f"{r * 4 + i + 1:064x}" for i in range(4)]
-        got = c.request("POST", f"/v1/namespaces/{name}/set",
-                        {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2, 3], "tokens": [PROMPT] * 4})[1]
+        got = c.request(
+            "POST",
+            f"/v1/namespaces/{name}/set",
+            {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2, 3], "tokens": [PROMPT] * 4},
+        )[1]
         stored += sum(got["stored"])
     buf.close()
     return stored
@@ -91,10 +95,16 @@ def _ipc_subscriber(t: Target, stop: threading.Event) -> dict:
     stored = as_user(_victim, t.socket_url, "secret-model", uid=VICTIM)
     refused = {p.rsplit("/", 1)[1]: as_user(_connect, p) for p in (pub, rep)}
     nobody = as_user(_read_all, f"ipc://{pub}", f"ipc://{rep}", 1.0)
-    own = _read_all(f"ipc://{pub}", f"ipc://{rep}", 1.0)   # the sidecar's user: served
-    return {"held": all(v == "EACCES" for v in refused.values()) and nobody["batches"] == 0
-            and own["prompt_ids"] > 0, "stored": stored, "nobody_connect": refused,
-            "nobody_read": nobody, "own_user_read": own}
+    own = _read_all(f"ipc://{pub}", f"ipc://{rep}", 1.0)  # the sidecar's user: served
+    return {
+        "held": all(v == "EACCES" for v in refused.values())
+        and nobody["batches"] == 0
+        and own["prompt_ids"] > 0,
+        "stored": stored,
+        "nobody_connect": refused,
+        "nobody_read": nobody,
+        "own_user_read": own,
+    }
 
 
 # -- 3: a loopback TCP endpoint, token ids not opted in -------------------------------------
@@ -102,7 +112,11 @@ def _tcp_reader(t: Target, stop: threading.Event) -> dict:
     stored = as_user(_victim, t.socket_url, "secret-model", uid=VICTIM)
     got = as_user(_read_all, f"tcp://127.0.0.1:{TCP}", f"tcp://127.0.0.1:{TCP + 1}", 1.5)
     # names and block hashes are open there (a warning at start says so); prompts are not
-    return {"held": got["batches"] > 0 and got["prompt_ids"] == 0, "stored": stored, "nobody_read": got}
+    return {
+        "held": got["batches"] > 0 and got["prompt_ids"] == 0,
+        "stored": stored,
+        "nobody_read": got,
+    }
 
 
 # -- 4: the largest events, a subscriber that never reads -----------------------------------
@@ -113,7 +127,7 @@ def _stuck(endpoint: str, seconds: float) -> int:
     sock.setsockopt(zmq.RCVBUF, 4096)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(endpoint)
-    time.sleep(seconds)        # reads nothing: ZMQ queues for it on the sidecar's side
+    time.sleep(seconds)  # reads nothing: ZMQ queues for it on the sidecar's side
     ctx.destroy(linger=0)
     return 0
 
@@ -126,16 +140,22 @@ def _largest_sets(url: str, seconds: float) -> dict:
     buf = SharedBuffer(7 * PAGE)
     bid = buf.register(c, "hog", 7, page_first_chunks(PAGE))
     try:
-        c.request("POST", "/v1/namespaces/hog/set", {"keys": ["a"], "buffer_id": bid, "slots": [0],
-                                                     "tokens": [[1] * 32000]})
+        c.request(
+            "POST",
+            "/v1/namespaces/hog/set",
+            {"keys": ["a"], "buffer_id": bid, "slots": [0], "tokens": [[1] * 32000]},
+        )
         over = 200
     except SidecarError as exc:
         over = exc.status
     ids, n, end = [2**63 - 1] * 4096, 0, time.monotonic() + seconds
     while time.monotonic() < end:
         keys = [f"{n * 7 + i + 1:064x}" for i in range(7)]
-        c.request("POST", "/v1/namespaces/hog/set", {"keys": keys, "buffer_id": bid,
-                                                     "slots": list(range(7)), "tokens": [ids] * 7})
+        c.request(
+            "POST",
+            "/v1/namespaces/hog/set",
+            {"keys": keys, "buffer_id": bid, "slots": list(range(7)), "tokens": [ids] * 7},
+        )
         n += 1
     buf.close()
     return {"over_cap_status": over, "sets": n}
@@ -145,7 +165,7 @@ def _flood(t: Target, stop: threading.Event) -> dict:
     seconds = 12.0
     stuck = threading.Thread(target=as_user, args=(_stuck, f"tcp://127.0.0.1:{TCP}", seconds + 3))
     stuck.start()
-    time.sleep(1.0)            # (it has joined; a join missed only sends it less)
+    time.sleep(1.0)  # (it has joined; a join missed only sends it less)
     got = as_user(_largest_sets, t.socket_url, seconds, uid=OTHER)
     stats = SidecarClient(t.url, token=TOKEN).request("GET", "/v1/stats")[1].get("events", {})
     stuck.join(30)
@@ -166,16 +186,35 @@ def _churn(url: str, seconds: float) -> int:
 def _churn_attack(t: Target, stop: threading.Event) -> dict:
     loops = as_user(_churn, t.socket_url, 8.0, uid=OTHER)
     stats = SidecarClient(t.url, token=TOKEN).request("GET", "/v1/stats")[1]["events"]
-    return {"held": loops > 0 and stats.get("identities", 1 << 30) == 0, "loops": loops, "events": stats}
+    return {
+        "held": loops > 0 and stats.get("identities", 1 << 30) == 0,
+        "loops": loops,
+        "events": stats,
+    }
 
 
-EVENTS_IPC = ("--kv-events", "ipc://{own}/ev.pub", "--kv-events-replay", "ipc://{own}/ev.replay",
-              "--kv-events-token-ids")
-EVENTS_TCP = ("--kv-events", f"tcp://127.0.0.1:{TCP}", "--kv-events-replay", f"tcp://127.0.0.1:{TCP + 1}")
+EVENTS_IPC = (
+    "--kv-events",
+    "ipc://{own}/ev.pub",
+    "--kv-events-replay",
+    "ipc://{own}/ev.replay",
+    "--kv-events-token-ids",
+)
+EVENTS_TCP = (
+    "--kv-events",
+    f"tcp://127.0.0.1:{TCP}",
+    "--kv-events-replay",
+    f"tcp://127.0.0.1:{TCP + 1}",
+)
 ATTACKS = [
     Attack(43, "events ipc: another uid subscribes", _ipc_subscriber, sidecar_args=EVENTS_IPC),
     Attack(43, "events tcp: another uid reads prompts", _tcp_reader, sidecar_args=EVENTS_TCP),
-    Attack(43, "events: largest events, a stuck SUB", _flood, seconds=20.0,
-           sidecar_args=(*EVENTS_TCP, "--kv-events-token-ids", "--kv-events-buffer-bytes", "16MiB")),
+    Attack(
+        43,
+        "events: largest events, a stuck SUB",
+        _flood,
+        seconds=20.0,
+        sidecar_args=(*EVENTS_TCP, "--kv-events-token-ids", "--kv-events-buffer-bytes", "16MiB"),
+    ),
     Attack(43, "events: create-delete loop", _churn_attack, seconds=12.0, sidecar_args=EVENTS_TCP),
 ]

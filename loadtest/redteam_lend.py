@@ -3,6 +3,7 @@
 the attacker is a child process of uid nobody, the victim an engine of another uid that
 lends, registers and moves pages while the attack holds (`_victim`, its slowest call kept).
 A child cannot see the runner's `stop` event: `_shared_stop` mirrors it into one it can."""
+
 from __future__ import annotations
 
 import array
@@ -21,7 +22,7 @@ from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.hostile import lingering_tcp as lingering_pair
 from loadtest.redteam import Attack, Target, as_user
 
-OTHER = 65532                  # the victim tenant's uid
+OTHER = 65532  # the victim tenant's uid
 PAGE = 4096
 FRAME = b"LEND\n"
 
@@ -57,7 +58,9 @@ def _victim(url: str) -> dict:
     buf = SharedBuffer(16 * PAGE)
     bid = buf.register(c, "victim", 16, page_first_chunks(PAGE))
     keys = [f"v{i}" for i in range(16)]
-    ok = all(c.set("victim", keys, bid, list(range(16)))) and all(c.get("victim", keys, bid, list(range(16))))
+    ok = all(c.set("victim", keys, bid, list(range(16)))) and all(
+        c.get("victim", keys, bid, list(range(16)))
+    )
     c.release_buffer("victim", bid)
     c.close()
     return {"ok": ok, "ms": round((time.perf_counter() - t0) * 1e3, 1)}
@@ -76,7 +79,9 @@ def _attack(t: Target, stop: threading.Event, fn: Callable, *args) -> tuple[dict
     ctx = mp.get_context("fork")
     ready, shared = ctx.Event(), _shared_stop(stop)
     out: dict = {}
-    th = threading.Thread(target=lambda: out.update(facts=as_user(fn, *args, ready, shared, timeout=300)))
+    th = threading.Thread(
+        target=lambda: out.update(facts=as_user(fn, *args, ready, shared, timeout=300))
+    )
     th.start()
     victim = _victim_during(t, ready, stop)
     stop.wait()
@@ -93,10 +98,10 @@ def _lend_lingering(path: str, ready, stop) -> dict:
         pairs = [lingering_pair() for _ in range(n)]
         conns.append(_lend_raw(path, [cli.fileno() for _, cli in pairs]))
         for lst, cli in pairs:
-            cli.close()          # the sidecar's copy is the last: its close lingers
+            cli.close()  # the sidecar's copy is the last: its close lingers
             held.append(lst)
     answers = set()
-    for s in conns:              # this user's own frames wait behind its stuck closes
+    for s in conns:  # this user's own frames wait behind its stuck closes
         answers.add(s.recv(4096).decode().split('"code":"')[1].split('"')[0])
     ready.set()
     stop.wait(60)
@@ -107,8 +112,11 @@ def _lend_lingering(path: str, ready, stop) -> dict:
 
 def lingering_tcp(t: Target, stop: threading.Event) -> dict:
     facts, victim = _attack(t, stop, _lend_lingering, t.socket)
-    held = bool(facts.get("answers")) and set(facts["answers"]) <= {"bad_request", "forbidden", "busy"} \
+    held = (
+        bool(facts.get("answers"))
+        and set(facts["answers"]) <= {"bad_request", "forbidden", "busy"}
         and victim["ok"]
+    )
     return {"held": held, **facts, "victim": victim}
 
 
@@ -121,8 +129,11 @@ def _o_sync(url: str, workdir: str, ready, stop) -> dict:
     path = os.path.join(workdir, "osync")
     with open(path, "wb") as f:
         f.write(bytes(64 << 10))
-    disk = _status(lambda: c.register_buffer("osync", 64 << 10, 16, page_first_chunks(PAGE),
-                                             fd=os.open(path, os.O_RDWR | os.O_SYNC)))
+    disk = _status(
+        lambda: c.register_buffer(
+            "osync", 64 << 10, 16, page_first_chunks(PAGE), fd=os.open(path, os.O_RDWR | os.O_SYNC)
+        )
+    )
     shm = f"/dev/shm/kv-redteam-osync-{os.getpid()}"
     with open(shm, "wb") as f:
         f.write(bytes(64 << 10))
@@ -153,7 +164,7 @@ def _hold_inode_lock(fd: int, stop) -> int:
     rounds = 0
     while not stop.is_set():
         libc.fallocate(fd, 0, 0, 1 << 30)
-        libc.fallocate(fd, 0x02 | 0x01, 0, 1 << 30)   # FALLOC_FL_PUNCH_HOLE | KEEP_SIZE
+        libc.fallocate(fd, 0x02 | 0x01, 0, 1 << 30)  # FALLOC_FL_PUNCH_HOLE | KEEP_SIZE
         rounds += 1
     return rounds
 
@@ -178,17 +189,24 @@ def _fallocate(url: str, ready, stop) -> dict:
         got = all(c.get("lock", keys, bid, list(range(16))))
         worst = max(worst, time.perf_counter() - t0)
         answers[got] = answers.get(got, 0) + 1
-        if seal is None:   # a sealable memfd registered while its lock is held
+        if seal is None:  # a sealable memfd registered while its lock is held
             sealable = os.memfd_create("sealable", os.MFD_ALLOW_SEALING)
             os.ftruncate(sealable, 4 << 30)
             lock = threading.Thread(target=_hold_inode_lock, args=(sealable, stop))
             lock.start()
-            seal = _status(lambda fd=sealable: c.register_buffer("lock", PAGE, 1, page_first_chunks(PAGE),
-                                                                 fd=fd))
+            seal = _status(
+                lambda fd=sealable: c.register_buffer(
+                    "lock", PAGE, 1, page_first_chunks(PAGE), fd=fd
+                )
+            )
     th.join()
-    return {"gets": {str(k): v for k, v in answers.items()}, "worst_get_ms": round(worst * 1e3, 1),
-            "sealable_registration": seal, "fallocate_rounds": rounds[0] if rounds else 0,
-            "bad": [b["bad"] for b in c.get_namespace("lock")["buffers"]]}
+    return {
+        "gets": {str(k): v for k, v in answers.items()},
+        "worst_get_ms": round(worst * 1e3, 1),
+        "sealable_registration": seal,
+        "fallocate_rounds": rounds[0] if rounds else 0,
+        "bad": [b["bad"] for b in c.get_namespace("lock")["buffers"]],
+    }
 
 
 def inode_lock_fallocate(t: Target, stop: threading.Event) -> dict:
@@ -207,8 +225,13 @@ def _sparse(url: str, ready, stop) -> dict:
     lease = c.lend_fd(fd)
     statuses: dict = {}
     for span in [128 << 40] * 150 + [1 << 40] * 150:
-        body = {"transport": "shm", "lease": lease, "size": span, "slots": span // PAGE,
-                "chunks": page_first_chunks(PAGE)}
+        body = {
+            "transport": "shm",
+            "lease": lease,
+            "size": span,
+            "slots": span // PAGE,
+            "chunks": page_first_chunks(PAGE),
+        }
         code, _ = c.request("POST", "/v1/namespaces/sparse/buffers", body, ok=range(400, 600))
         statuses[f"{span >> 40}TiB:{code}"] = statuses.get(f"{span >> 40}TiB:{code}", 0) + 1
     ready.set()
@@ -219,8 +242,11 @@ def _sparse(url: str, ready, stop) -> dict:
 def sparse_registrations(t: Target, stop: threading.Event) -> dict:
     facts, victim = _attack(t, stop, _sparse, t.socket_url)
     codes = {k.split(":")[1] for k in facts.get("statuses", {})}
-    return {"held": bool(codes) and codes <= {"201", "429"} and victim["ok"], **facts,
-            "victim": victim}
+    return {
+        "held": bool(codes) and codes <= {"201", "429"} and victim["ok"],
+        **facts,
+        "victim": victim,
+    }
 
 
 # -- item 10: one uid's buffers and fd connections ----------------------------------------------
@@ -233,8 +259,13 @@ def _many_buffers(url: str, ready, stop) -> dict:
     for n in range(16):
         c.put_namespace(f"hog{n}", PAGE)
         for _ in range(64):
-            body = {"transport": "shm", "lease": lease, "size": PAGE, "slots": 1,
-                    "chunks": page_first_chunks(PAGE)}
+            body = {
+                "transport": "shm",
+                "lease": lease,
+                "size": PAGE,
+                "slots": 1,
+                "chunks": page_first_chunks(PAGE),
+            }
             code, _ = c.request("POST", f"/v1/namespaces/hog{n}/buffers", body, ok=range(400, 600))
             codes[code] = codes.get(code, 0) + 1
     ready.set()
@@ -245,8 +276,11 @@ def _many_buffers(url: str, ready, stop) -> dict:
 def buffers_one_uid(t: Target, stop: threading.Event) -> dict:
     facts, victim = _attack(t, stop, _many_buffers, t.socket_url)
     got = facts.get("registrations", {})
-    return {"held": victim["ok"] and got.get(201, 0) < 1024 and set(got) <= {201, 429}, **facts,
-            "victim": victim}
+    return {
+        "held": victim["ok"] and got.get(201, 0) < 1024 and set(got) <= {201, 429},
+        **facts,
+        "victim": victim,
+    }
 
 
 def _idle_connections(path: str, ready, stop) -> dict:
@@ -278,8 +312,14 @@ def idle_fd_connections(t: Target, stop: threading.Event) -> dict:
 ATTACKS = [
     Attack(2, "lingering_tcp_on_fd_socket", lingering_tcp, seconds=5.0, token=None),
     Attack(4, "o_sync_lent_file", o_sync_lent_file, seconds=4.0, token=None),
-    Attack(4, "inode_lock_fallocate", inode_lock_fallocate, seconds=8.0, token=None,
-           sidecar_args=("--copy-deadline", "0.25")),
+    Attack(
+        4,
+        "inode_lock_fallocate",
+        inode_lock_fallocate,
+        seconds=8.0,
+        token=None,
+        sidecar_args=("--copy-deadline", "0.25"),
+    ),
     Attack(5, "sparse_128tib_registrations", sparse_registrations, seconds=3.0, token=None),
     Attack(10, "buffers_1024_one_uid", buffers_one_uid, seconds=2.0, token=None),
     Attack(10, "idle_fd_connections_256", idle_fd_connections, seconds=9.0, token=None),

@@ -7,6 +7,7 @@ connections on each listener write 256 KB of `GET /healthz` each and never read;
 head past --max-head pipelined behind a tiny request. The runner times /healthz on both
 listeners meanwhile and bounds the sidecar's RSS growth (`rss_per_conn_kib` is printed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ from loadtest.redteam_conn import _shared_stop, _tcp, _unix
 CONNECTIONS = 40
 FLOOD_BYTES = 256 << 10
 GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-BIG_HEAD_KIB = 117            # behind a tiny request, against --max-head 64KiB
+BIG_HEAD_KIB = 117  # behind a tiny request, against --max-head 64KiB
 
 
 def _send_what_fits(s: socket.socket, data: bytes) -> int:
@@ -50,7 +51,7 @@ def _flood(connect: Callable[[], socket.socket], stop) -> dict:
     n = 200
     s = connect()
     s.settimeout(10)
-    s.sendall(GET * n)                 # a client that reads: all answered, in order
+    s.sendall(GET * n)  # a client that reads: all answered, in order
     got = b""
     try:
         while got.count(b"HTTP/1.1 200 ") < n:
@@ -61,9 +62,13 @@ def _flood(connect: Callable[[], socket.socket], stop) -> dict:
     except OSError:
         pass
     s.close()
-    return {"connections": CONNECTIONS, "sent_kib": sent >> 10,
-            "requests_sent": sent // len(GET), "reader_answered": got.count(b"HTTP/1.1 200 "),
-            "reader_of": n}
+    return {
+        "connections": CONNECTIONS,
+        "sent_kib": sent >> 10,
+        "requests_sent": sent // len(GET),
+        "reader_answered": got.count(b"HTTP/1.1 200 "),
+        "reader_of": n,
+    }
 
 
 def _watched(t: Target, stop: threading.Event, connect: Callable[[], socket.socket]) -> dict:
@@ -73,6 +78,7 @@ def _watched(t: Target, stop: threading.Event, connect: Callable[[], socket.sock
     def sample() -> None:
         while not done.wait(0.05):
             peak[0] = max(peak[0], rss_mib(t.pid) or 0.0)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
@@ -81,8 +87,11 @@ def _watched(t: Target, stop: threading.Event, connect: Callable[[], socket.sock
         done.set()
         sampler.join()
     per_conn = max(peak[0] - start, 0.0) * 1024 / CONNECTIONS
-    return {"held": out["reader_answered"] == out["reader_of"], **out,
-            "rss_per_conn_kib": round(per_conn)}
+    return {
+        "held": out["reader_answered"] == out["reader_of"],
+        **out,
+        "rss_per_conn_kib": round(per_conn),
+    }
 
 
 def flood_tcp(t: Target, stop: threading.Event) -> dict:
@@ -98,7 +107,7 @@ def _head_behind(connect: Callable[[], socket.socket]) -> list[str]:
     big = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (BIG_HEAD_KIB << 10) + b"\r\n\r\n"
     s = connect()
     s.settimeout(10)
-    with contextlib.suppress(OSError):     # refused and closed before it is all sent
+    with contextlib.suppress(OSError):  # refused and closed before it is all sent
         s.sendall(GET + big)
     got = b""
     try:
@@ -122,8 +131,14 @@ def head_behind_tiny(t: Target, stop: threading.Event) -> dict:
 
 ATTACKS = [
     Attack(43, "pipelined_healthz_40_tcp", flood_tcp, seconds=6.0, rss_limit_mib=64.0),
-    Attack(43, "pipelined_healthz_40_engine", flood_engine, seconds=6.0, token=None,
-           rss_limit_mib=64.0),
-    Attack(43, "pipelined_head_past_max_head", head_behind_tiny, seconds=2.0,
-           sidecar_args=("--max-head", "64KiB")),
+    Attack(
+        43, "pipelined_healthz_40_engine", flood_engine, seconds=6.0, token=None, rss_limit_mib=64.0
+    ),
+    Attack(
+        43,
+        "pipelined_head_past_max_head",
+        head_behind_tiny,
+        seconds=2.0,
+        sidecar_args=("--max-head", "64KiB"),
+    ),
 ]

@@ -31,12 +31,13 @@ def _victim_setup(url: str) -> None:
 
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
-    c.put_namespace("team", PAGE, share_gid=OTHER)   # a member joins the shared one
+    c.put_namespace("team", PAGE, share_gid=OTHER)  # a member joins the shared one
     out = {ns: _status(lambda ns=ns: c.skipped(ns, 1, 1)) for ns in ("kv", "team")}
     c.put_namespace("mine", PAGE)
     for field, value in (("loads", 1 << 40), ("pages", -1), ("loads", "9" * 5000)):
         out[f"{field}={str(value)[:12]}"] = _status(
-            lambda f=field, v=value: c.request("POST", "/v1/namespaces/mine/skipped", {f: v}))
+            lambda f=field, v=value: c.request("POST", "/v1/namespaces/mine/skipped", {f: v})
+        )
     for _ in range(2000):
         c.skipped("mine", 4096, 4096 * 4096)
     out["mine"] = c.stats()["namespaces"]["mine"]["restores_skipped"]
@@ -52,10 +53,22 @@ def others_counter(t: Target, stop: threading.Event) -> dict:
     as_user(_victim_setup, t.socket_url, uid=NOBODY, groups=[OTHER])
     got = as_user(_attacker, t.socket_url, uid=OTHER)
     after = as_user(_victim_counts, t.socket_url, uid=NOBODY)
-    want = {"kv": 404, "team": 403, "loads=109951162777": 400, "pages=-1": 400,
-            "loads=999999999999": 400, "mine": 2000 * 4096}
+    want = {
+        "kv": 404,
+        "team": 403,
+        "loads=109951162777": 400,
+        "pages=-1": 400,
+        "loads=999999999999": 400,
+        "mine": 2000 * 4096,
+    }
     return {"held": got == want and after == {"kv": 0, "team": 0}, "answers": got, "victim": after}
 
 
-ATTACKS = [Attack(44, "skipped: a tenant counts on another's namespace, past the bound, in a flood",
-                  others_counter, seconds=60)]
+ATTACKS = [
+    Attack(
+        44,
+        "skipped: a tenant counts on another's namespace, past the bound, in a flood",
+        others_counter,
+        seconds=60,
+    )
+]

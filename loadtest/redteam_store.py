@@ -1,6 +1,7 @@
 """Red-team attacks on what the store promises (issue 26, items 1, 7, 9, 10 and 11), for
 `python -m loadtest.redteam`. Each runs against a fresh root sidecar (loadtest/redteam.py);
 the tenants are child processes of other uids on the engine socket."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.redteam import NOBODY, Attack, Target, as_user
 
-OTHER = 65532           # a second tenant's uid
+OTHER = 65532  # a second tenant's uid
 PAGE = 16384
 
 
@@ -31,7 +32,7 @@ def _status(call) -> int:
 # -- 1: acknowledged pages under write_through, two tenants on a small pool ---------------
 def _writer(url: str, name: str, rounds: int) -> list[str]:
     c = SidecarClient(url, timeout=120)
-    c.put_namespace(name, PAGE)       # shared pools: the tenants evict each other's pages
+    c.put_namespace(name, PAGE)  # shared pools: the tenants evict each other's pages
     buf = SharedBuffer(8 * PAGE)
     bid = buf.register(c, name, 8, page_first_chunks(PAGE))
     acked = []
@@ -39,7 +40,9 @@ def _writer(url: str, name: str, rounds: int) -> list[str]:
         keys = [f"{name}-{r}-{j}" for j in range(8)]
         for j, k in enumerate(keys):
             buf.view(j * PAGE, PAGE)[:] = _page(k)
-        acked += [k for k, ok in zip(keys, c.set(name, keys, bid, list(range(8))), strict=False) if ok]
+        acked += [
+            k for k, ok in zip(keys, c.set(name, keys, bid, list(range(8))), strict=False) if ok
+        ]
     c.request("POST", "/v1/flush?timeout=120")
     return acked
 
@@ -54,9 +57,14 @@ def _lost(url: str, name: str, acked: list[str]) -> int:
 def write_through_losses(t: Target, stop: threading.Event) -> dict:
     out, threads = {}, []
     for uid, name in ((NOBODY, "ta"), (OTHER, "tb")):
+
         def run(uid=uid, name=name):
             acked = as_user(_writer, t.socket_url, name, 40, uid=uid, timeout=600)
-            out[name] = (len(acked), as_user(_lost, t.socket_url, name, acked, uid=uid, timeout=600))
+            out[name] = (
+                len(acked),
+                as_user(_lost, t.socket_url, name, acked, uid=uid, timeout=600),
+            )
+
         threads.append(threading.Thread(target=run))
     for th in threads:
         th.start()
@@ -87,15 +95,19 @@ def _victim(url: str) -> None:
 
 def _thief(url: str) -> dict:
     c = SidecarClient(url)
-    return {"read": _status(lambda: c.request("GET", "/v1/namespaces/victim/pages/secret", raw=True)),
-            "delete": _status(lambda: c.delete_namespace("victim")),
-            "listed": [ns["name"] for ns in c.list_namespaces()],
-            "plant": _status(lambda: c.put_page("victim", "planted", _page("evil")))}
+    return {
+        "read": _status(lambda: c.request("GET", "/v1/namespaces/victim/pages/secret", raw=True)),
+        "delete": _status(lambda: c.delete_namespace("victim")),
+        "listed": [ns["name"] for ns in c.list_namespaces()],
+        "plant": _status(lambda: c.put_page("victim", "planted", _page("evil"))),
+    }
 
 
 def _victim_reads(url: str) -> bool:
     c = SidecarClient(url)
-    return c.get_page("victim", "secret") == _page("secret") and c.exists("victim", ["planted"]) == 0
+    return (
+        c.get_page("victim", "secret") == _page("secret") and c.exists("victim", ["planted"]) == 0
+    )
 
 
 def other_tenants_namespace(t: Target, stop: threading.Event) -> dict:
@@ -121,12 +133,18 @@ def _reserve_all(url: str) -> int:
 
 
 def reserve_the_pool(t: Target, stop: threading.Event) -> dict:
-    kept_before = as_user(_fill, t.socket_url, "mine", 256, uid=OTHER)     # 4 MiB of pages
+    kept_before = as_user(_fill, t.socket_url, "mine", 256, uid=OTHER)  # 4 MiB of pages
     hog = as_user(_reserve_all, t.socket_url, uid=NOBODY)
-    kept_after = as_user(lambda u: SidecarClient(u).exists("mine", [f"k{i}" for i in range(256)]),
-                         t.socket_url, uid=OTHER)
-    return {"held": hog == 507 and kept_after == kept_before == 256, "hog_status": hog,
-            "victim_pages": [kept_before, kept_after]}
+    kept_after = as_user(
+        lambda u: SidecarClient(u).exists("mine", [f"k{i}" for i in range(256)]),
+        t.socket_url,
+        uid=OTHER,
+    )
+    return {
+        "held": hog == 507 and kept_after == kept_before == 256,
+        "hog_status": hog,
+        "victim_pages": [kept_before, kept_after],
+    }
 
 
 # -- 11: thousands of namespaces, scraped --------------------------------------------------
@@ -150,11 +168,23 @@ def many_namespaces(t: Target, stop: threading.Event) -> dict:
 
 
 ATTACKS = [
-    Attack(1, "write_through_two_tenants", write_through_losses, seconds=1.0, token=None,
-           sidecar_args=("--write-queue-pages", "4", "--host-pool", "4MiB")),
+    Attack(
+        1,
+        "write_through_two_tenants",
+        write_through_losses,
+        seconds=1.0,
+        token=None,
+        sidecar_args=("--write-queue-pages", "4", "--host-pool", "4MiB"),
+    ),
     Attack(7, "tiny_pages", tiny_pages, seconds=1.0, token=None),
     Attack(9, "other_tenants_namespace", other_tenants_namespace, seconds=1.0, token=None),
     Attack(10, "reserve_the_whole_pool", reserve_the_pool, seconds=1.0, token=None),
-    Attack(11, "many_namespaces_scraped", many_namespaces, seconds=8.0, token=None,
-           sidecar_args=("--host-pool", "256MiB")),
+    Attack(
+        11,
+        "many_namespaces_scraped",
+        many_namespaces,
+        seconds=8.0,
+        token=None,
+        sidecar_args=("--host-pool", "256MiB"),
+    ),
 ]

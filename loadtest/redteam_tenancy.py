@@ -2,6 +2,7 @@
 `python -m loadtest.redteam`: a uid outside a share group names it, TCP without a token
 reserves the whole host pool and reads other tenants' namespace names. Each runs against a
 fresh root sidecar (loadtest/redteam.py) without a token, so TCP is anyone on the node."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +12,8 @@ import urllib.request
 from api.engine.client import SidecarClient, SidecarError
 from loadtest.redteam import NOBODY, Attack, Target, as_user
 
-OTHER, MEMBER = 65532, 65531    # the attacker's uid; a second member of the victim's group
-GROUP = 4243                    # the victim's share group (a supplementary group)
+OTHER, MEMBER = 65532, 65531  # the attacker's uid; a second member of the victim's group
+GROUP = 4243  # the victim's share group (a supplementary group)
 PAGE = 16384
 SECRET = "customer-acme-llama"  # a victim's namespace name
 
@@ -31,8 +32,9 @@ def _status(call) -> int:
 
 # -- 2: a uid outside the group names it -----------------------------------------------
 def _put_shared(url: str) -> int:
-    return _status(lambda: SidecarClient(url, timeout=60).put_namespace("kv", PAGE, model="m",
-                                                                       share_gid=GROUP))
+    return _status(
+        lambda: SidecarClient(url, timeout=60).put_namespace("kv", PAGE, model="m", share_gid=GROUP)
+    )
 
 
 def _victim(url: str) -> str:
@@ -45,52 +47,69 @@ def _victim(url: str) -> str:
 
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, timeout=60)
-    return {"put": _put_shared(url),
-            "read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/secret", raw=True)),
-            "plant": _status(lambda: c.put_page("kv", "planted", _page("evil"))),
-            "delete": _status(lambda: c.delete_namespace("kv"))}
+    return {
+        "put": _put_shared(url),
+        "read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/secret", raw=True)),
+        "plant": _status(lambda: c.put_page("kv", "planted", _page("evil"))),
+        "delete": _status(lambda: c.delete_namespace("kv")),
+    }
 
 
 def _member(url: str) -> dict:
     c = SidecarClient(url, timeout=60)
     got = c.put_namespace("kv", PAGE, model="m", share_gid=GROUP)
-    return {"owner": got["owner"], "identity": got["identity"],
-            "read": c.get_page("kv", "secret") == _page("secret")}
+    return {
+        "owner": got["owner"],
+        "identity": got["identity"],
+        "read": c.get_page("kv", "secret") == _page("secret"),
+    }
 
 
 def non_member_shares(t: Target, stop: threading.Event) -> dict:
-    squat = as_user(_put_shared, t.socket_url, uid=OTHER)           # made first: refused
-    anonymous = _put_shared(t.url)                                  # TCP without a token
+    squat = as_user(_put_shared, t.socket_url, uid=OTHER)  # made first: refused
+    anonymous = _put_shared(t.url)  # TCP without a token
     ident = as_user(_victim, t.socket_url, uid=NOBODY, groups=[GROUP])
     got = as_user(_attacker, t.socket_url, uid=OTHER)
-    many = sorted({*range(70_000, 70_299), GROUP})                  # past 256 groups
+    many = sorted({*range(70_000, 70_299), GROUP})  # past 256 groups
     member = as_user(_member, t.socket_url, uid=MEMBER, groups=many)
-    held = (squat == anonymous == 403 and got == {"put": 403, "read": 404, "plant": 404,
-                                                 "delete": 404}
-            and member == {"owner": NOBODY, "identity": ident, "read": True})
-    return {"held": held, "squat": squat, "anonymous": anonymous, "attacker": got,
-            "member_joined": member}
+    held = (
+        squat == anonymous == 403
+        and got == {"put": 403, "read": 404, "plant": 404, "delete": 404}
+        and member == {"owner": NOBODY, "identity": ident, "read": True}
+    )
+    return {
+        "held": held,
+        "squat": squat,
+        "anonymous": anonymous,
+        "attacker": got,
+        "member_joined": member,
+    }
 
 
 # -- review: a member squats a name in a group every tenant is in ---------------------------
 def _squat_everyones_group(url: str) -> int:
     c = SidecarClient(url, timeout=60)
-    c.put_namespace("kv", PAGE, share_gid=GROUP)      # a member: allowed
+    c.put_namespace("kv", PAGE, share_gid=GROUP)  # a member: allowed
     return _status(lambda: c.put_page("kv", "planted", _page("evil")))
 
 
 def _victim_unjoined(url: str) -> dict:
     """The victim's engine after a sidecar restart or a delete, before its PUT of "kv"."""
     c = SidecarClient(url, timeout=60)
-    return {"read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/planted", raw=True)),
-            "store": _status(lambda: c.put_page("kv", "prompt", _page("victim")))}
+    return {
+        "read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/planted", raw=True)),
+        "store": _status(lambda: c.put_page("kv", "prompt", _page("victim"))),
+    }
 
 
 def member_squats_a_name(t: Target, stop: threading.Event) -> dict:
     planted = as_user(_squat_everyones_group, t.socket_url, uid=OTHER, groups=[GROUP])
     got = as_user(_victim_unjoined, t.socket_url, uid=NOBODY, groups=[GROUP])
-    return {"held": planted in (200, 201) and got == {"read": 404, "store": 404},
-            "planted": planted, "victim": got}
+    return {
+        "held": planted in (200, 201) and got == {"read": 404, "store": 404},
+        "planted": planted,
+        "victim": got,
+    }
 
 
 # -- 5: TCP without a token reserves the host pool -----------------------------------------
@@ -99,7 +118,7 @@ def _fill(url: str, n: int) -> int:
     c.put_namespace("mine", PAGE)
     for i in range(n):
         c.put_page("mine", f"k{i}", _page(f"mine{i}"))
-    c.request("POST", "/v1/flush?timeout=60")   # written back: its segments are reclaimable
+    c.request("POST", "/v1/flush?timeout=60")  # written back: its segments are reclaimable
     return c.exists("mine", [f"k{i}" for i in range(n)])
 
 
@@ -107,8 +126,9 @@ def _after(url: str, n: int) -> dict:
     """What the victim still holds in the host pool, and how many new pages it stores."""
     c = SidecarClient(url, timeout=60)
     host = c.stats()["namespaces"]["mine"]["pages"]["host"]
-    stored = sum(_status(lambda i=i: c.put_page("mine", f"n{i}", _page(f"n{i}"))) == 200
-                 for i in range(n))
+    stored = sum(
+        _status(lambda i=i: c.put_page("mine", f"n{i}", _page(f"n{i}"))) == 200 for i in range(n)
+    )
     return {"host_pages": host, "new_stored": stored}
 
 
@@ -147,12 +167,32 @@ def anonymous_reads_names(t: Target, stop: threading.Event) -> dict:
 
 
 ATTACKS = [
-    Attack(43, "tenancy: a non-member names the group (squat, read, plant)", non_member_shares,
-           seconds=1.0, token=None),
-    Attack(43, "tenancy: a member's shared name is no one's unless joined", member_squats_a_name,
-           seconds=1.0, token=None),
-    Attack(43, "tenancy: anonymous TCP reserves the whole host pool", anonymous_reserves_the_pool,
-           seconds=1.0, token=None),
-    Attack(43, "tenancy: anonymous TCP reads other tenants' names", anonymous_reads_names,
-           seconds=3.0, token=None),
+    Attack(
+        43,
+        "tenancy: a non-member names the group (squat, read, plant)",
+        non_member_shares,
+        seconds=1.0,
+        token=None,
+    ),
+    Attack(
+        43,
+        "tenancy: a member's shared name is no one's unless joined",
+        member_squats_a_name,
+        seconds=1.0,
+        token=None,
+    ),
+    Attack(
+        43,
+        "tenancy: anonymous TCP reserves the whole host pool",
+        anonymous_reserves_the_pool,
+        seconds=1.0,
+        token=None,
+    ),
+    Attack(
+        43,
+        "tenancy: anonymous TCP reads other tenants' names",
+        anonymous_reads_names,
+        seconds=3.0,
+        token=None,
+    ),
 ]

@@ -9,6 +9,7 @@ streamed token. Routing: `rr` (each request to the next engine) or `sticky` (a c
 keeps its engine). After `requests` requests in all the run quits; every request is one JSON
 line in the plan's `out` (warm-up included: the report drops it).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,7 +24,9 @@ from locust.exception import StopUser
 from loadtest import bench_serve_lib as sl
 from loadtest.bench_serve_fleet import stream_completion
 
-PLAN = json.loads(Path(os.environ["SERVE_PLAN"]).read_text()) if os.environ.get("SERVE_PLAN") else None
+PLAN = (
+    json.loads(Path(os.environ["SERVE_PLAN"]).read_text()) if os.environ.get("SERVE_PLAN") else None
+)
 _seq = itertools.count()
 _users = itertools.count()
 _done: list[dict] = []
@@ -50,15 +53,34 @@ class ConversationUser(User):
         conv = self.convs[self.ci % len(self.convs)]
         prompt = sl.next_prompt(self.prompt, self.answer, conv, self.k)
         engine = PLAN["engines"][sl.route(PLAN["policy"], seq, conv.cid, len(PLAN["engines"]))]
-        got = stream_completion("127.0.0.1", engine, PLAN["model"], prompt, conv.turns[self.k].max_tokens)
-        rec = {"seq": seq, "user": self.uid, "cid": conv.cid, "turn": self.k, "engine": engine,
-               "start": got["start"], "end": got["end"], "ttft": got["ttft"], "e2e": got["e2e"],
-               "out_tokens": len(got["tokens"]), "prompt_tokens": len(prompt),
-               "cached_tokens": got["cached_tokens"], "status": got["status"], **(
-                   {"error": got["error"]} if "error" in got else {})}
+        got = stream_completion(
+            "127.0.0.1", engine, PLAN["model"], prompt, conv.turns[self.k].max_tokens
+        )
+        rec = {
+            "seq": seq,
+            "user": self.uid,
+            "cid": conv.cid,
+            "turn": self.k,
+            "engine": engine,
+            "start": got["start"],
+            "end": got["end"],
+            "ttft": got["ttft"],
+            "e2e": got["e2e"],
+            "out_tokens": len(got["tokens"]),
+            "prompt_tokens": len(prompt),
+            "cached_tokens": got["cached_tokens"],
+            "status": got["status"],
+            **({"error": got["error"]} if "error" in got else {}),
+        }
         failure = Exception(got["error"]) if "error" in got else None
-        events.request.fire(request_type="completion", name=PLAN["policy"], response_time=got["e2e"] * 1e3,
-                            response_length=len(got["tokens"]), exception=failure, context={})
+        events.request.fire(
+            request_type="completion",
+            name=PLAN["policy"],
+            response_time=got["e2e"] * 1e3,
+            response_length=len(got["tokens"]),
+            exception=failure,
+            context={},
+        )
         with open(PLAN["out"], "a") as f:
             f.write(json.dumps(rec) + "\n")
         _done.append(rec)

@@ -2,6 +2,7 @@
 
 This package imports neither `sidecar` nor `api`, and never touches CUDA.
 """
+
 from pools.arena import Arena
 from pools.host_pool import HostPool, PoolFull
 from pools.page_pool import Entry, PagePool, PoolInvariantError

@@ -8,6 +8,7 @@
 
 Another process on the node can map the same bytes through `/proc/<pid>/fd/<fd>`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,7 +46,7 @@ class Arena:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the arena")
         assert self._mm is not None, "a view of a closed arena"
-        return memoryview(self._mm)[offset:offset + length]
+        return memoryview(self._mm)[offset : offset + length]
 
     def close(self) -> None:
         """Unmap and close; views still alive keep the mapping until they are released."""

@@ -25,6 +25,7 @@ segments never drop below half; they take free segments, their owner's own share
 and those of owners above their share only: never another tenant's share (PoolFull
 otherwise). The operator (owner None) is not capped.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,8 @@ from collections.abc import Hashable
 from pools.arena import Arena
 from pools.page_pool import PagePool, PoolInvariantError
 
-RESERVED_SHARE = 0.5   # of the segments, at most, reserved by tenants (explicit capacities)
-RECLAIM_RETRY = 64     # grows a pool skips the reclaim after one found nothing
+RESERVED_SHARE = 0.5  # of the segments, at most, reserved by tenants (explicit capacities)
+RECLAIM_RETRY = 64  # grows a pool skips the reclaim after one found nothing
 
 
 class PoolFull(Exception):
@@ -55,18 +56,21 @@ class HostPool:
         self.pools: dict[str, PagePool] = {}
         self.draining: list[PagePool] = []
         self.explicit_segments = 0
-        self._shares: tuple | None = None   # `_counts`, until segments move
-        self._no_reclaim: dict[str, int] = {}   # pool -> grows left to skip (see `_grow`)
+        self._shares: tuple | None = None  # `_counts`, until segments move
+        self._no_reclaim: dict[str, int] = {}  # pool -> grows left to skip (see `_grow`)
 
     # -- namespaces -------------------------------------------------------------------
-    def create(self, name: str, page_bytes: int, capacity_bytes: int | None = None,
-               owner: Hashable = None) -> PagePool:
+    def create(
+        self, name: str, page_bytes: int, capacity_bytes: int | None = None, owner: Hashable = None
+    ) -> PagePool:
         """A page pool for `name` of `owner`: a fixed share of `capacity_bytes`, or a fair share."""
         if name in self.pools:
             raise ValueError(f"pool {name!r} exists")
         if page_bytes <= 0 or page_bytes > self.segment_size:
-            raise ValueError(f"page_bytes {page_bytes} is larger than the segment size "
-                             f"{self.segment_size}; start with a larger --segment-size")
+            raise ValueError(
+                f"page_bytes {page_bytes} is larger than the segment size "
+                f"{self.segment_size}; start with a larger --segment-size"
+            )
         if capacity_bytes is None:
             pool = PagePool(name, page_bytes, self.segment_size, grow=self._grow)
             pool.owner = owner
@@ -78,8 +82,9 @@ class HostPool:
         self._moved()
         return pool
 
-    def _create_explicit(self, name: str, page_bytes: int, capacity_bytes: int,
-                         owner: Hashable) -> PagePool:
+    def _create_explicit(
+        self, name: str, page_bytes: int, capacity_bytes: int, owner: Hashable
+    ) -> PagePool:
         pages = capacity_bytes // page_bytes
         if pages < 1:
             raise ValueError(f"capacity {capacity_bytes} holds no page of {page_bytes} bytes")
@@ -91,8 +96,10 @@ class HostPool:
         victims = self._victims_for(owner, need) if len(self.free_segments) < need else []
         idle = sum(min(p.idle_segments(), room) for p, room in victims)
         if len(self.free_segments) + idle < need:  # fail before evicting anything
-            raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes, "
-                           f"{len(self.free_segments)} free and {idle} reclaimable")
+            raise PoolFull(
+                f"{need} segments needed for {capacity_bytes} bytes, "
+                f"{len(self.free_segments)} free and {idle} reclaimable"
+            )
         for victim, room in victims:
             while len(self.free_segments) < need and room > 0:
                 seg = victim.reclaim_segment()
@@ -101,9 +108,11 @@ class HostPool:
                 self.free_segments.append(seg)
                 self._moved()
                 room -= 1
-        if len(self.free_segments) < need:   # write-back kept pages it could not queue yet
-            raise PoolFull(f"{need} segments needed for {capacity_bytes} bytes; shared "
-                           f"namespaces hold pages not yet written back: retry")
+        if len(self.free_segments) < need:  # write-back kept pages it could not queue yet
+            raise PoolFull(
+                f"{need} segments needed for {capacity_bytes} bytes; shared "
+                f"namespaces hold pages not yet written back: retry"
+            )
         for _ in range(need):
             pool.add_segment(self.free_segments.pop())
         self.explicit_segments += need
@@ -114,15 +123,19 @@ class HostPool:
         """Tenants reserve at most RESERVED_SHARE of the segments in all, and each at most
         its part of that (split among the tenants that hold a pool now): the shared
         segments, which every tenant's pools grow into, never drop below the rest."""
-        explicit = [p for p in self.pools.values() if p.owner is not None and p.max_pages is not None]
+        explicit = [
+            p for p in self.pools.values() if p.owner is not None and p.max_pages is not None
+        ]
         tenants = {p.owner for p in self.pools.values() if p.owner is not None} | {owner}
         total = RESERVED_SHARE * self.n_segments
         cap = total / len(tenants)
         mine = sum(len(p.segments) for p in explicit if p.owner == owner)
         if mine + need > cap or sum(len(p.segments) for p in explicit) + need > total:
-            raise PoolFull(f"{need} more reserved segments would put this tenant over its share "
-                           f"({cap:.1f} of {self.n_segments}: half the host pool split among "
-                           f"{len(tenants)} tenants) or the tenants over half the host pool")
+            raise PoolFull(
+                f"{need} more reserved segments would put this tenant over its share "
+                f"({cap:.1f} of {self.n_segments}: half the host pool split among "
+                f"{len(tenants)} tenants) or the tenants over half the host pool"
+            )
 
     def _victims_for(self, owner: Hashable, need: int) -> list[tuple[PagePool, int]]:
         """(shared pool, segments it may give) an explicit share of `owner` may reclaim,
@@ -210,7 +223,7 @@ class HostPool:
         pages meanwhile)."""
         if not self.free_segments and self._may_reclaim(pool) and not self._skip_reclaim(pool):
             got, kept = self._reclaim_for(pool)
-            if not got and not kept:   # (pages write-back kept may go once written)
+            if not got and not kept:  # (pages write-back kept may go once written)
                 self._no_reclaim[pool.name] = RECLAIM_RETRY
         if not self.free_segments:
             return False
@@ -242,8 +255,9 @@ class HostPool:
             return True
         share, pools, held = self._counts()
         mine = share / max(pools[pool.owner], 1)
-        return (held[pool.owner] + 1 <= max(share, 1.0) and len(held) > 1) or \
-            len(pool.segments) + 1 <= max(mine, 1.0)
+        return (held[pool.owner] + 1 <= max(share, 1.0) and len(held) > 1) or len(
+            pool.segments
+        ) + 1 <= max(mine, 1.0)
 
     def _reclaim_for(self, pool: PagePool) -> tuple[bool, bool]:
         """One segment for `pool`, coldest idle one first; returns (one was freed, a victim
@@ -259,7 +273,7 @@ class HostPool:
         first = not pool.segments
         owner_share, pool_share = self.owner_share(), (0.0 if first else self.pool_share(pool))
         victims = []
-        room = max(owner_share, 1.0)   # growth stays within the share; a first segment: below it
+        room = max(owner_share, 1.0)  # growth stays within the share; a first segment: below it
         if (held[pool.owner] < room) if first else (held[pool.owner] + 1 <= room):
             others = [p for p in shared if p.owner != pool.owner and held[p.owner] > owner_share]
             victims += sorted(others, key=lambda p: (held[p.owner], len(p.segments)), reverse=True)

@@ -16,6 +16,7 @@ there when a joint is made join through `build`, a chunk at a time. So a bit is 
 where its pool holds the key (an answer from the joint is never wrong, only short while
 building), and every such bit is set once `built`. Up to 8 pools: a mask is one byte.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -24,9 +25,9 @@ from operator import itemgetter
 from pools.page_pool import PagePool, PoolInvariantError
 
 MAX_POOLS = 8
-NONE = "\x00"     # the mask of a key no pool holds
+NONE = "\x00"  # the mask of a key no pool holds
 
-_TABLES: dict[int, bytes] = {}    # need -> its `held_by` table
+_TABLES: dict[int, bytes] = {}  # need -> its `held_by` table
 
 
 def table(need: int) -> bytes:
@@ -50,7 +51,7 @@ class Joint:
     def __init__(self, pools: list[PagePool]):
         assert 2 <= len(pools) <= MAX_POOLS, "a joint has two to eight pools"
         self.pools: tuple[PagePool, ...] = tuple(pools)
-        self.masks: dict[str, str] = {}     # key -> chr(its mask): joined, read as bytes
+        self.masks: dict[str, str] = {}  # key -> chr(its mask): joined, read as bytes
         self.built = False
         for pool in self.pools:
             pool.joints.append(self)
@@ -68,7 +69,7 @@ class Joint:
             return b""
         hi = n
         if keys[-1] not in masks:
-            lo, hi = 0, n - 1      # keys[lo] in masks, keys[hi] not
+            lo, hi = 0, n - 1  # keys[lo] in masks, keys[hi] not
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if keys[mid] in masks:
@@ -77,7 +78,7 @@ class Joint:
                     hi = mid
         try:
             found = "".join(itemgetter(*keys[:hi])(masks))
-        except KeyError as miss:   # a key no pool holds: the run ends there
+        except KeyError as miss:  # a key no pool holds: the run ends there
             hi = keys.index(miss.args[0], 0, hi)
             found = "".join(itemgetter(*keys[:hi])(masks))
         read = found.encode("latin-1")
@@ -110,7 +111,7 @@ class Joint:
                     if not self.pools:  # detached meanwhile
                         return
                     room = chunk
-                part = keys[lo:lo + room]
+                part = keys[lo : lo + room]
                 for key in part:
                     if key in pool.ready:
                         self.added(pool, key)

@@ -8,6 +8,7 @@ slotted dataclass that cannot also derive from it). Inside, the links are `Any`:
 nodes while linked and None while off the list, which is the list's invariant (`check`),
 not a type mypy can follow through the sentinel.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

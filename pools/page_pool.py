@@ -41,6 +41,7 @@ left to its caller, who logs it in its place).
 The pool is single-threaded: its owner serializes calls (the sidecar calls it from the
 event loop only; copies run elsewhere between reserve/pin and commit/unpin).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -55,9 +56,9 @@ from pools.lru import LruList
 RESERVED = 0
 READY = 1
 PRESENT = object()  # reserve(): the key is already stored: no copy needed
-BUSY = object()     # reserve(): another writer is storing the key; it is not stored yet
-EVICT_SCAN = 64     # pages `on_evict` keeps that one eviction passes over at most
-RECLAIM_TRIES = 4   # idle segments one reclaim tries to empty at most
+BUSY = object()  # reserve(): another writer is storing the key; it is not stored yet
+EVICT_SCAN = 64  # pages `on_evict` keeps that one eviction passes over at most
+RECLAIM_TRIES = 4  # idle segments one reclaim tries to empty at most
 
 
 class KeyWatcher(Protocol):
@@ -108,7 +109,7 @@ def run_in_any(keys: list[str], indexes: list) -> int:
     `map` apiece, until a chunk holds a miss."""
     n, step, first = run_length(indexes[0], keys), 64, indexes[0].__contains__
     while n < len(keys):
-        part = keys[n:n + step]
+        part = keys[n : n + step]
         held = bytes(map(first, part))
         for index in indexes[1:]:
             held = bytes(map(or_, held, map(index.__contains__, part)))
@@ -120,44 +121,52 @@ def run_in_any(keys: list[str], indexes: list) -> int:
 
 
 Grow = Callable[["PagePool"], bool]
-OnEvict = Callable[["PagePool", Entry], bool]   # False: keep this page (not written yet)
+OnEvict = Callable[["PagePool", Entry], bool]  # False: keep this page (not written yet)
 
 
 class PagePool:
     """Pages of one namespace. `grow` asks the host pool for one more segment."""
 
-    def __init__(self, name: str, page_bytes: int, segment_size: int,
-                 max_pages: int | None = None, grow: Grow | None = None):
+    def __init__(
+        self,
+        name: str,
+        page_bytes: int,
+        segment_size: int,
+        max_pages: int | None = None,
+        grow: Grow | None = None,
+    ):
         if page_bytes <= 0 or page_bytes > segment_size:
             raise ValueError(f"page_bytes {page_bytes} must be in 1..segment size {segment_size}")
         self.name = name
-        self.owner: Hashable = None      # the host pool shares segments fairly by owner
+        self.owner: Hashable = None  # the host pool shares segments fairly by owner
         self.page_bytes = page_bytes
         self.segment_size = segment_size
         self.max_pages = max_pages
         self.segments: list[int] = []
-        self.entries: dict[str, Entry] = {}   # every key: RESERVED and READY
-        self.ready: dict[str, Entry] = {}     # READY keys only: the lookup fast path
-        self.free: list[int] = []        # slots given back, reused first
+        self.entries: dict[str, Entry] = {}  # every key: RESERVED and READY
+        self.ready: dict[str, Entry] = {}  # READY keys only: the lookup fast path
+        self.free: list[int] = []  # slots given back, reused first
         self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
         self.lru: LruList[Entry] = LruList()
         self.closed = False
         self.on_evict: OnEvict | None = None
         self.on_idle: Callable[[PagePool], None] | None = None
-        self.on_segment_idle: Callable[[PagePool], None] | None = None  # a segment's last busy slot went
-        self.joints: list[KeyWatcher] = []    # told when a key comes or goes
+        self.on_segment_idle: Callable[[PagePool], None] | None = (
+            None  # a segment's last busy slot went
+        )
+        self.joints: list[KeyWatcher] = []  # told when a key comes or goes
         self.log: list | None = None  # (True, key) or a gone key, as they come and go
         self.on_log: Callable[[PagePool], None] | None = None
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
-        self._by_offset: dict[int, Entry] = {}   # every slot holding an entry (doomed too)
-        self._busy: set[Entry] = set()           # entries reserved or pinned (doomed too)
-        self._seg_busy: dict[int, int] = {}      # busy slots per segment (absent: idle)
+        self._by_offset: dict[int, Entry] = {}  # every slot holding an entry (doomed too)
+        self._busy: set[Entry] = set()  # entries reserved or pinned (doomed too)
+        self._seg_busy: dict[int, int] = {}  # busy slots per segment (absent: idle)
         self._slots = 0
         self._reserved = 0
-        self._pinned = 0                 # entries with pins > 0, doomed ones included
+        self._pinned = 0  # entries with pins > 0, doomed ones included
         self.evictions = 0
-        self.reclaim_kept = False        # the last reclaim met a page `on_evict` kept
+        self.reclaim_kept = False  # the last reclaim met a page `on_evict` kept
 
     # -- capacity ---------------------------------------------------------------------
     @property
@@ -221,7 +230,7 @@ class PagePool:
         if e is not None:
             if e.state != READY:
                 return BUSY
-            if not e.pins:   # (a pinned page is off the list: it comes back as the newest)
+            if not e.pins:  # (a pinned page is off the list: it comes back as the newest)
                 self.lru.touch(e)
             return PRESENT
         offset = self._take_slot()
@@ -347,7 +356,7 @@ class PagePool:
                 continue
             if self._empty_segment(seg):
                 return self._give_back(seg)
-            self.reclaim_kept = True     # `on_evict` kept a page: try again once it is written
+            self.reclaim_kept = True  # `on_evict` kept a page: try again once it is written
             tries += 1
             if tries >= RECLAIM_TRIES:
                 break
@@ -363,7 +372,9 @@ class PagePool:
         lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
         kept = [o for o in self.free if not lo <= o < hi]
         unused = [r for r in self.fresh if lo <= r[0] < hi]
-        self._slots -= len(self.free) - len(kept) + sum((e - n) // self.page_bytes for n, e in unused)
+        self._slots -= (
+            len(self.free) - len(kept) + sum((e - n) // self.page_bytes for n, e in unused)
+        )
         self.free = kept
         self.fresh = [r for r in self.fresh if not lo <= r[0] < hi]
         self.segments.remove(seg)
@@ -384,8 +395,8 @@ class PagePool:
                 if not e.doomed:
                     e.doomed = True
                     self._doomed_entries[id(e)] = e
-            self.entries.clear()     # in place: a look-up holding `ready` across an await
-            self.ready.clear()       # sees the namespace gone
+            self.entries.clear()  # in place: a look-up holding `ready` across an await
+            self.ready.clear()  # sees the namespace gone
             self.lru = LruList()
             self._by_offset = {e.offset: e for e in self._busy}
         self._after_release()
@@ -422,7 +433,7 @@ class PagePool:
         for joint in self.joints:
             joint.removed(self, e.key)
         log = self.log
-        if log is not None:            # `_logged`, inline: every page a set evicts comes here
+        if log is not None:  # `_logged`, inline: every page a set evicts comes here
             if not log:
                 assert self.on_log is not None, "a pool with a log has its on_log"
                 self.on_log(self)
@@ -477,8 +488,9 @@ class PagePool:
         busy = {e for e in live if e.state == RESERVED or e.pins}
         assert busy == self._busy, "busy entries differ from the reserved and pinned ones"
         per_seg = Counter(e.offset // self.segment_size for e in busy)
-        assert per_seg == Counter(self._seg_busy) and 0 not in self._seg_busy.values(), \
+        assert per_seg == Counter(self._seg_busy) and 0 not in self._seg_busy.values(), (
             f"busy slots per segment {self._seg_busy} != {dict(per_seg)}"
+        )
 
     def invariants(self) -> None:
         """Check every count and link; raise PoolInvariantError on the first broken one."""
@@ -492,7 +504,9 @@ class PagePool:
         reserved = pinned = 0
         offsets = list(self.free)
         for nxt, end in self.fresh:
-            assert nxt < end and (end - nxt) % self.page_bytes == 0, f"fresh run {nxt}..{end} is bad"
+            assert nxt < end and (end - nxt) % self.page_bytes == 0, (
+                f"fresh run {nxt}..{end} is bad"
+            )
             offsets.extend(range(nxt, end, self.page_bytes))
         for key, e in self.entries.items():
             assert e.key == key and not e.doomed, f"index entry {key!r} is stale"
@@ -512,16 +526,19 @@ class PagePool:
             reserved += e.state == RESERVED
             pinned += e.pins > 0
             offsets.append(e.offset)
-        assert listed == sum(e.state == READY and not e.pins for e in self.entries.values()), \
+        assert listed == sum(e.state == READY and not e.pins for e in self.entries.values()), (
             "LRU != ready and unpinned"
-        assert self.ready == {k: e for k, e in self.entries.items() if e.state == READY}, \
+        )
+        assert self.ready == {k: e for k, e in self.entries.items() if e.state == READY}, (
             "ready index differs from the READY entries"
+        )
         assert reserved == self._reserved, f"reserved count {self._reserved} != {reserved}"
         assert pinned == self._pinned, f"pinned count {self._pinned} != {pinned}"
         self._check_slot_indexes()
         # a closed pool forgets its idle slots: its segments go back whole
-        assert len(offsets) == len(set(offsets)) and (len(offsets) == self._slots or self.closed
-                                                      and len(offsets) <= self._slots), "slot lost or shared"
+        assert len(offsets) == len(set(offsets)) and (
+            len(offsets) == self._slots or self.closed and len(offsets) <= self._slots
+        ), "slot lost or shared"
         segs = set(self.segments)
         assert len(segs) == len(self.segments), "segment listed twice"
         for o in offsets:

@@ -11,6 +11,7 @@
 The GPU machine has no network: what its image lacks travels as wheels in the working tree
 (docs/gpu.md). `make gpu-wheels` runs both.
 """
+
 from __future__ import annotations
 
 import email.parser
@@ -27,15 +28,20 @@ import zipfile
 try:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name, parse_wheel_filename
-except ImportError:   # a bare Python: pip's own copy
+except ImportError:  # a bare Python: pip's own copy
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LOCK = ROOT / "scripts" / "gpu-wheels.txt"
-LIMIT = 64 << 20   # what one device call carries: the working tree and the carried paths
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64"]
+LIMIT = 64 << 20  # what one device call carries: the working tree and the carried paths
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 # The GPU image's Python packages (/work/.library/device/KINDS.md, read 2026-11-17): met there
 _IMAGE = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
 botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
@@ -55,9 +61,17 @@ shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboa
 threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchvision tqdm transformers
 triton typer typing-extensions urllib3 uvloop werkzeug wheel wrapt xarray xxhash yarl zipp"""
 IMAGE = _IMAGE.split()
-ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
-       "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
-       "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+ENV = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "os_name": "posix",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "extra": "",
+}
 
 
 def locked() -> dict[str, str]:
@@ -76,9 +90,27 @@ def download(dest: pathlib.Path) -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".whl-", dir=dest.parent))
     try:
         plats = [a for p in PLATFORMS for a in ("--platform", p)]
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "--implementation", "cp", *plats, "-d", str(tmp),
-                        "-r", str(LOCK)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.12",
+                "--implementation",
+                "cp",
+                *plats,
+                "-d",
+                str(tmp),
+                "-r",
+                str(LOCK),
+            ],
+            check=True,
+        )
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
     finally:
@@ -90,8 +122,13 @@ def installable(filename: str) -> bool:
     _, _, _, tags = parse_wheel_filename(filename)
     for t in tags:
         py_ok = t.interpreter in ("py3", "py312", "cp312") or (
-            t.abi == "abi3" and re.fullmatch(r"cp3(\d+)", t.interpreter) and int(t.interpreter[3:]) <= 12)
-        plat_ok = t.platform == "any" or (t.platform.startswith("manylinux") and t.platform.endswith("x86_64"))
+            t.abi == "abi3"
+            and re.fullmatch(r"cp3(\d+)", t.interpreter)
+            and int(t.interpreter[3:]) <= 12
+        )
+        plat_ok = t.platform == "any" or (
+            t.platform.startswith("manylinux") and t.platform.endswith("x86_64")
+        )
         if py_ok and t.abi in ("none", "abi3", "cp312") and plat_ok:
             return True
     return False
@@ -109,9 +146,17 @@ def requirements(wheel: pathlib.Path) -> list[Requirement]:
 def tree_bytes() -> int:
     """Bytes of what a device call sends besides the carried paths: tracked files and
     untracked ones git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                         capture_output=True, check=True).stdout.split(b"\0")
-    return sum(os.path.getsize(ROOT / os.fsdecode(p)) for p in out if p and os.path.isfile(ROOT / os.fsdecode(p)))
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    return sum(
+        os.path.getsize(ROOT / os.fsdecode(p))
+        for p in out
+        if p and os.path.isfile(ROOT / os.fsdecode(p))
+    )
 
 
 def check(dest: pathlib.Path) -> list[str]:
@@ -127,7 +172,9 @@ def check(dest: pathlib.Path) -> list[str]:
             problems.append(f"{w.name} does not install on CPython 3.12 x86_64")
     for name, version in lock.items():
         if have.get(name, ("",))[0] != version:
-            problems.append(f"{name}=={version} is locked but {dest} has {have.get(name, ('none',))[0]}")
+            problems.append(
+                f"{name}=={version} is locked but {dest} has {have.get(name, ('none',))[0]}"
+            )
     image = {canonicalize_name(n) for n in IMAGE}
     for name, (_, w) in have.items():
         for r in requirements(w):
@@ -143,15 +190,19 @@ def check(dest: pathlib.Path) -> list[str]:
             problems.append(f"the server needs {r}: neither in the set nor in the GPU image")
     total = sum(w.stat().st_size for _, w in have.values()) + tree_bytes()
     if total >= LIMIT:
-        problems.append(f"wheels + working tree = {total / 2**20:.1f} MiB, over the {LIMIT >> 20} MiB a call carries")
+        problems.append(
+            f"wheels + working tree = {total / 2**20:.1f} MiB, over the {LIMIT >> 20} MiB a call carries"
+        )
     return problems
 
 
 def summary(dest: pathlib.Path) -> str:
     wheels = sorted(dest.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels)
-    return (f"{len(wheels)} wheels, {size / 2**20:.2f} MiB; with the working tree "
-            f"{(size + tree_bytes()) / 2**20:.2f} MiB of {LIMIT >> 20}")
+    return (
+        f"{len(wheels)} wheels, {size / 2**20:.2f} MiB; with the working tree "
+        f"{(size + tree_bytes()) / 2**20:.2f} MiB of {LIMIT >> 20}"
+    )
 
 
 def main(argv: list[str]) -> int:

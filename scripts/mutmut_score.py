@@ -6,6 +6,7 @@
                            drive a sidecar subprocess are not counted by mutmut)
 score = caught / (caught + survived + no tests); not checked / skipped are left out.
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,7 +18,9 @@ MUTMUT = os.path.join(os.path.dirname(sys.executable), "mutmut")
 
 
 def main() -> int:
-    out = subprocess.run([MUTMUT, "results", "--all", "true"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [MUTMUT, "results", "--all", "true"], capture_output=True, text=True
+    ).stdout
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in out.splitlines():
         name, sep, status = line.strip().rpartition(": ")

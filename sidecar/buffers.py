@@ -12,6 +12,7 @@ Every syscall on an shm buffer's fd (the walk, fstat, sealing, mmap, munmap, clo
 its owner's lane of the fd threads (`sidecar.lanes`), never on the event loop; what one
 uid holds (buffers, mapped bytes) is counted in `Quota`.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,8 @@ from sidecar.transports.base import Chunk, _nonneg_int, covered, parse_chunks
 from sidecar.transports.shm import ShmMapping, open_beneath
 
 TRANSPORTS = ("shm", "cuda_ipc")
-MAX_MAPPED = 64 << 40           # bytes of engine memory mapped at once, every uid (--max-mapped)
-MAX_MAPPED_PER_UID = 16 << 40   # and by one uid's buffers (--max-mapped-per-uid)
+MAX_MAPPED = 64 << 40  # bytes of engine memory mapped at once, every uid (--max-mapped)
+MAX_MAPPED_PER_UID = 16 << 40  # and by one uid's buffers (--max-mapped-per-uid)
 
 
 def process_start(pid: int) -> str | None:
@@ -60,11 +61,15 @@ class Quota:
 
     def take(self, owner: int | None, buffers: int, mapped: int) -> None:
         """Count a buffer (or only more mapped bytes); 429 past a mapped-bytes bound."""
-        if mapped and (self.total_mapped + mapped > self.max_mapped
-                       or self.mapped[owner] + mapped > self.max_mapped_per_uid):
-            raise TooMany(f"mapping {mapped} more bytes would pass the sidecar's bound on mapped "
-                          f"engine memory ({self.max_mapped_per_uid} bytes a user, "
-                          f"{self.max_mapped} in all): release buffers, or register smaller ones")
+        if mapped and (
+            self.total_mapped + mapped > self.max_mapped
+            or self.mapped[owner] + mapped > self.max_mapped_per_uid
+        ):
+            raise TooMany(
+                f"mapping {mapped} more bytes would pass the sidecar's bound on mapped "
+                f"engine memory ({self.max_mapped_per_uid} bytes a user, "
+                f"{self.max_mapped} in all): release buffers, or register smaller ones"
+            )
         self.buffers[owner] += buffers
         self.mapped[owner] += mapped
         self.total_buffers += buffers
@@ -91,24 +96,32 @@ class Buffer:
     slots: int
     chunks: tuple[Chunk, ...]
     mapping: Any
-    pid: int | None = None          # released when this process exits (polled)
+    pid: int | None = None  # released when this process exits (polled)
     pid_start: str | None = None
-    owner_uid: int | None = None    # None: registered on TCP (cuda_ipc only)
-    lease: str | None = None        # released when this lease ends
+    owner_uid: int | None = None  # None: registered on TCP (cuda_ipc only)
+    lease: str | None = None  # released when this lease ends
     refs: int = 0
     released: bool = False
-    bad: str | None = None          # why moves with it answer false at once (a stuck copy)
-    quota: Quota | None = None      # where it is counted (given back when it closes)
-    mapped: int = 0                    # bytes of address space its mapping holds
-    lanes: Lanes | None = None      # where its mapping is closed (None: right here)
+    bad: str | None = None  # why moves with it answer false at once (a stuck copy)
+    quota: Quota | None = None  # where it is counted (given back when it closes)
+    mapped: int = 0  # bytes of address space its mapping holds
+    lanes: Lanes | None = None  # where its mapping is closed (None: right here)
 
     def describe(self) -> dict[str, Any]:
-        return {"buffer_id": self.id, "transport": self.transport, "size": self.size,
-                "slots": self.slots, "pid": self.pid, "owner_uid": self.owner_uid,
-                "mode": "mmap" if getattr(self.mapping, "sealed", True) else "fd",
-                "mapped": self.mapped, "bad": self.bad,
-                "chunks": [{"offset": c.offset, "stride": c.stride, "size": c.size}
-                           for c in self.chunks]}
+        return {
+            "buffer_id": self.id,
+            "transport": self.transport,
+            "size": self.size,
+            "slots": self.slots,
+            "pid": self.pid,
+            "owner_uid": self.owner_uid,
+            "mode": "mmap" if getattr(self.mapping, "sealed", True) else "fd",
+            "mapped": self.mapped,
+            "bad": self.bad,
+            "chunks": [
+                {"offset": c.offset, "stride": c.stride, "size": c.size} for c in self.chunks
+            ],
+        }
 
     def usable_by(self, peer: Peer | None) -> bool:
         return self.owner_uid is None or (peer is not None and peer.uid == self.owner_uid)
@@ -159,8 +172,9 @@ class Sources:
         return self.leases.forbidden
 
 
-async def open_buffer(namespace: str, body: Any, page_bytes: int, src: Sources,
-                      peer: Peer | None) -> Buffer:
+async def open_buffer(
+    namespace: str, body: Any, page_bytes: int, src: Sources, peer: Peer | None
+) -> Buffer:
     """Validate a registration body from `peer` (None: TCP) and map the engine's memory.
     The buffer is counted in `src.quota` before the first await (the caller's caps, checked
     just before, hold under concurrent registrations)."""
@@ -179,27 +193,59 @@ async def open_buffer(namespace: str, body: Any, page_bytes: int, src: Sources,
         chunks = parse_chunks(body.get("chunks"), page_bytes, [r[3] for r in regions], slots)
         mapping = cuda_ipc.open_buffer(body, src.cuda, pid, size)
         src.quota.take(owner, 1, 0)
-        return _owned(Buffer(buf_id, namespace, transport, size, slots, chunks, mapping,
-                             pid, owner_uid=owner, quota=src.quota))
+        return _owned(
+            Buffer(
+                buf_id,
+                namespace,
+                transport,
+                size,
+                slots,
+                chunks,
+                mapping,
+                pid,
+                owner_uid=owner,
+                quota=src.quota,
+            )
+        )
     chunks = parse_chunks(body.get("chunks"), page_bytes, size, slots)
     if peer is None:
-        raise Forbidden("shared memory can be registered only on the engine socket "
-                        "(--socket), where the sidecar knows who is asking")
+        raise Forbidden(
+            "shared memory can be registered only on the engine socket "
+            "(--socket), where the sidecar knows who is asking"
+        )
     if src.leases.lanes.backlog(owner) >= lending.MAX_BACKLOG:
         raise TooMany("this user's earlier registrations or closes are still running; try again")
     span = covered(chunks, slots)
     reserved, refusal = _reserve(src.quota, owner, span[1] - span[0])
     try:
         open_fd, lease, pid = _shm_fd(body, src, peer)
-        mapping = await _map_off_loop(src, owner, open_fd, partial(
-            ShmMapping, size=size, forbidden=src.own_memory, span=span, refusal=refusal))
+        mapping = await _map_off_loop(
+            src,
+            owner,
+            open_fd,
+            partial(ShmMapping, size=size, forbidden=src.own_memory, span=span, refusal=refusal),
+        )
     except BaseException:
         src.quota.give(owner, 1, reserved)
         raise
-    src.quota.give(owner, 0, reserved - mapping.mapped)   # fd mode maps nothing
-    return _owned(Buffer(buf_id, namespace, transport, size, slots, chunks, mapping, pid,
-                         owner_uid=owner, lease=lease, quota=src.quota, mapped=mapping.mapped,
-                         lanes=src.leases.lanes))
+    src.quota.give(owner, 0, reserved - mapping.mapped)  # fd mode maps nothing
+    return _owned(
+        Buffer(
+            buf_id,
+            namespace,
+            transport,
+            size,
+            slots,
+            chunks,
+            mapping,
+            pid,
+            owner_uid=owner,
+            lease=lease,
+            quota=src.quota,
+            mapped=mapping.mapped,
+            lanes=src.leases.lanes,
+        )
+    )
 
 
 def _reserve(quota: Quota, owner: int | None, span: int) -> tuple[int, TooMany | None]:
@@ -213,13 +259,16 @@ def _reserve(quota: Quota, owner: int | None, span: int) -> tuple[int, TooMany |
         return 0, exc
 
 
-def _shm_fd(body: dict, src: Sources,
-            peer: Peer) -> tuple[Callable[[], int], str | None, int | None]:
+def _shm_fd(
+    body: dict, src: Sources, peer: Peer
+) -> tuple[Callable[[], int], str | None, int | None]:
     """(a call giving the fd, on the fd thread; lease id; pid to watch) for an shm
     registration by `peer`. A lease's fd is duplicated here (dup cannot block)."""
     if "fd" in body or "pid" in body:
-        raise BadRequest("'pid' + 'fd' registration is gone: lend the fd on the fd socket "
-                         "(SCM_RIGHTS) and register its 'lease' (docs/security.md)")
+        raise BadRequest(
+            "'pid' + 'fd' registration is gone: lend the fd on the fd socket "
+            "(SCM_RIGHTS) and register its 'lease' (docs/security.md)"
+        )
     if body.get("lease") is not None:
         lease, fd = src.leases.dup(body["lease"], peer)
         return _Lent(fd), lease.id, None
@@ -247,16 +296,23 @@ def _open_owned(path: object, allowed: Sequence[str], uid: int) -> int:
     return fd
 
 
-async def _map_off_loop(src: Sources, owner: int | None, open_fd: Callable[[], int],
-                        mapping: Callable[[int], ShmMapping]) -> ShmMapping:
+async def _map_off_loop(
+    src: Sources,
+    owner: int | None,
+    open_fd: Callable[[], int],
+    mapping: Callable[[int], ShmMapping],
+) -> ShmMapping:
     """`mapping(open_fd())` on `owner`'s fd lane, within FD_DEADLINE seconds (409 after:
     the memory stayed locked; what the late job makes is closed when it ends)."""
     lanes, deadline = src.leases.lanes, lending.FD_DEADLINE
-    job = await lanes.call(owner, lambda: mapping(open_fd()), deadline,
-                           partial(_late_mapping, lanes, open_fd))
+    job = await lanes.call(
+        owner, lambda: mapping(open_fd()), deadline, partial(_late_mapping, lanes, open_fd)
+    )
     if job is None:
-        raise Conflict(f"registering took longer than {deadline:g} s: the memory is locked "
-                       f"by another operation (or this user's earlier ones are stuck); try again")
+        raise Conflict(
+            f"registering took longer than {deadline:g} s: the memory is locked "
+            f"by another operation (or this user's earlier ones are stuck); try again"
+        )
     if job.error is not None:
         raise job.error
     return job.result

@@ -1,4 +1,5 @@
 """Configuration: defaults < TOML file (`--config`) < `SIDECAR_<NAME>` environment < flags."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,22 @@ from pathlib import Path
 from typing import Any
 
 WRITE_POLICIES = ("write_through", "write_back", "none")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -66,60 +80,60 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8411
     token: str | None = field(default=None, repr=False)
-    token_file: str | None = None      # read once at start; beats nothing else (see load)
+    token_file: str | None = None  # read once at start; beats nothing else (see load)
     socket: str = field(default_factory=_default_socket)  # "" : no engine socket
-    socket_mode: int = 0o660              # the engine socket's (and fd socket's) mode
-    socket_group: str | None = None    # and group: the engines' users belong to it
+    socket_mode: int = 0o660  # the engine socket's (and fd socket's) mode
+    socket_group: str | None = None  # and group: the engines' users belong to it
     host_pool: int = 2 * 2**30
-    segment_size: int = 0                 # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
+    segment_size: int = 0  # 0: host_pool / 64, clamped to [1 MiB, 64 MiB]
     data_dir: str = field(default_factory=_default_data_dir)
     file_tier: bool = True
-    file_tier_size: int = 0               # 0: min(64 GiB, 90% of free + held), see datadir
+    file_tier_size: int = 0  # 0: min(64 GiB, 90% of free + held), see datadir
     hf3fs_dir: str | None = None
-    hf3fs_size: int = 0                   # 0: no limit (the cluster's storage is managed elsewhere)
-    hf3fs_rescan: float = 30.0            # seconds between scans for other nodes' pages
-    hf3fs_group: str | None = None     # nodes' sidecars share 3FS pages through this group
-    mooncake_master: str | None = None   # HOST:PORT of mooncake_master: adds the Mooncake tier
+    hf3fs_size: int = 0  # 0: no limit (the cluster's storage is managed elsewhere)
+    hf3fs_rescan: float = 30.0  # seconds between scans for other nodes' pages
+    hf3fs_group: str | None = None  # nodes' sidecars share 3FS pages through this group
+    mooncake_master: str | None = None  # HOST:PORT of mooncake_master: adds the Mooncake tier
     mooncake_metadata: str = "P2PHANDSHAKE"
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
-    mooncake_segment_size: int = 2**30      # memory this node lends the Mooncake cluster
-    mooncake_local_hostname: str = ""       # empty: the address that routes to the master
+    mooncake_segment_size: int = 2**30  # memory this node lends the Mooncake cluster
+    mooncake_local_hostname: str = ""  # empty: the address that routes to the master
     write_policy: str = "write_through"
-    max_body: int = 256 * 2**20           # any request body
-    max_json_body: int = 4 * 2**20        # JSON request bodies (the largest allowed is ~2.3 MB)
+    max_body: int = 256 * 2**20  # any request body
+    max_json_body: int = 4 * 2**20  # JSON request bodies (the largest allowed is ~2.3 MB)
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
     copy_threads: int = max(4, os.cpu_count() or 1)  # a large move is split over every core
     tier_threads: int = 2
-    write_queue_pages: int = 256          # pages pinned for the tiers before a set waits
+    write_queue_pages: int = 256  # pages pinned for the tiers before a set waits
     shutdown_timeout: float = 30.0
-    read_timeout: float = 30.0            # a request head or body stalled this long: closed
-    max_connections: int = 1024           # open HTTP connections on each listener (counted apart)
+    read_timeout: float = 30.0  # a request head or body stalled this long: closed
+    max_connections: int = 1024  # open HTTP connections on each listener (counted apart)
     # connections (issue 26: items 3, 6, 10; sidecar/connections.py)
-    max_connections_per_uid: int = 256    # engine socket: one peer uid's connections at most
-    auth_timeout: float = 5.0             # TCP with a token: idle or head time before showing it
-    body_timeout: float = 60.0            # a request body must be whole this long after its head
-    write_timeout: float = 30.0           # answers unread (writing paused) this long: aborted
-    max_head: int = 64 * 2**10            # request line + headers (414/431 past it)
-    max_header_fields: int = 100          # header fields a request (431 past it)
+    max_connections_per_uid: int = 256  # engine socket: one peer uid's connections at most
+    auth_timeout: float = 5.0  # TCP with a token: idle or head time before showing it
+    body_timeout: float = 60.0  # a request body must be whole this long after its head
+    write_timeout: float = 30.0  # answers unread (writing paused) this long: aborted
+    max_head: int = 64 * 2**10  # request line + headers (414/431 past it)
+    max_header_fields: int = 100  # header fields a request (431 past it)
     # KV events for cache-aware routers (sidecar/events.py); off unless an endpoint is given
-    kv_events: str | None = None       # ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557
+    kv_events: str | None = None  # ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557
     kv_events_replay: str | None = None  # ZMQ ROUTER replay endpoint (default: PUB port + 1)
-    kv_events_format: str = "map"         # "map" (vLLM's tagged structs) or "array" (positional)
-    kv_events_topic: str = ""             # topic prefix (default kv-sidecar@<hostname>)
-    kv_events_buffer: int = 10_000        # batches kept for replay
-    kv_events_buffer_bytes: int = 256 * 2**20   # and their bytes at most (a mapping, resident)
-    kv_events_gather: float = 0.02        # s a batch gathers events before it is sent
-    kv_events_hwm: int = 1000             # batches queued to a subscriber, then dropped for it
-    kv_events_batch_bytes: int = 256 * 2**10   # bytes of one batch at most (events split to fit)
-    kv_events_queue_bytes: int = 64 * 2**20    # bytes queued to the PUB's subscribers at most
-    kv_events_mode: int = 0o600           # ipc:// event sockets' mode (this user only)
+    kv_events_format: str = "map"  # "map" (vLLM's tagged structs) or "array" (positional)
+    kv_events_topic: str = ""  # topic prefix (default kv-sidecar@<hostname>)
+    kv_events_buffer: int = 10_000  # batches kept for replay
+    kv_events_buffer_bytes: int = 256 * 2**20  # and their bytes at most (a mapping, resident)
+    kv_events_gather: float = 0.02  # s a batch gathers events before it is sent
+    kv_events_hwm: int = 1000  # batches queued to a subscriber, then dropped for it
+    kv_events_batch_bytes: int = 256 * 2**10  # bytes of one batch at most (events split to fit)
+    kv_events_queue_bytes: int = 64 * 2**20  # bytes queued to the PUB's subscribers at most
+    kv_events_mode: int = 0o600  # ipc:// event sockets' mode (this user only)
     kv_events_group: str | None = None  # and their group (the routers' users are in it)
-    kv_events_token_ids: bool = False     # publish each page's token ids (its prompt): opt in
+    kv_events_token_ids: bool = False  # publish each page's token ids (its prompt): opt in
     # lent memory (issue 26: items 2, 4, 5, 10; sidecar/leases.py, copier.py, buffers.py)
-    copy_deadline: float = 30.0           # s a request waits for its copy; then false, buffer bad
-    lend_idle_timeout: float = 5.0        # s an fd socket connection holding no lease may idle
-    max_mapped: int = 64 * 2**40          # bytes of engine memory mapped, every uid together
+    copy_deadline: float = 30.0  # s a request waits for its copy; then false, buffer bad
+    lend_idle_timeout: float = 5.0  # s an fd socket connection holding no lease may idle
+    max_mapped: int = 64 * 2**40  # bytes of engine memory mapped, every uid together
     max_mapped_per_uid: int = 16 * 2**40  # and by one uid's buffers (429 beyond)
     log_level: str = "info"
 
@@ -129,37 +143,69 @@ class Config:
         if self.host_pool < 4096:
             raise ValueError(f"host pool must be at least 4096 bytes, got {self.host_pool}")
         if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+            raise ValueError(
+                f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
+            )
         if self.copy_threads < 1 or self.tier_threads < 1 or self.write_queue_pages < 1:
             raise ValueError("copy threads, tier threads and write queue pages must be >= 1")
-        if self.mooncake_master is not None and not re.fullmatch(r"\[?[^\s]+\]?:\d{1,5}", self.mooncake_master):
+        if self.mooncake_master is not None and not re.fullmatch(
+            r"\[?[^\s]+\]?:\d{1,5}", self.mooncake_master
+        ):
             raise ValueError(f"mooncake master must be HOST:PORT, got {self.mooncake_master!r}")
         if self.segment_size and not 0 < self.segment_size <= self.host_pool:
             raise ValueError("segment size must be in 1..host pool size")
         if self.socket and (not os.path.isabs(self.socket) or len(self.socket.encode()) > 100):
-            raise ValueError(f"socket must be an absolute path of at most 100 bytes, got {self.socket!r}")
+            raise ValueError(
+                f"socket must be an absolute path of at most 100 bytes, got {self.socket!r}"
+            )
         self._check_event_endpoints()
         if self.kv_events_format not in ("map", "array"):
-            raise ValueError(f"kv events format must be map or array, got {self.kv_events_format!r}")
+            raise ValueError(
+                f"kv events format must be map or array, got {self.kv_events_format!r}"
+            )
         if min(self.kv_events_buffer, self.kv_events_buffer_bytes) < 0:
             raise ValueError("kv events buffer and buffer bytes must be >= 0")
-        if self.kv_events_hwm < 32:   # ZMQ learns of a subscriber's reads in steps: below
+        if self.kv_events_hwm < 32:  # ZMQ learns of a subscriber's reads in steps: below
             # this it dropped batches for one that kept up (docs/kv-events.md, Limits)
             raise ValueError(f"kv events hwm must be >= 32 batches, got {self.kv_events_hwm!r}")
-        if self.kv_events_batch_bytes < 64 * 2**10 or self.kv_events_queue_bytes < self.kv_events_batch_bytes:
-            raise ValueError("kv events batch bytes must be >= 64KiB and queue bytes >= batch bytes")
+        if (
+            self.kv_events_batch_bytes < 64 * 2**10
+            or self.kv_events_queue_bytes < self.kv_events_batch_bytes
+        ):
+            raise ValueError(
+                "kv events batch bytes must be >= 64KiB and queue bytes >= batch bytes"
+            )
         if not 0 <= self.kv_events_mode <= 0o777:
-            raise ValueError(f"kv events mode must be an octal mode like 0660, got {self.kv_events_mode:o}")
+            raise ValueError(
+                f"kv events mode must be an octal mode like 0660, got {self.kv_events_mode:o}"
+            )
         if not 0 < self.kv_events_gather <= 1:
-            raise ValueError(f"kv events gather must be in (0, 1] seconds, got {self.kv_events_gather!r}")
+            raise ValueError(
+                f"kv events gather must be in (0, 1] seconds, got {self.kv_events_gather!r}"
+            )
         if not 0 <= self.socket_mode <= 0o777:
-            raise ValueError(f"socket mode must be an octal mode like 0660, got {self.socket_mode:o}")
-        if min(self.max_connections, self.max_connections_per_uid, self.max_head, self.max_header_fields) < 1:
+            raise ValueError(
+                f"socket mode must be an octal mode like 0660, got {self.socket_mode:o}"
+            )
+        if (
+            min(
+                self.max_connections,
+                self.max_connections_per_uid,
+                self.max_head,
+                self.max_header_fields,
+            )
+            < 1
+        ):
             raise ValueError("connection caps, max head and max header fields must be >= 1")
         if min(self.read_timeout, self.auth_timeout, self.body_timeout, self.write_timeout) <= 0:
             raise ValueError("read, auth, body and write timeouts must be > 0 seconds")
-        if min(self.copy_deadline, self.lend_idle_timeout) <= 0 or min(self.max_mapped, self.max_mapped_per_uid) < 1:
-            raise ValueError("copy deadline and lend idle timeout must be > 0 s, mapped bounds >= 1 byte")
+        if (
+            min(self.copy_deadline, self.lend_idle_timeout) <= 0
+            or min(self.max_mapped, self.max_mapped_per_uid) < 1
+        ):
+            raise ValueError(
+                "copy deadline and lend idle timeout must be > 0 s, mapped bounds >= 1 byte"
+            )
 
     def _check_event_endpoints(self) -> None:
         """An `ipc://` endpoint is a socket file the sidecar makes with the engine socket's
@@ -167,7 +213,9 @@ class Config:
         user may bind it first), and the PUB's and the replay socket's differ."""
         for endpoint in (self.kv_events, self.kv_events_replay):
             if endpoint and endpoint.startswith("ipc://") and not os.path.isabs(endpoint[6:]):
-                raise ValueError(f"an ipc:// kv events endpoint must be an absolute path, got {endpoint!r}")
+                raise ValueError(
+                    f"an ipc:// kv events endpoint must be an absolute path, got {endpoint!r}"
+                )
         if self.kv_events and self.kv_events == self.kv_events_replay:
             raise ValueError("the kv events PUB and replay endpoints must differ")
 
@@ -179,16 +227,55 @@ class Config:
         return max(size // 4096 * 4096, 4096)
 
 
-_SIZES = {"host_pool", "segment_size", "file_tier_size", "hf3fs_size", "max_body", "max_json_body",
-          "mooncake_segment_size", "max_head", "max_mapped", "max_mapped_per_uid", "kv_events_buffer_bytes",
-          "kv_events_batch_bytes", "kv_events_queue_bytes"}
+_SIZES = {
+    "host_pool",
+    "segment_size",
+    "file_tier_size",
+    "hf3fs_size",
+    "max_body",
+    "max_json_body",
+    "mooncake_segment_size",
+    "max_head",
+    "max_mapped",
+    "max_mapped_per_uid",
+    "kv_events_buffer_bytes",
+    "kv_events_batch_bytes",
+    "kv_events_queue_bytes",
+}
 _BOOLS = {"file_tier", "kv_events_token_ids"}
-_INTS = {"port", "copy_threads", "tier_threads", "write_queue_pages", "max_connections",
-         "kv_events_buffer", "kv_events_hwm", "max_connections_per_uid", "max_header_fields"}
-_FLOATS = {"shutdown_timeout", "hf3fs_rescan", "read_timeout", "auth_timeout", "body_timeout",
-           "write_timeout", "copy_deadline", "lend_idle_timeout", "kv_events_gather"}
-_OPTIONAL = ("token", "token_file", "hf3fs_dir", "socket_group", "hf3fs_group", "mooncake_master",
-             "kv_events", "kv_events_replay", "kv_events_group")
+_INTS = {
+    "port",
+    "copy_threads",
+    "tier_threads",
+    "write_queue_pages",
+    "max_connections",
+    "kv_events_buffer",
+    "kv_events_hwm",
+    "max_connections_per_uid",
+    "max_header_fields",
+}
+_FLOATS = {
+    "shutdown_timeout",
+    "hf3fs_rescan",
+    "read_timeout",
+    "auth_timeout",
+    "body_timeout",
+    "write_timeout",
+    "copy_deadline",
+    "lend_idle_timeout",
+    "kv_events_gather",
+}
+_OPTIONAL = (
+    "token",
+    "token_file",
+    "hf3fs_dir",
+    "socket_group",
+    "hf3fs_group",
+    "mooncake_master",
+    "kv_events",
+    "kv_events_replay",
+    "kv_events_group",
+)
 
 
 def coerce(name: str, value: Any) -> Any:
@@ -204,8 +291,11 @@ def coerce(name: str, value: Any) -> Any:
     if name in ("socket_mode", "kv_events_mode"):
         return value if isinstance(value, int) else int(str(value), 8)
     if name == "shm_dirs":
-        return tuple(value) if isinstance(value, (list, tuple)) else tuple(
-            p for p in str(value).split(":") if p)
+        return (
+            tuple(value)
+            if isinstance(value, (list, tuple))
+            else tuple(p for p in str(value).split(":") if p)
+        )
     return None if value in (None, "") and name in _OPTIONAL else value
 
 
@@ -213,8 +303,11 @@ def field_names() -> list[str]:
     return [f.name for f in fields(Config)]
 
 
-def load(file: str | None = None, env: Mapping[str, str] | None = None,
-         overrides: Mapping[str, Any] | None = None) -> Config:
+def load(
+    file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
     """Build a Config from a TOML file, the environment and explicit overrides, in that order."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}

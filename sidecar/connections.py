@@ -13,6 +13,7 @@ group. The server's protocol (`sidecar.server`) asks `Registry.admit` on every a
 connection and enforces the per-request limits (head size, header fields, body deadline,
 write timeout) itself; this module keeps the counts and the reasons.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,9 +27,9 @@ from sidecar.config import Config
 log = logging.getLogger("kv_sidecar")
 
 TCP, ENGINE = "tcp", "engine"
-CONN_KEY = "kv.conn"           # scope key: the connection, while it still has to show the token
-SO_PASSRIGHTS = 83             # Linux 6.16+ (x86-64 and asm-generic); not in Python's socket module
-LOG_PERIOD = 10.0              # seconds between two log lines about refused or closed connections
+CONN_KEY = "kv.conn"  # scope key: the connection, while it still has to show the token
+SO_PASSRIGHTS = 83  # Linux 6.16+ (x86-64 and asm-generic); not in Python's socket module
+LOG_PERIOD = 10.0  # seconds between two log lines about refused or closed connections
 
 
 def refuse_fd_passing(sock: socket.socket) -> bool:
@@ -39,9 +40,11 @@ def refuse_fd_passing(sock: socket.socket) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
         return True
     except OSError as exc:
-        log.warning("the kernel cannot refuse fds sent to the engine socket (SO_PASSRIGHTS: %s): "
-                    "a peer in the socket group can make the event loop close an fd it attached",
-                    exc.strerror)
+        log.warning(
+            "the kernel cannot refuse fds sent to the engine socket (SO_PASSRIGHTS: %s): "
+            "a peer in the socket group can make the event loop close an fd it attached",
+            exc.strerror,
+        )
         return False
 
 
@@ -63,8 +66,10 @@ class Tally:
             self._next = now + self._period
             fresh = self.counts - self._logged
             self._logged = self.counts.copy()
-            log.warning("connections refused or closed since the last line: %s",
-                        ", ".join(f"{n} {why}" for why, n in sorted(fresh.items())))
+            log.warning(
+                "connections refused or closed since the last line: %s",
+                ", ".join(f"{n} {why}" for why, n in sorted(fresh.items())),
+            )
 
 
 class Registry:
@@ -76,7 +81,7 @@ class Registry:
         self.per_uid = min(config.max_connections_per_uid, config.max_connections)
         self.open = {TCP: 0, ENGINE: 0}
         self.by_uid: Counter = Counter()
-        self.unauthenticated: dict[Any, None] = {}   # insertion order: least recently active first
+        self.unauthenticated: dict[Any, None] = {}  # insertion order: least recently active first
         self.tally = Tally()
 
     def admit(self, conn: Any, listener: str, uid: int | None, pending: bool) -> str | None:
@@ -115,7 +120,7 @@ class Registry:
         if not self.unauthenticated:
             return False
         victim = next(iter(self.unauthenticated))
-        victim.evict()          # released here: its connection_lost will not count it again
+        victim.evict()  # released here: its connection_lost will not count it again
         self.release(victim, TCP, None)
         self.tally.note("tcp_evicted")
         return True

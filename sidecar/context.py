@@ -1,4 +1,5 @@
 """The typed context of one running sidecar: built in the app's lifespan, closed at shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,7 @@ from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
 from sidecar.tiers.writer import TierWriter
 from sidecar.transports import cuda_ipc
 
-if TYPE_CHECKING:   # pyzmq and msgspec: the `events` extra
+if TYPE_CHECKING:  # pyzmq and msgspec: the `events` extra
     from sidecar.events import Events
 
 log = logging.getLogger("kv_sidecar")
@@ -42,13 +43,22 @@ def build_tiers(config: Config) -> list[Tier]:
         tiers.append(file_tier(config))
     if config.hf3fs_dir:
         group = group_id(config.hf3fs_group) if config.hf3fs_group else None
-        tiers.append(FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True,
-                              group=group))
+        tiers.append(
+            FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True, group=group)
+        )
     if config.mooncake_master:
-        tiers.append(MooncakeTier(MooncakeSettings(
-            config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
-            config.mooncake_device, config.mooncake_segment_size,
-            local_hostname=config.mooncake_local_hostname)))
+        tiers.append(
+            MooncakeTier(
+                MooncakeSettings(
+                    config.mooncake_master,
+                    config.mooncake_metadata,
+                    config.mooncake_protocol,
+                    config.mooncake_device,
+                    config.mooncake_segment_size,
+                    local_hostname=config.mooncake_local_hostname,
+                )
+            )
+        )
     return tiers
 
 
@@ -56,7 +66,9 @@ def file_tier(config: Config) -> FileTier:
     """The local file tier: `--file-tier-size`, or the default size, set when recovery has
     counted what the tier holds (one scan of its files, not two)."""
     if config.file_tier_size:
-        log.info("file tier %s: %d bytes (--file-tier-size)", config.data_dir, config.file_tier_size)
+        log.info(
+            "file tier %s: %d bytes (--file-tier-size)", config.data_dir, config.file_tier_size
+        )
         return FileTier("file", config.data_dir, config.file_tier_size)
     tier = FileTier("file", config.data_dir, datadir.file_tier_size(config, held=0)[0])
 
@@ -64,6 +76,7 @@ def file_tier(config: Config) -> FileTier:
         size, why = datadir.file_tier_size(config, held)
         log.info("file tier %s: %d bytes (%s)", config.data_dir, size, why)
         return size
+
     tier.sizer = sizer
     return tier
 
@@ -82,7 +95,7 @@ class Context:
     ready: bool = False
     _loop: asyncio.AbstractEventLoop | None = None
     lend_server: LendServer | None = None
-    events: Events | None = None       # with --kv-events
+    events: Events | None = None  # with --kv-events
     _tasks: list = field(default_factory=list)
 
     @classmethod
@@ -99,20 +112,32 @@ class Context:
         cuda = cuda_ipc.CudaIpc.create()
         st = os.fstat(arena.fd)
         own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
-        sources = Sources(config.shm_dirs, LeaseRegistry(own), cuda,
-                          Quota(config.max_mapped, config.max_mapped_per_uid))
+        sources = Sources(
+            config.shm_dirs,
+            LeaseRegistry(own),
+            cuda,
+            Quota(config.max_mapped, config.max_mapped_per_uid),
+        )
         parallel = min(config.copy_threads, os.cpu_count() or 1)
         store = Store(host_pool, executor, sources, parallel, tiering)
         store.copier = Copier(config.copy_threads, parallel, config.copy_deadline)
-        store.operator_tcp = config.token is not None   # else TCP is anyone on the node
+        store.operator_tcp = config.token is not None  # else TCP is anyone on the node
         ctx = cls(config, arena, host_pool, store, executor)
         for tier in tiers:
             tier.attach(arena.address, arena.size)
-        ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(arena.address, arena.size)
-        log.info("host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "
-                 "tiers: %s, write policy %s", arena.size, host_pool.n_segments,
-                 host_pool.segment_size, ctx.cuda_registered,
-                 [t.name for t in tiers] or "none", tiering.policy)
+        ctx.cuda_registered = cuda is not None and cuda_ipc.register_host_memory(
+            arena.address, arena.size
+        )
+        log.info(
+            "host pool: %d bytes in %d segments of %d bytes (cuda registered: %s); "
+            "tiers: %s, write policy %s",
+            arena.size,
+            host_pool.n_segments,
+            host_pool.segment_size,
+            ctx.cuda_registered,
+            [t.name for t in tiers] or "none",
+            tiering.policy,
+        )
         return ctx
 
     @property
@@ -130,16 +155,21 @@ class Context:
         self._loop = asyncio.get_running_loop()
         if self.config.socket:
             path = fd_socket_path(self.config.socket)
-            sock = bind_unix(path, self.config.socket_mode, self.config.socket_group,
-                             socket.SOCK_SEQPACKET)
-            self.lend_server = LendServer(self.store.sources.leases, sock, path,
-                                          self.config.lend_idle_timeout)
+            sock = bind_unix(
+                path, self.config.socket_mode, self.config.socket_group, socket.SOCK_SEQPACKET
+            )
+            self.lend_server = LendServer(
+                self.store.sources.leases, sock, path, self.config.lend_idle_timeout
+            )
             self.lend_server.start(self.loop)
         if self.tiering.writer is not None:
             self.tiering.writer.start()
         if self.config.kv_events:
             from sidecar import events  # pyzmq and msgspec: the `events` extra
-            self.events = self.store.events = events.start(self.config, self.loop, self.tiering.tiers)
+
+            self.events = self.store.events = events.start(
+                self.config, self.loop, self.tiering.tiers
+            )
         self._tasks.append(self.loop.create_task(self._recover_then_serve()))
         self._tasks.append(self.loop.create_task(self._reaper()))
         sample = self.sampler.run(lambda: report.sample(self.store), lambda: self.requests.count)
@@ -154,13 +184,19 @@ class Context:
             t0 = time.perf_counter()
             try:
                 pages = await self.loop.run_in_executor(None, tier.recover)
-            except OSError as exc:   # checked at start, so rare: the tier serves misses
+            except OSError as exc:  # checked at start, so rare: the tier serves misses
                 tier.degraded = f"recovery failed: {exc.strerror or exc}"
-                log.error("%s tier %s: recovery failed: %s; it starts empty", tier.name,
-                          tier.where, exc)
+                log.error(
+                    "%s tier %s: recovery failed: %s; it starts empty", tier.name, tier.where, exc
+                )
                 continue
-            log.info("%s tier %s: %d pages recovered in %.2f s", tier.name, tier.where, pages,
-                     time.perf_counter() - t0)
+            log.info(
+                "%s tier %s: %d pages recovered in %.2f s",
+                tier.name,
+                tier.where,
+                pages,
+                time.perf_counter() - t0,
+            )
         self.ready = True
         shared = [t for t in self.tiering.tiers if t.shared]
         while shared:
@@ -189,8 +225,12 @@ class Context:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         pending = await self.flush(timeout)
         if pending:
-            log.error("shutdown: %d pages not written to the tiers within %.1f s "
-                      "(--shutdown-timeout); they are lost", pending, timeout)
+            log.error(
+                "shutdown: %d pages not written to the tiers within %.1f s "
+                "(--shutdown-timeout); they are lost",
+                pending,
+                timeout,
+            )
         elif self.tiering.writer is not None:
             log.info("shutdown: every page is written to the tiers")
         drain = self.loop.run_in_executor(None, self.executor.shutdown, True)
@@ -199,9 +239,12 @@ class Context:
         except TimeoutError:
             log.warning("copy workers did not finish within the shutdown timeout")
         copying = not await self.store.copier.lanes.idle(min(timeout, 5.0))
-        if copying:   # a copy stuck in an engine's memory may still write into the arena
-            log.warning("shutdown: %d copies are stuck in engine memory; the host pool stays "
-                        "mapped until the process exits", self.store.copier.lanes.busy)
+        if copying:  # a copy stuck in an engine's memory may still write into the arena
+            log.warning(
+                "shutdown: %d copies are stuck in engine memory; the host pool stays "
+                "mapped until the process exits",
+                self.store.copier.lanes.busy,
+            )
         if self.tiering.writer is not None:
             await self.loop.run_in_executor(None, self.tiering.writer.stop, timeout)
         for tier in self.tiering.tiers:
@@ -212,6 +255,6 @@ class Context:
             self.events.flush()
             self.events.publisher.close()
         self.store.copier.lanes.close()
-        self.store.sources.leases.lanes.close()   # after the closes queued above
+        self.store.sources.leases.lanes.close()  # after the closes queued above
         if not copying:
             self.arena.close()

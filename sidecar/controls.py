@@ -463,7 +463,9 @@ class Controls:
         else:
             keys = [
                 k
-                for k, hit in zip(sel.keys, await self.store.lookup.present(ref, sel.keys), strict=True)
+                for k, hit in zip(
+                    sel.keys, await self.store.lookup.present(ref, sel.keys), strict=True
+                )
                 if hit
             ]
         ns = self.owned(ref, who)

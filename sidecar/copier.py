@@ -13,6 +13,7 @@ slots stay reserved or pinned until the stuck jobs really end. The store decides
 slots move and what happens to them after (`settle`); this module decides where and how
 the bytes move. A page is a (host address, engine slot) pair.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ from sidecar.lanes import Job, Lanes
 from sidecar.transports.base import CopyFailed, copy_jobs
 
 log = logging.getLogger("kv_sidecar.store")
-COPY_DEADLINE = 30.0   # seconds a request waits for its copy (--copy-deadline)
+COPY_DEADLINE = 30.0  # seconds a request waits for its copy (--copy-deadline)
 
 
 @dataclass(slots=True, eq=False)
@@ -38,7 +39,7 @@ class _Move:
     jobs: list[Job] = field(default_factory=list)
     left: int = 0
     failed: bool = False
-    abandoned: bool = False     # past its deadline, or its request was cancelled
+    abandoned: bool = False  # past its deadline, or its request was cancelled
 
     def job_ended(self, job: Job) -> None:
         if job.error is not None:
@@ -50,8 +51,8 @@ class _Move:
         self.left -= 1
         if self.left:
             return
-        self.jobs = []   # each job's `done` is this move's method: the cycle ends here, and
-        self.buf.release_ref()   # the request's objects go by reference count, not the GC
+        self.jobs = []  # each job's `done` is this move's method: the cycle ends here, and
+        self.buf.release_ref()  # the request's objects go by reference count, not the GC
         ok = not (self.failed or self.abandoned)
         self.settle(ok)
         if not self.finished.done():
@@ -78,8 +79,13 @@ class Copier:
         self.parallel = max(1, min(parallel, per_owner))
         self.deadline = deadline
 
-    async def copy(self, buf: Buffer, pages: list[tuple[int, int]], into_engine: bool,
-                   settle: Callable[[bool], None]) -> bool:
+    async def copy(
+        self,
+        buf: Buffer,
+        pages: list[tuple[int, int]],
+        into_engine: bool,
+        settle: Callable[[bool], None],
+    ) -> bool:
         """Move (host address, slot) pages on the copy threads, large moves on several
         threads that plan as they copy (`copy_jobs`): the loop only lists the pages.
         `settle(ok)` runs exactly once, on the loop, when no job can touch the slots any
@@ -113,7 +119,11 @@ class Copier:
         if ok is None:
             move.abandon(self.lanes)
             buf.bad = f"a copy overran the {self.deadline:g} s copy deadline"
-            log.warning("buffer %s (uid %s): a copy overran its %.1f s deadline; the buffer is "
-                        "marked bad", buf.id, buf.owner_uid, self.deadline)
+            log.warning(
+                "buffer %s (uid %s): a copy overran its %.1f s deadline; the buffer is marked bad",
+                buf.id,
+                buf.owner_uid,
+                self.deadline,
+            )
             return False
         return ok

@@ -12,6 +12,7 @@ them, unless it has the sticky bit (/tmp). Otherwise a user who made the directo
 could swap in the socket, or plant links the sidecar would write through
 (`check_private`). A 3FS dir shared through `--hf3fs-group` may be writable by that group.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,8 @@ import stat
 
 from sidecar.config import Config
 
-DEFAULT_CAP = 64 * 2**30      # the file tier's default size is at most this
-FREE_SHARE = 0.9              # ... and at most this share of (free space + what it holds)
+DEFAULT_CAP = 64 * 2**30  # the file tier's default size is at most this
+FREE_SHARE = 0.9  # ... and at most this share of (free space + what it holds)
 
 
 class UnusableDir(Exception):
@@ -31,7 +32,8 @@ def check_dirs(config: Config) -> None:
     """Create each tier directory, check that nobody else controls it, and write, fsync
     and remove a probe file in it."""
     dirs: list[tuple[str, str, str | None]] = (
-        [("--data-dir", config.data_dir, None)] if config.file_tier else [])
+        [("--data-dir", config.data_dir, None)] if config.file_tier else []
+    )
     if config.hf3fs_dir:
         dirs.append(("--hf3fs-dir", config.hf3fs_dir, config.hf3fs_group))
     for flag, path, group in dirs:
@@ -39,8 +41,10 @@ def check_dirs(config: Config) -> None:
         try:
             _probe(path)
         except OSError as exc:
-            raise UnusableDir(f"{flag} {path} is unusable: {exc.strerror or exc} "
-                              f"({type(exc).__name__}); make it a writable directory{fix}") from None
+            raise UnusableDir(
+                f"{flag} {path} is unusable: {exc.strerror or exc} "
+                f"({type(exc).__name__}); make it a writable directory{fix}"
+            ) from None
         why = check_private(path, group_writable=group is not None)
         if why:
             raise UnusableDir(f"{flag} {path} is unusable: {why}{fix}")
@@ -60,15 +64,19 @@ def check_private(path: str, group_writable: bool = False) -> str | None:
         return "it is a symlink or not a directory; give a real directory"
     others = 0o002 if group_writable else 0o022
     if st.st_uid not in (me, 0) or st.st_mode & others:
-        return (f"it is owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}: another user "
-                f"could have made it first or can change it; make it this user's (or root's) "
-                f"and writable by no one else")
+        return (
+            f"it is owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}: another user "
+            f"could have made it first or can change it; make it this user's (or root's) "
+            f"and writable by no one else"
+        )
     parent = os.path.dirname(path)
     while parent != path:
         st = os.stat(parent)
         if st.st_uid not in (me, 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-            return (f"{parent} above it is owned by uid {st.st_uid}, mode "
-                    f"{stat.S_IMODE(st.st_mode):o}: another user could swap the directory")
+            return (
+                f"{parent} above it is owned by uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}: another user could swap the directory"
+            )
         path, parent = parent, os.path.dirname(parent)
     return None
 
@@ -120,7 +128,7 @@ def file_tier_size(config: Config, held: int | None = None) -> tuple[int, str]:
     free = st.f_bavail * st.f_frsize
     # past this much held the size is DEFAULT_CAP whatever else is there: a large disk
     # (most NVMe) reads no file at all (a walk of 1,000,000 page files takes seconds)
-    enough = max(0, int(DEFAULT_CAP / FREE_SHARE) - free)    # held bytes that reach the cap
+    enough = max(0, int(DEFAULT_CAP / FREE_SHARE) - free)  # held bytes that reach the cap
     if held is None:
         held = held_bytes(config.data_dir, enough)
     size = min(DEFAULT_CAP, int(FREE_SHARE * (free + held)))

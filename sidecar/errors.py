@@ -1,4 +1,5 @@
 """Domain errors. Each carries a snake_case `code`; `api/errors.py` maps classes to statuses."""
+
 from __future__ import annotations
 
 

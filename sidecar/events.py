@@ -29,6 +29,7 @@ A store carries `parent_block_hash` when the set that stored it gave one, and it
 event takes half of it at most (`keys_an_event`), and a topic's events past it go in
 several batches.
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,9 +45,9 @@ from sidecar.errors import BadRequest
 from sidecar.peer import bind_unix
 from sidecar.publisher import Limits, Publisher
 
-try:   # C (sidecar/_evpack.c), built at install where a compiler is: the same bytes, sooner
+try:  # C (sidecar/_evpack.c), built at install where a compiler is: the same bytes, sooner
     from sidecar import _evpack
-except ImportError:   # pragma: no cover - a build without a compiler
+except ImportError:  # pragma: no cover - a build without a compiler
     # the stub (_evpack.pyi) types the module; without it every use checks for None
     _evpack = None  # type: ignore[assignment]
 
@@ -55,11 +56,11 @@ MEDIUM_HOST, MEDIUM_DISK, MEDIUM_EXTERNAL = "CPU_PINNED", "DISK", "EXTERNAL"
 FORMATS = ("map", "array")
 _LIST, _INT = {list}, {int}
 CHAIN = "chain"  # a pool log entry's `present` for a set's commits (Events.stored_chain)
-TIER_KEYS_A_FLUSH = 4096   # tier pages made events in one flush (the rest wait for the next)
+TIER_KEYS_A_FLUSH = 4096  # tier pages made events in one flush (the rest wait for the next)
 TOKENS = "'tokens' must hold one list of token ids (integers) per key"
-MAX_TOKENS_A_KEY = 4096    # token ids of one key at most (a namespace's page_tokens, if less)
-KEY_BYTES = 131            # a block hash's msgpack at most (a 128-character key as a string)
-EVENT_BYTES = 512          # an event's msgpack beside its arrays, at most (its parent's hash too)
+MAX_TOKENS_A_KEY = 4096  # token ids of one key at most (a namespace's page_tokens, if less)
+KEY_BYTES = 131  # a block hash's msgpack at most (a 128-character key as a string)
+EVENT_BYTES = 512  # an event's msgpack beside its arrays, at most (its parent's hash too)
 BATCH_BYTES = 256 * 2**10  # bytes of one batch at most (`--kv-events-batch-bytes`)
 
 
@@ -115,11 +116,22 @@ def encode_event(kind: str, fields: dict, fmt: str) -> Any:
     return [kind, *fields.values()]
 
 
-def stored_event(hashes: Any, parent: Any, tokens: Any, block_size: int, medium: str,
-                 fmt: str) -> Any:
-    return encode_event("BlockStored", {"block_hashes": hashes, "parent_block_hash": parent,
-                                        "token_ids": tokens, "block_size": block_size,
-                                        "lora_id": None, "medium": medium, "lora_name": None}, fmt)
+def stored_event(
+    hashes: Any, parent: Any, tokens: Any, block_size: int, medium: str, fmt: str
+) -> Any:
+    return encode_event(
+        "BlockStored",
+        {
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        },
+        fmt,
+    )
 
 
 def removed_event(hashes: Any, medium: str, fmt: str) -> Any:
@@ -129,7 +141,7 @@ def removed_event(hashes: Any, medium: str, fmt: str) -> Any:
 def runs_of(idx: list) -> list[tuple[int, int]]:
     """The runs of consecutive positions in `idx` (ascending, not empty), as (a, b): a..b-1."""
     runs, start = [], 0
-    if idx[-1] - idx[0] + 1 != len(idx):    # a gap: keys present before, or refused
+    if idx[-1] - idx[0] + 1 != len(idx):  # a gap: keys present before, or refused
         for j in range(1, len(idx)):
             if idx[j] != idx[j - 1] + 1:
                 runs.append((idx[start], idx[j - 1] + 1))
@@ -154,8 +166,10 @@ def set_meta(body: dict) -> tuple | None:
         if not (isinstance(tokens, list) and isinstance(keys, list) and len(tokens) == len(keys)):
             raise BadRequest(TOKENS)
         packed = _evpack.flat_ints(tokens, 0, len(tokens)) if _evpack is not None else None
-        if packed is None and not (set(map(type, tokens)) <= _LIST   # C loops, no bools
-                                   and set(map(type, itertools.chain.from_iterable(tokens))) <= _INT):
+        if packed is None and not (
+            set(map(type, tokens)) <= _LIST  # C loops, no bools
+            and set(map(type, itertools.chain.from_iterable(tokens))) <= _INT
+        ):
             raise BadRequest(TOKENS)
     return parent, tokens, packed
 
@@ -170,8 +184,10 @@ def check_tokens(meta: tuple | None, page_tokens: int) -> None:
     """A set's `tokens` (`set_meta`) against its namespace: at most `tokens_a_key` a key
     (what an event holds is bounded in bytes, docs/kv-events.md, Limits)."""
     if meta is not None and meta[1] and max(map(len, meta[1])) > tokens_a_key(page_tokens):
-        raise BadRequest(f"'tokens' may hold {tokens_a_key(page_tokens)} token ids a key at most "
-                         f"(the namespace's page_tokens)")
+        raise BadRequest(
+            f"'tokens' may hold {tokens_a_key(page_tokens)} token ids a key at most "
+            f"(the namespace's page_tokens)"
+        )
 
 
 def keys_an_event(batch_bytes: int, tokens: int) -> int:
@@ -197,28 +213,29 @@ class Events:
     def __init__(self, publisher: Publisher, topic: str, fmt: str, loop, gather: float):
         self.publisher, self.prefix, self.fmt, self.loop = publisher, topic, fmt, loop
         self.gather = gather
-        self.by_pool: dict = {}        # pool -> its namespace
-        self.dirty: set = set()        # pools with a log to flush
-        self.pending: dict[bytes, list] = {}   # topic -> this turn's events, in order
+        self.by_pool: dict = {}  # pool -> its namespace
+        self.dirty: set = set()  # pools with a log to flush
+        self.pending: dict[bytes, list] = {}  # topic -> this turn's events, in order
         # (identity, keys, medium, present, announcement number or None); `_tier_at`: how
         # far into the first entry's keys the flushes got
         self.tier_log: collections.deque = collections.deque()
         self._tier_at = 0
-        self.announced: dict[str, int] = {}   # identity -> its latest announcement's number
-        self.identities: dict[str, list] = {}   # identity -> its live namespaces
+        self.announced: dict[str, int] = {}  # identity -> its latest announcement's number
+        self.identities: dict[str, list] = {}  # identity -> its live namespaces
         # (both hold live identities only: an identity goes with its last namespace, and
         # announcement numbers never repeat, so a queued one of a gone identity stays stale)
         self.numbers = itertools.count(1)
-        self.token_ids = False         # token ids published (`--kv-events-token-ids`)
+        self.token_ids = False  # token ids published (`--kv-events-token-ids`)
         self.batch_bytes = BATCH_BYTES
-        self.dropped_bytes = 0         # bytes of the batches counted in `dropped`
+        self.dropped_bytes = 0  # bytes of the batches counted in `dropped`
         self.scheduled = False
-        self.dropped = 0               # batches ZMQ refused
+        self.dropped = 0  # batches ZMQ refused
         self.published = 0
         import msgspec  # the `events` extra
+
         self.encoder = msgspec.msgpack.Encoder()
         self.encode, self.raw = self.encoder.encode, msgspec.Raw
-        self.buf = bytearray()         # each batch encoded here (no allocation a batch)
+        self.buf = bytearray()  # each batch encoded here (no allocation a batch)
 
     # -- what the store tells -------------------------------------------------------
     def topic(self, ns) -> bytes:
@@ -231,11 +248,12 @@ class Events:
         ns.pool.log, ns.pool.on_log = [], self._logged
         same = self.identities.setdefault(ns.identity, [])
         same.append(ns)
-        if len(same) == 1:   # (an announcement still queued for the identity is replaced)
+        if len(same) == 1:  # (an announcement still queued for the identity is replaced)
             number = self.announced[ns.identity] = next(self.numbers)
             for tier in tiers:
-                self.tier_log.append((ns.identity, tier.held_keys(ns.identity), medium_of(tier),
-                                      True, number))
+                self.tier_log.append(
+                    (ns.identity, tier.held_keys(ns.identity), medium_of(tier), True, number)
+                )
             self._schedule()
 
     def dropped_namespace(self, ns) -> None:
@@ -248,7 +266,7 @@ class Events:
         same = self.identities.get(ns.identity, [])
         if ns in same:
             same.remove(ns)
-        if not same:   # forgotten: what its tiers still log is skipped (no live namespace)
+        if not same:  # forgotten: what its tiers still log is skipped (no live namespace)
             self.identities.pop(ns.identity, None)
             self.announced.pop(ns.identity, None)
         self._add(self.topic(ns), encode_event("AllBlocksCleared", {}, self.fmt))
@@ -307,7 +325,7 @@ class Events:
         """One batch of `events`, or, past `batch_bytes`, the two halves' batches in
         order (an event takes half a batch at most: `keys_an_event`)."""
         buf = self.buf
-        try:   # into the same buffer each time: ZMQ and the ring copy it before the next
+        try:  # into the same buffer each time: ZMQ and the ring copy it before the next
             self.encoder.encode_into([ts, events], buf)
         except (TypeError, ValueError, OverflowError):
             # no event is known to do this; one that did costs its topic's batch
@@ -332,20 +350,29 @@ class Events:
         pool.log = []
         topic, kf = self.topic(ns), ns.spec.key_format
         out = self.pending.setdefault(topic, [])
-        for kind, run in itertools.groupby(entries, type):   # grouped in C
-            if kind is str:            # keys evicted or deleted, in a row
+        for kind, run in itertools.groupby(entries, type):  # grouped in C
+            if kind is str:  # keys evicted or deleted, in a row
                 gone = list(run)
-                out.extend(removed_event(hash_array(gone, a, b, kf, self.raw), MEDIUM_HOST, self.fmt)
-                           for a, b in pieces(0, len(gone), keys_an_event(self.batch_bytes, 0)))
+                out.extend(
+                    removed_event(hash_array(gone, a, b, kf, self.raw), MEDIUM_HOST, self.fmt)
+                    for a, b in pieces(0, len(gone), keys_an_event(self.batch_bytes, 0))
+                )
                 continue
             for present, key in run:
-                if present is CHAIN:   # a set's stores, built at its commit
+                if present is CHAIN:  # a set's stores, built at its commit
                     out.extend(key)
-                else:                  # (True, key): stored without a set's parent and tokens
+                else:  # (True, key): stored without a set's parent and tokens
                     out.append(self._stored(ns, hashes([key], kf), None, []))
 
-    def _chains(self, ns, keys: list, idx: list | None, parent: str | None,
-                tokens: list | None, packed: bytes | None) -> Iterator[Any]:
+    def _chains(
+        self,
+        ns,
+        keys: list,
+        idx: list | None,
+        parent: str | None,
+        tokens: list | None,
+        packed: bytes | None,
+    ) -> Iterator[Any]:
         """One BlockStored for each run of consecutive positions in `idx` (None: all of
         `keys`, with the tokens `packed` already where they are), split into pieces of
         half a batch at most: its parent is the key before it (the set's `parent` before
@@ -357,7 +384,7 @@ class Events:
         for run in [(0, len(keys))] if idx is None else runs_of(idx):
             for a, b in pieces(*run, step):
                 up = keys[a - 1] if a else parent
-                if whole:   # the whole set in one event: its ids packed at parse
+                if whole:  # the whole set in one event: its ids packed at parse
                     assert packed is not None, "whole without packed ids"
                     toks = raw(packed)
                 else:
@@ -367,8 +394,14 @@ class Events:
     def _stored(self, ns, block_hashes: Any, parent: str | None, tokens: Any) -> Any:
         """The host pool's BlockStored of `block_hashes` (made already), after key `parent`."""
         kf = ns.spec.key_format
-        return stored_event(block_hashes, None if parent is None else block_hash(parent, kf),
-                            tokens, ns.spec.page_tokens, MEDIUM_HOST, self.fmt)
+        return stored_event(
+            block_hashes,
+            None if parent is None else block_hash(parent, kf),
+            tokens,
+            ns.spec.page_tokens,
+            MEDIUM_HOST,
+            self.fmt,
+        )
 
     def _drain_tiers(self) -> None:
         """Tier changes in order, TIER_KEYS_A_FLUSH keys at most: the first namespace of an
@@ -381,7 +414,7 @@ class Events:
         while self.tier_log and budget > 0 and skips > 0:
             identity, keys, medium, present, number = self.tier_log[0]
             if self.identities.get(identity) and number in (None, self.announced.get(identity)):
-                part = keys[self._tier_at:self._tier_at + budget]
+                part = keys[self._tier_at : self._tier_at + budget]
                 self._tier_at += len(part)
                 budget -= max(len(part), 1)
                 self._drain_tier(identity, part, medium, present)
@@ -397,10 +430,14 @@ class Events:
     def _drain_tier(self, identity: str, keys: list, medium: str, present: bool) -> None:
         for ns in self.identities.get(identity, ()):
             topic, kf = self.topic(ns), ns.spec.key_format
-            if present:   # a tier knows no parents: one event a page
+            if present:  # a tier knows no parents: one event a page
                 for key in keys:
-                    self._add(topic, stored_event([block_hash(key, kf)], None, [],
-                                                  ns.spec.page_tokens, medium, self.fmt))
+                    self._add(
+                        topic,
+                        stored_event(
+                            [block_hash(key, kf)], None, [], ns.spec.page_tokens, medium, self.fmt
+                        ),
+                    )
             else:
                 for a, b in pieces(0, len(keys), keys_an_event(self.batch_bytes, 0)):
                     self._add(topic, removed_event(hashes(keys[a:b], kf), medium, self.fmt))
@@ -414,19 +451,36 @@ def medium_of(tier) -> str:
 def start(config, loop, tiers: list) -> Events:
     """The publisher (its thread) and the collector for `config`, tiers wired to it."""
     import socket
+
     replay = config.kv_events_replay or _next_port(config.kv_events)
     unix = functools.partial(bind_unix, mode=config.kv_events_mode, group=config.kv_events_group)
-    events = Events(Publisher(config.kv_events, replay, config.kv_events_buffer,
-                              config.kv_events_buffer_bytes, Limits(hwm=queue_hwm(config)), unix),
-                    config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
-                    config.kv_events_format, loop, config.kv_events_gather)
+    events = Events(
+        Publisher(
+            config.kv_events,
+            replay,
+            config.kv_events_buffer,
+            config.kv_events_buffer_bytes,
+            Limits(hwm=queue_hwm(config)),
+            unix,
+        ),
+        config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
+        config.kv_events_format,
+        loop,
+        config.kv_events_gather,
+    )
     events.token_ids, events.batch_bytes = config.kv_events_token_ids, config.kv_events_batch_bytes
     for tier in tiers:
         medium = medium_of(tier)
-        tier.listener = lambda ident, keys, present, m=medium: \
-            events.tier_changed(ident, keys, m, present)
-    log.info("kv events on %s (replay %s), %s encoding, token ids %s", config.kv_events, replay,
-             config.kv_events_format, "on" if events.token_ids else "off")
+        tier.listener = lambda ident, keys, present, m=medium: events.tier_changed(
+            ident, keys, m, present
+        )
+    log.info(
+        "kv events on %s (replay %s), %s encoding, token ids %s",
+        config.kv_events,
+        replay,
+        config.kv_events_format,
+        "on" if events.token_ids else "off",
+    )
     for endpoint in (config.kv_events, replay):
         if endpoint and not endpoint.startswith("ipc://"):
             log.warning(open_endpoint(endpoint, events.token_ids))
@@ -437,18 +491,28 @@ def queue_hwm(config) -> int:
     """The PUB's high-water mark: `--kv-events-hwm` batches, fewer where that many batches
     of `--kv-events-batch-bytes` would pass `--kv-events-queue-bytes` (32 at least: below,
     ZMQ dropped batches for a subscriber that kept up)."""
-    return max(32, min(config.kv_events_hwm, config.kv_events_queue_bytes // config.kv_events_batch_bytes))
+    return max(
+        32, min(config.kv_events_hwm, config.kv_events_queue_bytes // config.kv_events_batch_bytes)
+    )
 
 
 def open_endpoint(endpoint: str, token_ids: bool) -> str:
     """What a TCP endpoint shows, and to whom (logged at start)."""
     host = endpoint.split("://", 1)[-1].rpartition(":")[0].strip("[]")
-    who = "every user on this node" if host in ("127.0.0.1", "localhost", "::1") \
+    who = (
+        "every user on this node"
+        if host in ("127.0.0.1", "localhost", "::1")
         else "every user on this node and every host that routes to it"
-    what = "namespace names, block hashes and token ids (the prompts)" if token_ids \
+    )
+    what = (
+        "namespace names, block hashes and token ids (the prompts)"
+        if token_ids
         else "namespace names and block hashes"
-    return (f"kv events: {endpoint} is open to {who}: they read every tenant's {what}; bind "
-            f"ipc:// paths with --kv-events-group to name who may (docs/security.md, KV events)")
+    )
+    return (
+        f"kv events: {endpoint} is open to {who}: they read every tenant's {what}; bind "
+        f"ipc:// paths with --kv-events-group to name who may (docs/security.md, KV events)"
+    )
 
 
 def _next_port(endpoint: str) -> str | None:

@@ -18,6 +18,7 @@ Each pool clears its illegal endpoints in one byte per endpoint, one slice per r
 missing pages (linear in keys x pools). Extra pools keep a page under the KV key of the
 same position.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,7 @@ ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 POLICIES = (ALL_PAGES, TRAILING_PAGES)
 _EXTRA_FIELDS = frozenset({"namespace", "policy", "window"})
-MIN_CHUNK = 32   # pages a Presence looks up at least at a time (one local_mask call each)
+MIN_CHUNK = 32  # pages a Presence looks up at least at a time (one local_mask call each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ def legal_endpoints(mask: bytes, top: int, window: int) -> bytearray:
         back = mask.find(1, miss, top)  # misses at [miss, back) make (miss, back-1+w] illegal
         back = top if back < 0 else back
         hi = min(top, back - 1 + window)
-        ok[miss + 1:hi + 1] = bytes(hi - miss)
+        ok[miss + 1 : hi + 1] = bytes(hi - miss)
         if hi == top:
             break
         miss = mask.find(0, back, top)
@@ -123,8 +124,16 @@ class Presence:
 
     __slots__ = ("store", "name", "keys", "top", "lo", "bits", "run", "run_ends", "floor")
 
-    def __init__(self, store: Store, name: str, keys: list[str], top: int,
-                 bits: bytes | None = None, run: int = 0, floor: int | None = None):
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        keys: list[str],
+        top: int,
+        bits: bytes | None = None,
+        run: int = 0,
+        floor: int | None = None,
+    ):
         self.store, self.name, self.keys, self.top = store, name, keys, top
         self.lo, self.bits = (top, b"") if bits is None else (0, bits)
         self.run, self.run_ends = run, False
@@ -134,7 +143,7 @@ class Presence:
         if i < self.lo:
             lo = max(0, min(i, 2 * self.lo - self.top, self.lo - MIN_CHUNK, self.floor))
             self.floor = self.top
-            self.bits = self.store.lookup.local_mask(self.name, self.keys[lo:self.lo]) + self.bits
+            self.bits = self.store.lookup.local_mask(self.name, self.keys[lo : self.lo]) + self.bits
             self.lo = lo
 
     def last_window(self, p: int, window: int) -> int:
@@ -148,7 +157,7 @@ class Presence:
             i = self.bits.rfind(b"\x01" * window, 0, p - self.lo)
             if i >= 0:
                 return self.lo + i + window
-            p = min(p, self.lo + window - 1)   # a window ending later lies in [lo, p)
+            p = min(p, self.lo + window - 1)  # a window ending later lies in [lo, p)
             self._reach(self.lo - 1)
 
     def first_missing(self, p: int) -> int:
@@ -195,8 +204,14 @@ def bits_cap(pool: ExtraPool, bits: bytes, p: int) -> int:
     return window_end(bits, p, pool.window)
 
 
-async def batch_exists(store: Store, keys: Any, kv: Any, extra: Sequence[ExtraPool],
-                       restorable: bool = False, who: Caller = OPERATOR) -> dict[str, Any]:
+async def batch_exists(
+    store: Store,
+    keys: Any,
+    kv: Any,
+    extra: Sequence[ExtraPool],
+    restorable: bool = False,
+    who: Caller = OPERATOR,
+) -> dict[str, Any]:
     """{"hit", "kv", "pools"} (and with `restorable`, every endpoint > 0 legal for all).
     Names are those `who` knows (sidecar/tenancy.py): a pool it reaches under no such
     name holds nothing. The keys are validated once, by the KV look-up; every pool reads
@@ -216,12 +231,13 @@ class Plan:
     """What the names of a batch/exists mean to its caller: refs (sidecar/tenancy.py),
     and the bit of each in their joint (`sidecar.joints.joint_bits`): the KV pool's, then
     the extra pools' in order."""
+
     kv: str
     extra: tuple[ExtraPool, ...]
     asked: tuple[str, ...]
-    names: list[str]          # the refs of `extra`
+    names: list[str]  # the refs of `extra`
     bits: tuple[int, ...]
-    tables: tuple[bytes, ...]   # each extra pool's `pools.joint.table`
+    tables: tuple[bytes, ...]  # each extra pool's `pools.joint.table`
 
 
 def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> Plan:
@@ -231,47 +247,77 @@ def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> P
     own Directory)."""
     key = (id(extra), kv, who)
     kept = _PLANS.get(key)
-    if kept is not None and kept[0] is extra and kept[1] is store.dir and kept[2] == store.dir.version:
+    if (
+        kept is not None
+        and kept[0] is extra
+        and kept[1] is store.dir
+        and kept[2] == store.dir.version
+    ):
         return kept[3]
     kv = store.resolve(kv, who)
-    refs = tuple(ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra)
+    refs = tuple(
+        ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra
+    )
     names = [pool.namespace for pool in refs]
     bits = joint_bits((kv, *names))
-    plan = Plan(kv, refs, tuple(pool.namespace for pool in extra), names, bits, tuple(map(table, bits[1:])))
+    plan = Plan(
+        kv, refs, tuple(pool.namespace for pool in extra), names, bits, tuple(map(table, bits[1:]))
+    )
     if len(_PLANS) >= PARSED_MAX:
         _PLANS.clear()
-    _PLANS[key] = (extra, store.dir, store.dir.version, plan)   # `extra` kept: its id names no other list
+    _PLANS[key] = (
+        extra,
+        store.dir,
+        store.dir.version,
+        plan,
+    )  # `extra` kept: its id names no other list
     return plan
 
 
-_PLANS: dict[tuple, tuple] = {}   # (id(extra), kv, who) -> (extra, its Directory, version, Plan)
+_PLANS: dict[tuple, tuple] = {}  # (id(extra), kv, who) -> (extra, its Directory, version, Plan)
 
 
 async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -> dict[str, Any]:
     kv, extra, remote = plan.kv, plan.extra, store.tiering.remote
     names = [] if remote else plan.names
     joint = store.lookup.joint(kv, names) if names else None
-    if joint is not None and joint.built:   # one walk for the KV pool and every extra pool
+    if joint is not None and joint.built:  # one walk for the KV pool and every extra pool
         top, more, masks = store.lookup.joint_walk(kv, keys, joint, plan.bits[0])
-        if not store.tiering.enabled:   # the host pool is all there is: the masks say it all
+        if not store.tiering.enabled:  # the host pool is all there is: the masks say it all
             return rule_on_masks((masks, plan.tables), extra, top, restorable)
         held = run_of(masks, plan.bits, extra)
     else:
-        (top, more), held = store.lookup.local_prefix(kv, keys), 0  # validates the keys past the prefix
+        (top, more), held = (
+            store.lookup.local_prefix(kv, keys),
+            0,
+        )  # validates the keys past the prefix
         if names and joint is None:  # the request passed its checks: the next ones walk a joint
             store.lookup.make_joint(kv, names)
     if more:
         top = await store.lookup.remote_prefix(kv, keys, top)
     if remote and extra:  # one remote look-up per pool, all at once
-        found = await asyncio.gather(*(store.lookup.mask(pool.namespace, keys[:top]) for pool in extra))
-        seen = [Presence(store, pool.namespace, keys, top, m) for pool, m in zip(extra, found, strict=False)]
+        found = await asyncio.gather(
+            *(store.lookup.mask(pool.namespace, keys[:top]) for pool in extra)
+        )
+        seen = [
+            Presence(store, pool.namespace, keys, top, m)
+            for pool, m in zip(extra, found, strict=False)
+        ]
     elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": [top] * len(extra)}
-    else:   # the joint's run is in each all-pages pool; the hit is at most that run
-        seen = [Presence(store, pool.namespace, keys, top, run=held) if pool.policy == ALL_PAGES
-                else Presence(store, pool.namespace, keys, top,
-                              floor=held - pool.window - MIN_CHUNK if held else None)
-                for pool in extra]
+    else:  # the joint's run is in each all-pages pool; the hit is at most that run
+        seen = [
+            Presence(store, pool.namespace, keys, top, run=held)
+            if pool.policy == ALL_PAGES
+            else Presence(
+                store,
+                pool.namespace,
+                keys,
+                top,
+                floor=held - pool.window - MIN_CHUNK if held else None,
+            )
+            for pool in extra
+        ]
     return hit_rule(extra, seen, top, restorable)
 
 
@@ -286,14 +332,15 @@ def run_of(masks: bytes, bits: tuple[int, ...], extra: Sequence[ExtraPool]) -> i
     return len(masks) if end < 0 else end
 
 
-def rule_on_masks(walked: tuple[bytes, Sequence[bytes]], extra: Sequence[ExtraPool], top: int,
-                  restorable: bool) -> dict[str, Any]:
+def rule_on_masks(
+    walked: tuple[bytes, Sequence[bytes]], extra: Sequence[ExtraPool], top: int, restorable: bool
+) -> dict[str, Any]:
     """The answer from a joint's masks of the whole KV prefix (`walked`: the masks, each
     extra pool's `pools.joint.table`): each pool's pages read in C, no look-up left."""
     masks, tables = walked
     held = [masks.translate(t) for t in tables]
     own = [bits_cap(pool, h, top) for pool, h in zip(extra, held, strict=False)]
-    if min(own, default=top) == top and not restorable:   # every pool restores it all
+    if min(own, default=top) == top and not restorable:  # every pool restores it all
         return {"hit": top, "kv": top, "pools": own}
     out = {"hit": common_hit(extra, (bits_cap, held), own, top), "kv": top, "pools": own}
     if restorable:
@@ -301,8 +348,9 @@ def rule_on_masks(walked: tuple[bytes, Sequence[bytes]], extra: Sequence[ExtraPo
     return out
 
 
-def restores_top(store: Store, extra: Sequence[ExtraPool], keys: list[str], top: int,
-                 held: int = 0) -> bool:
+def restores_top(
+    store: Store, extra: Sequence[ExtraPool], keys: list[str], top: int, held: int = 0
+) -> bool:
     """Whether every pool restores the whole KV prefix (then it is the hit, and each
     pool's own best): the usual answer, one local look-up per pool, the windows first.
     `held`: a run every all-pages pool is known to hold (their joint's); short of the
@@ -312,14 +360,18 @@ def restores_top(store: Store, extra: Sequence[ExtraPool], keys: list[str], top:
     if short and any(store.lookup.local_run(name, keys, top, held) < top for name in alls):
         return False
     for pool in extra:
-        if pool.policy != ALL_PAGES and 0 in store.lookup.local_mask(pool.namespace,
-                                                              keys[max(0, top - pool.window):top]):
+        if pool.policy != ALL_PAGES and 0 in store.lookup.local_mask(
+            pool.namespace, keys[max(0, top - pool.window) : top]
+        ):
             return False
-    return short or held >= top or all(store.lookup.local_run(name, keys, top) >= top for name in alls)
+    return (
+        short or held >= top or all(store.lookup.local_run(name, keys, top) >= top for name in alls)
+    )
 
 
-def hit_rule(extra: Sequence[ExtraPool], seen: list[Presence], top: int,
-             restorable: bool) -> dict[str, Any]:
+def hit_rule(
+    extra: Sequence[ExtraPool], seen: list[Presence], top: int, restorable: bool
+) -> dict[str, Any]:
     """The answer, each pool's pages as its Presence finds them."""
     own = [cap(pool, s, top) for pool, s in zip(extra, seen, strict=False)]
     out = {"hit": common_hit(extra, (cap, seen), own, top), "kv": top, "pools": own}
@@ -328,17 +380,26 @@ def hit_rule(extra: Sequence[ExtraPool], seen: list[Presence], top: int,
     return out
 
 
-def common_hit(extra: Sequence[ExtraPool], caps: tuple[Callable, list], own: list[int], top: int) -> int:
+def common_hit(
+    extra: Sequence[ExtraPool], caps: tuple[Callable, list], own: list[int], top: int
+) -> int:
     """The greatest endpoint <= min(own, top) that every pool restores, from each pool's
     own best (`own`) and its pages: `caps` is (`cap` or `bits_cap`, each pool's pages),
     the greatest endpoint <= p a pool restores being `cap(pool, pages, p)`."""
     cap_of, pages = caps
-    hit = min(own, default=top)   # a pool whose own best it is restores it
-    low = min([o if o == hit else cap_of(pool, seen, hit) for pool, seen, o in zip(extra, pages, own, strict=False)],
-              default=hit)
-    while low != hit:   # every endpoint in (low, hit] is one some pool cannot restore
+    hit = min(own, default=top)  # a pool whose own best it is restores it
+    low = min(
+        [
+            o if o == hit else cap_of(pool, seen, hit)
+            for pool, seen, o in zip(extra, pages, own, strict=False)
+        ],
+        default=hit,
+    )
+    while low != hit:  # every endpoint in (low, hit] is one some pool cannot restore
         hit = low
-        low = min([cap_of(pool, seen, hit) for pool, seen in zip(extra, pages, strict=False)], default=hit)
+        low = min(
+            [cap_of(pool, seen, hit) for pool, seen in zip(extra, pages, strict=False)], default=hit
+        )
     return hit
 
 
@@ -355,14 +416,15 @@ def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) ->
 @dataclass(frozen=True, slots=True)
 class Item:
     namespace: str
-    keys: Any             # checked by `Store.check_move` as the item is parsed
+    keys: Any  # checked by `Store.check_move` as the item is parsed
     buffer_id: Any
     slots: Any
-    meta: tuple | None = None      # KV events: `events.set_meta`
+    meta: tuple | None = None  # KV events: `events.set_meta`
 
 
-def parse_items(store: Store, raw: Any, peer: Peer | None = None,
-                who: Caller = OPERATOR) -> list[Item]:
+def parse_items(
+    store: Store, raw: Any, peer: Peer | None = None, who: Caller = OPERATOR
+) -> list[Item]:
     """Validate every item (namespace, keys, buffer, slots) before any page moves; each
     item's `namespace` becomes the ref its name means to `who`."""
     if not isinstance(raw, list) or not raw or len(raw) > 64:
@@ -375,23 +437,33 @@ def parse_items(store: Store, raw: Any, peer: Peer | None = None,
         if not isinstance(name, str) or name in seen:
             raise BadRequest(f"items[{i}].namespace must be a namespace named once per request")
         seen.add(name)
-        item = Item(store.resolve(name, who), it.get("keys"), it.get("buffer_id"), it.get("slots"),
-                    set_meta(it))
+        item = Item(
+            store.resolve(name, who),
+            it.get("keys"),
+            it.get("buffer_id"),
+            it.get("slots"),
+            set_meta(it),
+        )
         ns, buf = store.check_move(item.namespace, item.keys, item.buffer_id, item.slots, peer)
         check_tokens(item.meta, ns.spec.page_tokens)
         runs += len(item.keys) * len(buf.chunks)
         items.append(item)
-    if runs > MAX_RUNS:   # the copy plans of one request, all items together
+    if runs > MAX_RUNS:  # the copy plans of one request, all items together
         raise PayloadTooLarge(f"the items plan {runs} copies in all; at most {MAX_RUNS} a request")
     return items
 
 
-async def batch_set(store: Store, raw_items: Any, peer: Peer | None = None,
-                    who: Caller = OPERATOR) -> dict[str, list[bool]]:
+async def batch_set(
+    store: Store, raw_items: Any, peer: Peer | None = None, who: Caller = OPERATOR
+) -> dict[str, list[bool]]:
     """Each pool stores what it can: one pool out of room does not fail the others."""
     items = parse_items(store, raw_items, peer, who)
-    results = await asyncio.gather(*(store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer,
-                                               meta=i.meta) for i in items))
+    results = await asyncio.gather(
+        *(
+            store.set(i.namespace, i.keys, i.buffer_id, i.slots, peer=peer, meta=i.meta)
+            for i in items
+        )
+    )
     return {name: r for name, r in zip(_names(raw_items), results, strict=False)}
 
 
@@ -400,23 +472,32 @@ def _names(raw_items: list) -> list[str]:
     return [it["namespace"] for it in raw_items]
 
 
-async def batch_get(store: Store, raw_items: Any, kv: str | None = None,
-                    peer: Peer | None = None, who: Caller = OPERATOR) -> dict[str, list[bool]]:
+async def batch_get(
+    store: Store,
+    raw_items: Any,
+    kv: str | None = None,
+    peer: Peer | None = None,
+    who: Caller = OPERATOR,
+) -> dict[str, list[bool]]:
     """KV items first; the other items only when every KV page loaded, else all false."""
     items = parse_items(store, raw_items, peer, who)
     if kv is not None and kv not in _names(raw_items):
         raise BadRequest(f"'kv' names {kv!r}, which is not one of the items")
     kv = None if kv is None else items[_names(raw_items).index(kv)].namespace
-    anchors = [i for i in items if (i.namespace == kv if kv is not None
-                                    else store.namespace(i.namespace).spec.pool == "kv")]
+    anchors = [
+        i
+        for i in items
+        if (i.namespace == kv if kv is not None else store.namespace(i.namespace).spec.pool == "kv")
+    ]
     loaded: dict[str, list[bool]] = {}
     for i in anchors:
         loaded[i.namespace] = await store.get(i.namespace, i.keys, i.buffer_id, i.slots, peer)
     complete = all(all(v) for v in loaded.values())
     rest = [i for i in items if i not in anchors]
     if complete:
-        results = await asyncio.gather(*(store.get(i.namespace, i.keys, i.buffer_id, i.slots, peer)
-                                         for i in rest))
+        results = await asyncio.gather(
+            *(store.get(i.namespace, i.keys, i.buffer_id, i.slots, peer) for i in rest)
+        )
     else:
         results = [[False] * len(i.keys) for i in rest]
     loaded.update({i.namespace: r for i, r in zip(rest, results, strict=False)})

@@ -16,6 +16,7 @@ the order or which is KV, at most MAX_JOINTS in all, at most PER_POOL over any o
 one byte), and one build at a time. Past a bound a batch walks the pools as before; no
 joint is evicted, so asking other sets does not make the sidecar build again and again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,13 @@ class Joints:
         """Make the joint of `kv` and `others` among `namespaces` (by name, each with its
         `.pool`) unless it exists, a namespace does not, or a bound is reached."""
         names = self._names(kv, others)
-        if (names in self.by_names or not 2 <= len(names) <= MAX_POOLS or self._building
-                or len(self.by_names) >= MAX_JOINTS or not all(n in namespaces for n in names)):
+        if (
+            names in self.by_names
+            or not 2 <= len(names) <= MAX_POOLS
+            or self._building
+            or len(self.by_names) >= MAX_JOINTS
+            or not all(n in namespaces for n in names)
+        ):
             return
         pools = [namespaces[n].pool for n in names]
         if any(len(p.joints) >= PER_POOL for p in pools):
@@ -89,12 +95,12 @@ class Joints:
         try:
             for _ in steps:
                 await asyncio.sleep(0)
-        finally:   # the next build may start in this loop turn
+        finally:  # the next build may start in this loop turn
             self._building.discard(asyncio.current_task())
 
     def _built(self, names: tuple[str, ...], task: asyncio.Task) -> None:
-        self._building.discard(task)   # a task cancelled before it ran
-        if task.cancelled():   # never left half built: it would only add a walk
+        self._building.discard(task)  # a task cancelled before it ran
+        if task.cancelled():  # never left half built: it would only add a walk
             self._drop(names)
 
     def drop(self, name: str) -> None:

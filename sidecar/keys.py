@@ -1,4 +1,5 @@
 """Page keys: 1-128 characters of [0-9A-Za-z_.:-]. A batch is checked in a few C passes."""
+
 from __future__ import annotations
 
 import re
@@ -31,10 +32,10 @@ def _batch_ok(keys: list) -> bool:
     except (TypeError, UnicodeEncodeError):
         return False
     n, size = len(keys), len(keys[0])
-    if raw.translate(None, _ALLOWED) != _SEPARATORS[:n - 1]:
+    if raw.translate(None, _ALLOWED) != _SEPARATORS[: n - 1]:
         return False
     if 0 < size <= MAX_KEY and len(raw) == n * (size + 1) - 1:
-        return raw[size::size + 1] == _SEPARATORS[:n - 1]
+        return raw[size :: size + 1] == _SEPARATORS[: n - 1]
     return all(keys) and max(map(len, keys)) <= MAX_KEY
 
 

@@ -13,6 +13,7 @@ most), so the other owners keep every thread: a tenant's stuck copies or closes 
 tenant, never the others. State lives on the event loop; threads only run jobs and report
 back with `call_soon_threadsafe`.
 """
+
 from __future__ import annotations
 
 import _thread
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("kv_sidecar.lanes")
-STUCK_AFTER = 1.0     # seconds a job may run before a spare thread takes its place
-MAX_SPARES = 64       # spare threads at most (each stands in for one stuck job)
+STUCK_AFTER = 1.0  # seconds a job may run before a spare thread takes its place
+MAX_SPARES = 64  # spare threads at most (each stands in for one stuck job)
 
 
 @dataclass(slots=True, eq=False)
@@ -39,10 +40,10 @@ class Job:
     fn: Callable[[], Any]
     owner: Any
     done: Callable[[Job], None] | None = None
-    state: str = "queued"           # queued -> running -> ended, or queued -> dropped
+    state: str = "queued"  # queued -> running -> ended, or queued -> dropped
     result: Any = None
     error: BaseException | None = None
-    started: float = 0.0            # time.monotonic() when a thread took it (0: not yet)
+    started: float = 0.0  # time.monotonic() when a thread took it (0: not yet)
     stuck: bool = False
 
 
@@ -68,8 +69,9 @@ class Lanes:
         self._watching = False
 
     # -- on the loop -----------------------------------------------------------------
-    def submit(self, owner: Any, fn: Callable[[], Any],
-               done: Callable[[Job], None] | None = None) -> Job:
+    def submit(
+        self, owner: Any, fn: Callable[[], Any], done: Callable[[Job], None] | None = None
+    ) -> Job:
         """Queue `fn` in `owner`'s lane (from the event loop)."""
         self.loop = asyncio.get_running_loop()
         job = Job(fn, owner, done)
@@ -82,8 +84,9 @@ class Lanes:
             lane.waiting.append(job)
         return job
 
-    async def call(self, owner: Any, fn: Callable[[], Any], deadline: float,
-                   late: Callable[[Job], None]) -> Job | None:
+    async def call(
+        self, owner: Any, fn: Callable[[], Any], deadline: float, late: Callable[[Job], None]
+    ) -> Job | None:
         """Run `fn` in `owner`'s lane and wait at most `deadline` s: the ended job (its
         `result` or `error`), or None past the deadline or when cancelled; then a job not
         started is dropped, and `late(job)` runs on the loop once it has ended or dropped."""
@@ -94,12 +97,15 @@ class Lanes:
             if answer.done():
                 late(job)
             else:
-                job.done = None   # the answer holds the job: no cycle back through this closure
+                job.done = None  # the answer holds the job: no cycle back through this closure
                 answer.set_result(job)
+
         job = self.submit(owner, fn, done)
+
         def expire() -> None:
             if not answer.done():
                 answer.set_result(None)
+
         timer = loop.call_later(deadline, expire)
         try:
             got = await answer
@@ -167,7 +173,7 @@ class Lanes:
     def _ended(self, job: Job) -> None:
         job.state = "ended"
         self._running.discard(job)
-        if job.stuck and self.spares:   # its spare may go: one thread leaves at its next turn
+        if job.stuck and self.spares:  # its spare may go: one thread leaves at its next turn
             self.spares -= 1
             self._started -= 1
             self._queue.put(None)
@@ -186,13 +192,21 @@ class Lanes:
         """Give each job running past STUCK_AFTER a spare thread (the others keep theirs)."""
         now = time.monotonic()
         for job in self._running:
-            if not job.stuck and job.started and now - job.started > STUCK_AFTER \
-                    and self.spares < MAX_SPARES:
+            if (
+                not job.stuck
+                and job.started
+                and now - job.started > STUCK_AFTER
+                and self.spares < MAX_SPARES
+            ):
                 job.stuck = True
                 self.spares += 1
                 self._spawn()
-                log.warning("%s: a job of owner %s has run %.1f s; a spare thread takes its place",
-                            self.name, job.owner, now - job.started)
+                log.warning(
+                    "%s: a job of owner %s has run %.1f s; a spare thread takes its place",
+                    self.name,
+                    job.owner,
+                    now - job.started,
+                )
         self._watching = bool(self._running)
         if self._watching:
             assert self.loop is not None, "set by submit, which starts every job"
@@ -216,10 +230,10 @@ class Lanes:
             job.started = time.monotonic()
             try:
                 job.result = job.fn()
-            except BaseException as exc:   # reported to the loop; the thread goes on
+            except BaseException as exc:  # reported to the loop; the thread goes on
                 job.error = exc
             assert self.loop is not None, "set by submit, which queued this job"
-            with contextlib.suppress(RuntimeError):   # the loop is closed (shutdown): nobody waits
+            with contextlib.suppress(RuntimeError):  # the loop is closed (shutdown): nobody waits
                 self.loop.call_soon_threadsafe(self._ended, job)
 
 

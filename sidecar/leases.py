@@ -23,6 +23,7 @@ connections, and leases, per uid and in all; a connection holding no lease that 
 nothing for `idle_timeout` seconds is closed (one holding leases stays: they are its
 engine's memory).
 """
+
 from __future__ import annotations
 
 import array
@@ -48,16 +49,16 @@ from sidecar.transports.shm import HUGETLBFS_MAGIC, TMPFS_MAGIC, fs_type
 
 log = logging.getLogger("kv_sidecar.leases")
 FRAME = b"LEND\n"
-MAX_CONNECTIONS = 1024           # fd socket connections in all (each holds an fd)
-MAX_CONNECTIONS_PER_UID = 64     # and of one uid: the others keep room
+MAX_CONNECTIONS = 1024  # fd socket connections in all (each holds an fd)
+MAX_CONNECTIONS_PER_UID = 64  # and of one uid: the others keep room
 MAX_LEASES_PER_CONNECTION = 1024
-MAX_LEASES_PER_UID = 256         # each holds an fd: one user cannot take them all
+MAX_LEASES_PER_UID = 256  # each holds an fd: one user cannot take them all
 MAX_LEASES = 2048
-IDLE_TIMEOUT = 5.0               # s a connection holding no lease may send nothing (--lend-idle-timeout)
-FD_DEADLINE = 5.0                # s a frame's check or a registration may take (then 409 / an error)
-FD_THREADS = 4                   # threads for fd work, one job of a uid at a time
-MAX_BACKLOG = 64                 # a uid's fd jobs waiting before its frames wait too
-ACCEPT_PAUSE = 1.0               # seconds without accepting after EMFILE
+IDLE_TIMEOUT = 5.0  # s a connection holding no lease may send nothing (--lend-idle-timeout)
+FD_DEADLINE = 5.0  # s a frame's check or a registration may take (then 409 / an error)
+FD_THREADS = 4  # threads for fd work, one job of a uid at a time
+MAX_BACKLOG = 64  # a uid's fd jobs waiting before its frames wait too
+ACCEPT_PAUSE = 1.0  # seconds without accepting after EMFILE
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 LENDABLE_FS = (TMPFS_MAGIC, HUGETLBFS_MAGIC)
 _FD_ROOM = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # room to see (and close) extras
@@ -81,9 +82,9 @@ class _Conn:
     sock: socket.socket
     peer: Peer | None
     leases: list[Lease] = field(default_factory=list)
-    busy: bool = False             # a frame is being received or checked on an fd thread
-    answered: bool = False         # that frame was answered already (it overran FD_DEADLINE)
-    timer: Any = None              # the idle timer, or the frame's deadline while busy
+    busy: bool = False  # a frame is being received or checked on an fd thread
+    answered: bool = False  # that frame was answered already (it overran FD_DEADLINE)
+    timer: Any = None  # the idle timer, or the frame's deadline while busy
 
     @property
     def uid(self) -> int | None:
@@ -97,7 +98,7 @@ class LeaseRegistry:
     def __init__(self, forbidden: tuple = (), lanes: Lanes | None = None):
         self.leases: dict[str, Lease] = {}
         self.per_uid: Counter = Counter()
-        self.forbidden = forbidden           # (st_dev, st_ino) of the sidecar's own memory
+        self.forbidden = forbidden  # (st_dev, st_ino) of the sidecar's own memory
         self.lanes = lanes or Lanes("kv-fd", FD_THREADS, 1)
         self.on_end: Callable[[list[str]], None] = lambda ids: None
 
@@ -107,8 +108,10 @@ class LeaseRegistry:
             if (st.st_dev, st.st_ino) in self.forbidden:
                 raise Forbidden("that memory belongs to the sidecar and cannot be lent")
             if self.per_uid[peer.uid] >= MAX_LEASES_PER_UID or len(self.leases) >= MAX_LEASES:
-                raise TooMany(f"at most {MAX_LEASES_PER_UID} leases a user and {MAX_LEASES} in "
-                              f"all; close some first")
+                raise TooMany(
+                    f"at most {MAX_LEASES_PER_UID} leases a user and {MAX_LEASES} in "
+                    f"all; close some first"
+                )
         except (Forbidden, TooMany):
             close_later(self.lanes, peer.uid, partial(os.close, fd))
             raise
@@ -122,8 +125,10 @@ class LeaseRegistry:
         dup() only takes a reference: it cannot block."""
         lease = self.leases.get(lease_id) if isinstance(lease_id, str) else None
         if lease is None or peer is None or peer.uid != lease.peer.uid:
-            raise LeaseNotFound("unknown lease: lend the fd on the fd socket first, from the "
-                                "same user that registers it")
+            raise LeaseNotFound(
+                "unknown lease: lend the fd on the fd socket first, from the "
+                "same user that registers it"
+            )
         try:
             return lease, os.dup(lease.fd)
         except OSError:  # EMFILE: the sidecar is out of descriptors
@@ -147,8 +152,13 @@ class LendServer:
     """The fd socket: accepts lenders on the event loop and hands their frames to the fd
     threads (`_receive`), one frame of a connection at a time."""
 
-    def __init__(self, registry: LeaseRegistry, sock: socket.socket, path: str,
-                 idle_timeout: float = IDLE_TIMEOUT):
+    def __init__(
+        self,
+        registry: LeaseRegistry,
+        sock: socket.socket,
+        path: str,
+        idle_timeout: float = IDLE_TIMEOUT,
+    ):
         self.registry, self.sock, self.path = registry, sock, path
         self.lanes, self.idle_timeout = registry.lanes, idle_timeout
         self.inode = os.stat(path).st_ino
@@ -156,7 +166,7 @@ class LendServer:
         self.per_uid: Counter = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
-        self.closed: Counter = Counter()   # connections closed by reason, since the last log line
+        self.closed: Counter = Counter()  # connections closed by reason, since the last log line
         self.logged = 0.0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -177,7 +187,7 @@ class LendServer:
         for conn in list(self.conns.values()):
             self._drop(conn)
         unlink_if_ours(self.path, self.inode)
-        close_later(self.lanes, None, self.sock.close)   # queued connections may hold fds
+        close_later(self.lanes, None, self.sock.close)  # queued connections may hold fds
 
     def _accept(self) -> None:
         try:
@@ -185,14 +195,18 @@ class LendServer:
         except BlockingIOError:
             return
         except OSError as exc:  # EMFILE: the socket stays readable, so pause, never spin
-            log.warning("fd socket: cannot accept (%s); pausing for %.0f s", exc.strerror, ACCEPT_PAUSE)
+            log.warning(
+                "fd socket: cannot accept (%s); pausing for %.0f s", exc.strerror, ACCEPT_PAUSE
+            )
             self.loop.remove_reader(self.sock.fileno())
             self.loop.call_later(ACCEPT_PAUSE, self._resume)
             return
         conn = _Conn(sock, peer_of(sock))
         if len(self.conns) >= MAX_CONNECTIONS or self.per_uid[conn.uid] >= MAX_CONNECTIONS_PER_UID:
-            close_later(self.lanes, conn.uid, sock.close)   # it may carry frames with fds
-            self._note(f"over the limit ({MAX_CONNECTIONS_PER_UID} a uid, {MAX_CONNECTIONS} in all)")
+            close_later(self.lanes, conn.uid, sock.close)  # it may carry frames with fds
+            self._note(
+                f"over the limit ({MAX_CONNECTIONS_PER_UID} a uid, {MAX_CONNECTIONS} in all)"
+            )
             return
         sock.setblocking(False)
         self.conns[sock.fileno()] = conn
@@ -214,7 +228,7 @@ class LendServer:
         self.loop.remove_reader(conn.sock.fileno())
         if conn.timer is not None:
             conn.timer.cancel()
-        if self.lanes.backlog(conn.uid) >= MAX_BACKLOG:   # its earlier fd work is stuck
+        if self.lanes.backlog(conn.uid) >= MAX_BACKLOG:  # its earlier fd work is stuck
             conn.timer = self.loop.call_later(ACCEPT_PAUSE, self._listen, conn)
             return
         conn.busy, conn.answered = True, False
@@ -224,13 +238,17 @@ class LendServer:
     def _overdue(self, conn: _Conn) -> None:
         """The frame's check overran: answer it now; what it brings later is closed."""
         conn.answered = True
-        self._reply(conn, _error("busy", f"the lent fd could not be received and checked "
-                                         f"within {FD_DEADLINE:g} s"))
+        self._reply(
+            conn,
+            _error(
+                "busy", f"the lent fd could not be received and checked within {FD_DEADLINE:g} s"
+            ),
+        )
 
     def _received(self, conn: _Conn, job: Job) -> None:
         kind, detail, rejected = ("eof", None, []) if job.error is not None else job.result
         live = self.conns.get(conn.sock.fileno()) is conn
-        if kind == "fd" and (conn.answered or not live):   # too late, or it went: no lease
+        if kind == "fd" and (conn.answered or not live):  # too late, or it went: no lease
             rejected = [*rejected, detail[0]]
         for fd in rejected:
             close_later(self.lanes, conn.uid, partial(os.close, fd))
@@ -240,7 +258,7 @@ class LendServer:
             return self._drop(conn)
         if kind != "again" and not conn.answered:
             self._reply(conn, self._answer(conn, kind, detail))
-        if self.conns.get(conn.sock.fileno()) is conn:   # the reply may have dropped it
+        if self.conns.get(conn.sock.fileno()) is conn:  # the reply may have dropped it
             self._resume_conn(conn)
 
     def _resume_conn(self, conn: _Conn) -> None:
@@ -257,8 +275,11 @@ class LendServer:
         fd, st = detail
         if conn.peer is None or len(conn.leases) >= MAX_LEASES_PER_CONNECTION:
             close_later(self.lanes, conn.uid, partial(os.close, fd))
-            return _error("too_many_buffers", f"at most {MAX_LEASES_PER_CONNECTION} leases a "
-                                              f"connection (and a peer the kernel names)")
+            return _error(
+                "too_many_buffers",
+                f"at most {MAX_LEASES_PER_CONNECTION} leases a "
+                f"connection (and a peer the kernel names)",
+            )
         try:
             lease = self.registry.lend(fd, st, conn.peer)
         except (Forbidden, TooMany) as exc:
@@ -282,8 +303,10 @@ class LendServer:
         self.closed[why] += 1
         now = self.loop.time()
         if now - self.logged >= 10:
-            log.warning("fd socket: closed connections: %s", ", ".join(
-                f"{n} {reason}" for reason, n in self.closed.items()))
+            log.warning(
+                "fd socket: closed connections: %s",
+                ", ".join(f"{n} {reason}" for reason, n in self.closed.items()),
+            )
             self.closed.clear()
             self.logged = now
 
@@ -337,8 +360,10 @@ def _check_lendable(fd: int) -> os.stat_result:
     if flags & os.O_ACCMODE != os.O_RDWR or flags & (os.O_APPEND | O_PATH):
         raise Forbidden("a lent fd must be open read-write, not O_APPEND or O_PATH")
     if fs_type(fd) not in LENDABLE_FS:
-        raise Forbidden("only memory can be lent: a memfd, or a file on tmpfs or hugetlbfs "
-                        "(/dev/shm); register other files by 'path' under an allowed directory")
+        raise Forbidden(
+            "only memory can be lent: a memfd, or a file on tmpfs or hugetlbfs "
+            "(/dev/shm); register other files by 'path' under an allowed directory"
+        )
     return st
 
 
@@ -350,5 +375,5 @@ def _fds(ancillary) -> list[int]:
     fds = array.array("i")
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     return list(fds)

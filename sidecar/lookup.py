@@ -16,6 +16,7 @@ they do not find (an unhashable entry falls through to the full check). Requests
 namespace by ref (`Store.resolve`); `local_mask`, `local_run` and `mask` answer "nothing"
 for a ref that does not exist (an extra pool the caller named, not yet made).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
@@ -31,10 +32,15 @@ from sidecar.tiering import Tiering
 class Lookup:
     """Presence of keys in a namespace, host pool first, then the tiers."""
 
-    def __init__(self, namespaces: Mapping[str, Namespace], namespace: Callable[[str], Namespace],
-                 tiering: Tiering, joints: Joints):
-        self.namespaces = namespaces   # by ref (the store's, kept current by it)
-        self.namespace = namespace     # by ref, or NamespaceNotFound
+    def __init__(
+        self,
+        namespaces: Mapping[str, Namespace],
+        namespace: Callable[[str], Namespace],
+        tiering: Tiering,
+        joints: Joints,
+    ):
+        self.namespaces = namespaces  # by ref (the store's, kept current by it)
+        self.namespace = namespace  # by ref, or NamespaceNotFound
         self.tiering = tiering
         self.joints = joints
 
@@ -50,7 +56,9 @@ class Lookup:
             n = 0
         return self._local_past(ns, keys, n)
 
-    def joint_walk(self, name: str, keys: list[str], joint: Joint, bit: int) -> tuple[int, bool, bytes]:
+    def joint_walk(
+        self, name: str, keys: list[str], joint: Joint, bit: int
+    ) -> tuple[int, bool, bytes]:
         """`local_prefix(name, keys)`, and the masks (`pools.joint`) of the keys of the
         leading run `name`'s pool (`bit` in `joint`, built) holds in the host pool: which
         pools of the joint hold each, in one walk for all of them."""

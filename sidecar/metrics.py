@@ -2,6 +2,7 @@
 on the event loop (`snapshot`, a few ms with 4,096 namespaces) and renders the text in a
 thread (`render`: the part that grew with namespaces and stalled the loop 1.6 s with
 20,000 of them), so serving a page costs no metrics lock and a scrape no stall."""
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -43,10 +44,15 @@ class RequestStats:
 
 def snapshot(store: Store, requests: RequestStats, who: Any) -> dict:
     """Everything one scrape shows, copied on the event loop (the namespaces `who` reaches)."""
-    return {"count": dict(requests.count), "hist": {r: list(b) for r, b in requests.hist.items()},
-            "sums": dict(requests.sums), "stats": report.stats(store, who),
-            "tiers": [(t.name, t.counters(), bool(t.describe().get("degraded")))
-                      for t in store.tiering.tiers]}
+    return {
+        "count": dict(requests.count),
+        "hist": {r: list(b) for r, b in requests.hist.items()},
+        "sums": dict(requests.sums),
+        "stats": report.stats(store, who),
+        "tiers": [
+            (t.name, t.counters(), bool(t.describe().get("degraded"))) for t in store.tiering.tiers
+        ],
+    }
 
 
 class _Collector:
@@ -64,8 +70,11 @@ class _Collector:
     def _cost(self, stats: dict) -> Iterator:
         """What a cached page and token cost (sidecar/cost.py), and the pins held."""
         node = stats["cost"]["node"]
-        fam = GaugeMetricFamily("kv_sidecar_cost_bytes", "bytes a stored page or token costs "
-                                "(host pool nominal, index, RSS)", labels=["per", "kind"])
+        fam = GaugeMetricFamily(
+            "kv_sidecar_cost_bytes",
+            "bytes a stored page or token costs (host pool nominal, index, RSS)",
+            labels=["per", "kind"],
+        )
         for per in ("page", "token"):
             for kind, v in node[f"per_{per}"].items():
                 if v is not None:
@@ -81,9 +90,12 @@ class _Collector:
 
     def _tier_events(self) -> Iterator:
         """Every tier's event counters (writes, reads, errors, misses by cause)."""
-        events = CounterMetricFamily("kv_sidecar_tier_events", "tier events by kind",
-                                     labels=["tier", "event"])
-        degraded = GaugeMetricFamily("kv_sidecar_tier_degraded", "1 while the tier reports a failure", labels=["tier"])
+        events = CounterMetricFamily(
+            "kv_sidecar_tier_events", "tier events by kind", labels=["tier", "event"]
+        )
+        degraded = GaugeMetricFamily(
+            "kv_sidecar_tier_degraded", "1 while the tier reports a failure", labels=["tier"]
+        )
         for name, counters, is_degraded in self.snap["tiers"]:
             for event, n in counters.items():
                 events.add_metric([name, event], n)
@@ -91,7 +103,9 @@ class _Collector:
         yield from (events, degraded)
 
     def _requests(self) -> Iterator:
-        req = CounterMetricFamily("kv_sidecar_requests", "HTTP requests", labels=["method", "route", "status"])
+        req = CounterMetricFamily(
+            "kv_sidecar_requests", "HTTP requests", labels=["method", "route", "status"]
+        )
         counts = self.snap["count"]
         for (method, route, status), n in sorted(counts.items()):
             req.add_metric([method, route, status], n)
@@ -100,7 +114,9 @@ class _Collector:
         for method, route in sorted({(m, r) for m, r, _ in counts} - failed):
             req.add_metric([method, route, "500"], 0)
         yield req
-        lat = HistogramMetricFamily("kv_sidecar_request_seconds", "request latency", labels=["route"])
+        lat = HistogramMetricFamily(
+            "kv_sidecar_request_seconds", "request latency", labels=["route"]
+        )
         for route, counts in sorted(self.snap["hist"].items()):
             acc, buckets = 0, []
             for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts, strict=False):
@@ -116,11 +132,25 @@ class _Collector:
         host.add_metric(["free"], hp["free_segments"] * hp["segment_size"])
         yield host
         pages = GaugeMetricFamily("kv_sidecar_pages", "pages stored", labels=["namespace", "tier"])
-        cap = GaugeMetricFamily("kv_sidecar_capacity_pages", "page capacity", labels=["namespace", "tier"])
-        fams = {k: CounterMetricFamily(f"kv_sidecar_{k}", f"{k} per namespace", labels=["namespace"])
-                for k in ("hits", "misses", "evictions", "stored", "no_room", "tier_hits",
-                          "restores_skipped", "restore_pages_skipped")}
-        moved = CounterMetricFamily("kv_sidecar_bytes", "bytes moved", labels=["namespace", "direction"])
+        cap = GaugeMetricFamily(
+            "kv_sidecar_capacity_pages", "page capacity", labels=["namespace", "tier"]
+        )
+        fams = {
+            k: CounterMetricFamily(f"kv_sidecar_{k}", f"{k} per namespace", labels=["namespace"])
+            for k in (
+                "hits",
+                "misses",
+                "evictions",
+                "stored",
+                "no_room",
+                "tier_hits",
+                "restores_skipped",
+                "restore_pages_skipped",
+            )
+        }
+        moved = CounterMetricFamily(
+            "kv_sidecar_bytes", "bytes moved", labels=["namespace", "direction"]
+        )
         for name, ns in stats["namespaces"].items():
             for tier, n in ns["pages"].items():
                 pages.add_metric([name, tier], n)
@@ -132,10 +162,14 @@ class _Collector:
         yield from (pages, cap, *fams.values(), moved)
 
     def _tiers(self, stats: dict) -> Iterator:
-        io = CounterMetricFamily("kv_sidecar_tier_bytes", "bytes written to and read from each tier",
-                                 labels=["tier", "direction"])
-        errors = CounterMetricFamily("kv_sidecar_tier_errors", "failed tier I/O and corrupt pages",
-                                     labels=["tier", "kind"])
+        io = CounterMetricFamily(
+            "kv_sidecar_tier_bytes",
+            "bytes written to and read from each tier",
+            labels=["tier", "direction"],
+        )
+        errors = CounterMetricFamily(
+            "kv_sidecar_tier_errors", "failed tier I/O and corrupt pages", labels=["tier", "kind"]
+        )
         for name, t in stats["tiers"].items():
             io.add_metric([name, "write"], t["bytes_written"])
             io.add_metric([name, "read"], t["bytes_read"])
@@ -144,8 +178,11 @@ class _Collector:
         wq = stats["write_queue"]
         queue = GaugeMetricFamily("kv_sidecar_write_queue_pages", "pages queued for the tiers")
         queue.add_metric([], wq["pending"])
-        lost = CounterMetricFamily("kv_sidecar_write_queue_lost", "queued tier writes that failed or were dropped",
-                                   labels=["reason"])
+        lost = CounterMetricFamily(
+            "kv_sidecar_write_queue_lost",
+            "queued tier writes that failed or were dropped",
+            labels=["reason"],
+        )
         lost.add_metric(["failed"], wq["failed"])
         lost.add_metric(["dropped"], wq["dropped"])
         yield from (io, errors, queue, lost)
@@ -156,4 +193,3 @@ def render(snap: dict) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(snap))
     return generate_latest(registry)
-

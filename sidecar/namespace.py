@@ -3,6 +3,7 @@
 Kept apart from the store so that the modules that reason about namespaces (tenancy,
 controls, cost) import it without importing the store that holds them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from sidecar.errors import BufferNotFound
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec
 
-Owner = int | str | None   # a uid, tenancy.TCP_TENANT, or None (the operator)
+Owner = int | str | None  # a uid, tenancy.TCP_TENANT, or None (the operator)
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class Counters:
     bytes_out: int = 0
     no_room: int = 0
     tier_hits: int = 0
-    restores_skipped: int = 0        # loads an engine recomputed instead (slower than prefill)
+    restores_skipped: int = 0  # loads an engine recomputed instead (slower than prefill)
     restore_pages_skipped: int = 0
 
 
@@ -38,16 +39,18 @@ class Namespace:
     spec: NamespaceSpec
     pool: PagePool
     identity: str
-    owner: Owner = None                  # its maker's uid; None: the operator; TCP_TENANT
-    ref: str = ""                        # its key in the store (`tenancy.ref_of`)
+    owner: Owner = None  # its maker's uid; None: the operator; TCP_TENANT
+    ref: str = ""  # its key in the store (`tenancy.ref_of`)
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
-    joined: set[int] = field(default_factory=set)   # uids of members that PUT it (shared)
+    joined: set[int] = field(default_factory=set)  # uids of members that PUT it (shared)
 
     def buffer(self, buffer_id: Any, peer: Peer | None = None) -> Buffer:
         """The buffer `buffer_id`, if `peer` may use it (another user's reads as unknown)."""
         buf = self.buffers.get(buffer_id) if isinstance(buffer_id, str) else None
         if buf is None or not buf.usable_by(peer):
-            raise BufferNotFound(f"buffer {str(buffer_id)[:40]!r} is not registered in "
-                                 f"namespace {self.name!r}; register it with POST .../buffers")
+            raise BufferNotFound(
+                f"buffer {str(buffer_id)[:40]!r} is not registered in "
+                f"namespace {self.name!r}; register it with POST .../buffers"
+            )
         return buf

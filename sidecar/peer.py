@@ -4,6 +4,7 @@ A request that arrives on the engine socket carries a `Peer` (pid, uid, gid from
 `SO_PEERCRED`, read once when the connection is accepted). A request on TCP has none: the
 sidecar cannot tell who sent it, so it maps no memory for it (see `sidecar.buffers`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,9 +21,9 @@ from typing import Any
 from sidecar.datadir import check_private
 
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
-PEER_KEY = "kv.peer"          # where the server puts the Peer in an ASGI scope
+PEER_KEY = "kv.peer"  # where the server puts the Peer in an ASGI scope
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-PY_OPTLEN = 1024      # the most CPython's getsockopt asks for (256 gids; more: `_many_groups`)
+PY_OPTLEN = 1024  # the most CPython's getsockopt asks for (256 gids; more: `_many_groups`)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -64,8 +65,8 @@ def _groups(sock: Any) -> tuple[int, ...]:
     except OSError as exc:
         if exc.errno != errno.ERANGE:
             return ()
-        raw = _many_groups(sock.fileno())   # over 256 groups: the size the kernel names
-    return struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])
+        raw = _many_groups(sock.fileno())  # over 256 groups: the size the kernel names
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
 def _many_groups(fd: int) -> bytes:
@@ -75,7 +76,7 @@ def _many_groups(fd: int) -> bytes:
     for _ in range(2):
         buf = ctypes.create_string_buffer(max(size.value, 1))
         if _libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) == 0:
-            return buf.raw[:size.value]
+            return buf.raw[: size.value]
         if ctypes.get_errno() != errno.ERANGE:
             break
     return b""
@@ -86,8 +87,9 @@ def scope_peer(scope: Mapping[str, Any]) -> Peer | None:
     return scope.get(PEER_KEY)
 
 
-def bind_unix(path: str, mode: int, group: str | None = None,
-              kind: int = socket.SOCK_STREAM) -> socket.socket:
+def bind_unix(
+    path: str, mode: int, group: str | None = None, kind: int = socket.SOCK_STREAM
+) -> socket.socket:
     """A listening Unix socket at `path` with `mode` (and `group`), in a directory nobody
     else controls (`datadir.check_private`). A stale socket file is replaced; a live one
     (another sidecar answers) or any other file is an error."""

@@ -28,6 +28,7 @@ never end is kept whole). So the endpoints are for routers the operator trusts: 
 not the engine socket's), which other users cannot connect to; loopback TCP is open to
 every user.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,20 +42,21 @@ from typing import TYPE_CHECKING
 from sidecar.peer import unlink_if_ours
 from sidecar.replay_ring import ReplayRing
 
-if TYPE_CHECKING:   # the `events` extra
+if TYPE_CHECKING:  # the `events` extra
     import zmq
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-MAX_SUBSCRIPTION = 4096   # bytes of a subscription message (a topic prefix) at most
+MAX_SUBSCRIPTION = 4096  # bytes of a subscription message (a topic prefix) at most
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one subscriber or replay client may hold of the sidecar (module docstring)."""
-    hwm: int = 1000                    # batches queued to one subscriber, then dropped for it
-    replay_hwm: int = 16               # batches queued to one replay client, then wait for it
-    stall: float = 5.0                 # s a replay waits for its client in all, then gives up
-    rate: float = 128 * 2**20          # bytes a second a replay sends at most
+
+    hwm: int = 1000  # batches queued to one subscriber, then dropped for it
+    replay_hwm: int = 16  # batches queued to one replay client, then wait for it
+    stall: float = 5.0  # s a replay waits for its client in all, then gives up
+    rate: float = 128 * 2**20  # bytes a second a replay sends at most
 
 
 class Publisher:
@@ -62,17 +64,25 @@ class Publisher:
     high-water mark, and ZMQ's own I/O thread does the sending), the replay ring, and
     the replay thread that owns the ROUTER socket and reads the ring."""
 
-    def __init__(self, endpoint: str, replay: str | None, keep: int, keep_bytes: int,
-                 limits: Limits = Limits(), unix: Callable | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        replay: str | None,
+        keep: int,
+        keep_bytes: int,
+        limits: Limits = Limits(),
+        unix: Callable | None = None,
+    ):
         """`unix(path)`: the listening Unix socket an `ipc://` endpoint gets (its mode and
         group: `peer.bind_unix`, as the engine socket's); None: ZMQ makes it (umask)."""
         import zmq  # the `events` extra: imported only when events are on
+
         self.zmq, self.limits, self.unix = zmq, limits, unix
         self.ctx: zmq.Context = zmq.Context.instance()
-        self.files: list[tuple[str, int]] = []   # the ipc:// socket files made here
+        self.files: list[tuple[str, int]] = []  # the ipc:// socket files made here
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(limits.hwm)
-        self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)   # what a subscriber sends
+        self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)  # what a subscriber sends
         self._bind(self.pub, endpoint)
         self.ring = ReplayRing(keep, keep_bytes)
         self.seq = 0
@@ -82,8 +92,9 @@ class Publisher:
         self.running = True
         if replay:
             self.router = self._router(replay)
-            self.thread = threading.Thread(target=self._serve_replay, name="kv-events-replay",
-                                           daemon=True)
+            self.thread = threading.Thread(
+                target=self._serve_replay, name="kv-events-replay", daemon=True
+            )
             self.thread.start()
 
     @property
@@ -96,8 +107,8 @@ class Publisher:
         zmq, limits = self.zmq, self.limits
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.SNDHWM, limits.replay_hwm)
-        router.setsockopt(zmq.MAXMSGSIZE, 64)            # a request is 8 bytes
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue or a gone client: an error
+        router.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue or a gone client: an error
         self._bind(router, endpoint)
         return router
 
@@ -107,26 +118,27 @@ class Publisher:
         if not (endpoint.startswith("ipc://") and self.unix is not None):
             sock.bind(endpoint)
             return
-        path = endpoint[len("ipc://"):]
+        path = endpoint[len("ipc://") :]
         listener = self.unix(path)
         inode = os.stat(path).st_ino
         try:
             sock.setsockopt(self.zmq.USE_FD, listener.fileno())
             sock.bind(endpoint)
-        except BaseException:   # not ZMQ's: ours to close and remove
+        except BaseException:  # not ZMQ's: ours to close and remove
             listener.close()
             unlink_if_ours(path, inode)
             raise
-        listener.detach()       # ZMQ's now: it closes it
+        listener.detach()  # ZMQ's now: it closes it
         self.files.append((path, inode))
 
     def send(self, topic: bytes, payload) -> bool:
         """Publish one batch now (on the loop); False when ZMQ refused it (counted).
         `payload` (bytes-like) is copied by both ZMQ and the ring: the caller may reuse it."""
         try:
-            self.pub.send_multipart((topic, self.seq.to_bytes(8, "big"), payload),
-                                    flags=self.zmq.NOBLOCK)   # copied: at 20 ms batches as cheap
-                                                              # as zero-copy, with no gc thread
+            self.pub.send_multipart(
+                (topic, self.seq.to_bytes(8, "big"), payload), flags=self.zmq.NOBLOCK
+            )  # copied: at 20 ms batches as cheap
+            # as zero-copy, with no gc thread
         except self.zmq.ZMQError:
             return False
         self.ring.add(self.seq, topic, payload)
@@ -148,8 +160,10 @@ class Publisher:
             return
         client, _, start = frames
         self.replays += 1
-        kept = ((topic, seq.to_bytes(8, "big"), payload)
-                for seq, topic, payload in self.ring.since(int.from_bytes(start, "big")))
+        kept = (
+            (topic, seq.to_bytes(8, "big"), payload)
+            for seq, topic, payload in self.ring.since(int.from_bytes(start, "big"))
+        )
         due, left = time.monotonic(), self.limits.stall
         for reply in itertools.chain(kept, [(b"", END_SEQ, b"")]):
             rest = self._reply(client, reply, left)
@@ -158,7 +172,7 @@ class Publisher:
                 return
             left = rest
             due += len(reply[2]) / self.limits.rate
-            time.sleep(max(0.0, due - time.monotonic()))   # (and the GIL to the loop)
+            time.sleep(max(0.0, due - time.monotonic()))  # (and the GIL to the loop)
 
     def _reply(self, client: bytes, frames: tuple, left: float) -> float | None:
         """One message to `client`, waiting while its queue is full, `left` seconds at
@@ -169,7 +183,7 @@ class Publisher:
             try:
                 self.replies.send_multipart((client, b"", *frames), flags=self.zmq.NOBLOCK)
                 return left - (time.monotonic() - t)
-            except self.zmq.Again:     # its queue is full: it has not read
+            except self.zmq.Again:  # its queue is full: it has not read
                 if time.monotonic() - t > left:
                     return None
                 time.sleep(0.005)

@@ -19,6 +19,7 @@ with it (docs/kv-events.md, Cost). The mapping's pages are taken when it is made
 The loop writes (`add`) and the replay thread reads (`since`) under one lock, held for one
 batch's copy at most, so a replay never holds the loop up for longer than that.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,10 +37,12 @@ class ReplayRing:
 
     def __init__(self, keep: int, size: int):
         self.keep, self.size = keep, size
-        self.map: mmap.mmap | None = mmap.mmap(-1, size, flags=FLAGS) if keep > 0 and size > 0 else None
-        self.index: collections.deque = collections.deque()   # (seq, topic, offset, length)
-        self.head = 0            # where the next batch goes
-        self.bytes = 0           # payload bytes kept
+        self.map: mmap.mmap | None = (
+            mmap.mmap(-1, size, flags=FLAGS) if keep > 0 and size > 0 else None
+        )
+        self.index: collections.deque = collections.deque()  # (seq, topic, offset, length)
+        self.head = 0  # where the next batch goes
+        self.bytes = 0  # payload bytes kept
         self.lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -55,14 +58,15 @@ class ReplayRing:
                 self._drop(len(self.index))
                 return
             start = self.head
-            if start + n > self.size:   # wrap: what lies past the head is the oldest lap
+            if start + n > self.size:  # wrap: what lies past the head is the oldest lap
                 while self.index and self.index[0][2] >= start:
                     self._drop(1)
                 start = 0
-            while self.index and (len(self.index) >= self.keep
-                                  or start <= self.index[0][2] < start + n):
+            while self.index and (
+                len(self.index) >= self.keep or start <= self.index[0][2] < start + n
+            ):
                 self._drop(1)
-            self.map[start:start + n] = payload
+            self.map[start : start + n] = payload
             self.index.append((seq, topic, start, n))
             self.head, self.bytes = start + n, self.bytes + n
             assert self.bytes <= self.size and len(self.index) <= self.keep
@@ -80,7 +84,7 @@ class ReplayRing:
             with self.lock:
                 if self.map is None or not self.index or self.index[0][0] > seq:
                     continue
-                payload = self.map[offset:offset + n]
+                payload = self.map[offset : offset + n]
             yield seq, topic, payload
 
     def close(self) -> None:

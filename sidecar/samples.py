@@ -11,6 +11,7 @@ Each sample:
      "write_queue": pending pages, "errors": new errors this interval (tier I/O, corrupt,
      dropped or failed writes, 5xx answers)}
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,14 +32,22 @@ def totals(stats: dict, requests: dict | None = None) -> dict[str, float]:
     errors = wq["failed"] + wq["dropped"] + stats["tier_errors"]
     errors += sum(n for (_, _, status), n in (requests or {}).items() if status.startswith("5"))
     t = stats["totals"]
-    return {"hits": t["hits"], "misses": t["misses"], "bytes_in": t["bytes_in"],
-            "bytes_out": t["bytes_out"], "errors": errors}
+    return {
+        "hits": t["hits"],
+        "misses": t["misses"],
+        "bytes_in": t["bytes_in"],
+        "bytes_out": t["bytes_out"],
+        "errors": errors,
+    }
 
 
 def gauges(stats: dict) -> dict[str, Any]:
     """What a sample shows as is: the largest pools' fill, pages per tier, the write queue."""
-    return {"fill": dict(stats["fill"]), "pages": dict(stats["pages"]),
-            "write_queue": stats["write_queue"]["pending"]}
+    return {
+        "fill": dict(stats["fill"]),
+        "pages": dict(stats["pages"]),
+        "write_queue": stats["write_queue"]["pending"],
+    }
 
 
 class Sampler:
@@ -59,9 +68,12 @@ class Sampler:
             d = {k: cur[k] - prev[k] for k in cur}
             dt = max(now - t0, 1e-6)
             looked = d["hits"] + d["misses"]
-            sample.update(hit_rate=d["hits"] / looked if looked else None,
-                          gbps_in=d["bytes_in"] / dt / 1e9, gbps_out=d["bytes_out"] / dt / 1e9,
-                          errors=d["errors"])
+            sample.update(
+                hit_rate=d["hits"] / looked if looked else None,
+                gbps_in=d["bytes_in"] / dt / 1e9,
+                gbps_out=d["bytes_out"] / dt / 1e9,
+                errors=d["errors"],
+            )
         self._last = (now, cur)
         self.ring.append(sample)
         return sample
@@ -69,8 +81,9 @@ class Sampler:
     def since(self, t: float = 0.0) -> list[dict]:
         return [s for s in self.ring if s["t"] > t]
 
-    async def run(self, stats: Callable[[], dict], requests: Callable[[], dict],
-                  interval: float = INTERVAL) -> None:
+    async def run(
+        self, stats: Callable[[], dict], requests: Callable[[], dict], interval: float = INTERVAL
+    ) -> None:
         while True:
             try:
                 self.add(stats(), requests())

@@ -1,5 +1,6 @@
 """Run the HTTP server. uvicorn's own signal handlers only set its exit flag; the app's
 lifespan then drains in phases (see `Context.close`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,7 @@ def build_app(config: Config):
     return getattr(importlib.import_module(module), attr)(config)
 
 
-LINGER_BYTES = 1 << 20    # after a refusal or a 401: what is read and dropped before closing
+LINGER_BYTES = 1 << 20  # after a refusal or a 401: what is read and dropped before closing
 LINGER_SECONDS = 2.0
 # Pipelining (issue 43): bytes are fed to the parser a piece at a time, each ending where a
 # request head ends (or, inside a chunked body, at the first head end CHUNKED_PIECE bytes on,
@@ -42,7 +43,7 @@ LINGER_SECONDS = 2.0
 PIPELINE_MAX = 16
 CHUNKED_PIECE = 128
 HEAD_END = b"\r\n\r\n"
-_BLANK_LINES = re.compile(rb"[\r\n]*")   # what the parser skips between two requests
+_BLANK_LINES = re.compile(rb"[\r\n]*")  # what the parser skips between two requests
 
 
 class _Refused(Exception):
@@ -52,6 +53,7 @@ class _Refused(Exception):
 class _Flow(FlowControl):
     """uvicorn's flow control, plus `hold`: while the protocol keeps bytes it has not parsed
     (the next pipelined request), reading stays paused whoever asks to resume it."""
+
     hold = False
 
     def resume_reading(self) -> None:
@@ -94,14 +96,14 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self._pending = self._listener == TCP and self.settings.token is not None
         self._unauthorized = self._lingering = False
         self._linger_left = 0
-        self._held: bytes | None = None      # a read not yet parsed, from `_held_at` on
-        self._held_at = self._piece = 0          # `_piece`: the length of what is being fed
-        self._body_left: int | None = None    # of a body of declared length, while read
+        self._held: bytes | None = None  # a read not yet parsed, from `_held_at` on
+        self._held_at = self._piece = 0  # `_piece`: the length of what is being fed
+        self._body_left: int | None = None  # of a body of declared length, while read
         self._in_message = self._ended_in_piece = self._release_due = self._drain_due = False
-        self._limits = (0, 0)                    # the write buffer's (high, low), while draining
+        self._limits = (0, 0)  # the write buffer's (high, low), while draining
         why = self.registry.admit(self, self._listener, self._uid, self._pending)
         self._admitted = why is None
-        if why is not None:      # refused before uvicorn's own set-up: a flood costs little
+        if why is not None:  # refused before uvicorn's own set-up: a flood costs little
             self.transport = transport
             self.registry.tally.note(why)
             transport.close()
@@ -142,32 +144,37 @@ class PeerHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         if self._unauthorized:
-            self.pipeline.clear()              # requests sent behind it are not served
+            self.pipeline.clear()  # requests sent behind it are not served
             super().on_response_complete()
             return self._linger()
         super().on_response_complete()
-        if self._held is None or self._release_due or self._drain_due or self._answer_due() \
-                or self.transport.is_closing():
+        if (
+            self._held is None
+            or self._release_due
+            or self._drain_due
+            or self._answer_due()
+            or self.transport.is_closing()
+        ):
             return
-        self._unset_keepalive_if_required()    # the next request is here: not idle
+        self._unset_keepalive_if_required()  # the next request is here: not idle
         if not self.transport.get_write_buffer_size():
             return self._release_soon()
         # the answer is not all out (the client is not reading): wait until it is, so that
         # a client that never reads holds one answer here, not one a request it sent
         self._drain_due, (low, high) = True, self.transport.get_write_buffer_limits()
         self._limits = (high, low)
-        self.transport.set_write_buffer_limits(high=0, low=0)   # pause_writing now, resume once out
+        self.transport.set_write_buffer_limits(high=0, low=0)  # pause_writing now, resume once out
 
     def _release_soon(self) -> None:
-        self._release_due = True               # parse the next on the loop's next turn
+        self._release_due = True  # parse the next on the loop's next turn
         self.loop.call_soon(self._release)
 
     # -- bytes in: the head budget and one request at a time ------------------------------
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             return self._drop(data)
-        if self._held is not None:     # a read under way as reading paused: it waits too
-            self._held, self._held_at = self._held[self._held_at:] + data, 0
+        if self._held is not None:  # a read under way as reading paused: it waits too
+            self._held, self._held_at = self._held[self._held_at :] + data, 0
             return
         self._consume(data, 0)
         self._idle_check()
@@ -199,7 +206,7 @@ class PeerHttpProtocol(HttpToolsProtocol):
         if not self._in_message:
             blank = _BLANK_LINES.match(data, pos, limit)
             start = blank.end() if blank else pos
-        else:   # mid-head; or chunk framing and data, at least CHUNKED_PIECE bytes a piece
+        else:  # mid-head; or chunk framing and data, at least CHUNKED_PIECE bytes a piece
             start = pos + CHUNKED_PIECE - len(HEAD_END) if self._body_end else pos
         i = data.find(HEAD_END, min(start, limit), limit)
         return limit if i < 0 else i + len(HEAD_END)
@@ -207,8 +214,9 @@ class PeerHttpProtocol(HttpToolsProtocol):
     def _answer_due(self) -> bool:
         """A whole request (or more, parsed from one piece) is waiting for its answer."""
         cycle = self.cycle
-        return bool(self.pipeline) or (cycle is not None and not cycle.more_body
-                                       and not cycle.response_complete)
+        return bool(self.pipeline) or (
+            cycle is not None and not cycle.more_body and not cycle.response_complete
+        )
 
     def _hold(self, data: bytes, pos: int) -> None:
         self._held, self._held_at = data, pos
@@ -223,15 +231,24 @@ class PeerHttpProtocol(HttpToolsProtocol):
             return
         self._held, self.flow.hold = None, False
         self._consume(data, pos)
-        if self._held is None and not self._lingering and not self._answer_due() and \
-                not (self.cycle is not None and len(self.cycle.body) > HIGH_WATER_LIMIT):
+        if (
+            self._held is None
+            and not self._lingering
+            and not self._answer_due()
+            and not (self.cycle is not None and len(self.cycle.body) > HIGH_WATER_LIMIT)
+        ):
             self.flow.resume_reading()
         self._idle_check()
 
     def _idle_check(self) -> None:
         """Between requests with no timer (blank lines cancelled keep-alive's): arm one."""
-        if self._held is None and not (self._in_message or self._timer or self._lingering
-                                       or self._answer_due() or self.transport.is_closing()):
+        if self._held is None and not (
+            self._in_message
+            or self._timer
+            or self._lingering
+            or self._answer_due()
+            or self.transport.is_closing()
+        ):
             self._arm(self._head_timeout())
 
     def _feed(self, data) -> None:
@@ -241,12 +258,14 @@ class PeerHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._refuse(*(self._refusal or (400, "bad_request", "invalid HTTP request")))
         except httptools.HttpParserUpgrade:
-            pass   # no websockets here (ws="none"): the request was served as plain HTTP
+            pass  # no websockets here (ws="none"): the request was served as plain HTTP
 
     def _refuse_head(self) -> None:
         limit = self.settings.max_head
         if self._body_end:
-            return self._refuse(431, "headers_too_large", f"chunk framing or trailers over {limit} bytes")
+            return self._refuse(
+                431, "headers_too_large", f"chunk framing or trailers over {limit} bytes"
+            )
         if len(getattr(self, "url", b"")) > limit // 2:
             return self._refuse(414, "url_too_long", f"the request line is over {limit} bytes")
         self._refuse(431, "headers_too_large", f"the request head is over {limit} bytes")
@@ -260,11 +279,13 @@ class PeerHttpProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             if cycle.response_started or self.pipeline:
                 return self.transport.abort()
-            cycle.disconnected = True       # its app sees a disconnect; this is the answer
+            cycle.disconnected = True  # its app sees a disconnect; this is the answer
             cycle.message_event.set()
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
-        self.transport.write(STATUS_LINE[status] + b"content-type: application/json\r\n"
-                             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+        self.transport.write(
+            STATUS_LINE[status] + b"content-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body
+        )
         self._linger()
 
     def _linger(self) -> None:
@@ -291,10 +312,12 @@ class PeerHttpProtocol(HttpToolsProtocol):
             self._refusal = (429, "pipeline_full", f"over {PIPELINE_MAX} requests sent ahead")
             raise _Refused()
         self._in_message = True
-        if self._ended_in_piece:    # begun in the piece that ended the one before: all its bytes count
+        if (
+            self._ended_in_piece
+        ):  # begun in the piece that ended the one before: all its bytes count
             self._head_left = self.settings.max_head - self._piece
         super().on_message_begin()
-        scope = cast("dict[str, Any]", self.scope)   # our keys beside the ASGI ones
+        scope = cast("dict[str, Any]", self.scope)  # our keys beside the ASGI ones
         if self.peer is not None:
             scope[PEER_KEY] = self.peer
         elif self._pending:
@@ -304,8 +327,11 @@ class PeerHttpProtocol(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self.headers) >= self.settings.max_header_fields:
-            self._refusal = (431, "headers_too_large",
-                             f"more than {self.settings.max_header_fields} header fields")
+            self._refusal = (
+                431,
+                "headers_too_large",
+                f"more than {self.settings.max_header_fields} header fields",
+            )
             raise _Refused()
         super().on_header(name, value)
 
@@ -313,42 +339,44 @@ class PeerHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         now = self.loop.time()
         self._body_end, self._last = now + self.settings.body_timeout, now
-        self._head_left = self.settings.max_head    # for chunk framing and trailers
+        self._head_left = self.settings.max_head  # for chunk framing and trailers
         self._body_left = _declared_length(self.headers)
         due = min(now + self.settings.read_timeout, self._body_end)
         if self._timer is None or self._timer.when() > due:
             self._arm(due - now)
 
     def on_chunk_header(self) -> None:
-        self._head_left = self.settings.max_head    # each chunk's framing starts a budget
+        self._head_left = self.settings.max_head  # each chunk's framing starts a budget
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
-        self._head_left += len(body)                # body bytes are not head bytes
+        self._head_left += len(body)  # body bytes are not head bytes
         if self._body_left is not None:
             self._body_left -= len(body)
         self._last = self.loop.time()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._disarm()   # the whole request is in: the app's own time is not limited here
+        self._disarm()  # the whole request is in: the app's own time is not limited here
         self._body_end = 0.0
         self._head_left = self.settings.max_head
         self._body_left, self._in_message = None, False
-        self._ended_in_piece = self._piece > 0      # the rest of this piece is the next request's
+        self._ended_in_piece = self._piece > 0  # the rest of this piece is the next request's
 
     # -- bytes out -------------------------------------------------------------------------
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.settings.write_timeout, self._write_stalled)
+            self._write_timer = self.loop.call_later(
+                self.settings.write_timeout, self._write_stalled
+            )
 
     def resume_writing(self) -> None:
         super().resume_writing()
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
-        if self._drain_due:                     # the answer is out: the next request may be read
+        if self._drain_due:  # the answer is out: the next request may be read
             self._drain_due = False
             high, low = self._limits
             self.transport.set_write_buffer_limits(high=high, low=low)
@@ -358,7 +386,7 @@ class PeerHttpProtocol(HttpToolsProtocol):
     def _write_stalled(self) -> None:
         self._write_timer = None
         self.registry.tally.note("write_stalled")
-        self.transport.abort()      # drops what is buffered: close() would wait to send it
+        self.transport.abort()  # drops what is buffered: close() would wait to send it
 
     # -- the read timer --------------------------------------------------------------------
     def _head_timeout(self) -> float:
@@ -415,15 +443,25 @@ def listeners(config: Config) -> list[socket.socket]:
 
 
 def uvicorn_config(app, config: Config) -> uvicorn.Config:
-    protocol = type("Protocol", (PeerHttpProtocol,), {"settings": config, "registry": Registry(config)})
+    protocol = type(
+        "Protocol", (PeerHttpProtocol,), {"settings": config, "registry": Registry(config)}
+    )
     # no proxy stands before the sidecar: a local caller's X-Forwarded-For is not trusted
     # (and one middleware fewer runs per request); no "server: uvicorn" banner either; no
     # websockets (no route takes one, and an upgraded connection would leave these limits)
-    return uvicorn.Config(app, loop="uvloop", http=protocol, ws="none", lifespan="on",
-                          access_log=False, log_level=config.log_level, proxy_headers=False,
-                          server_header=False,
-                          # annotated int by uvicorn, used as seconds by asyncio: a float does
-                          timeout_graceful_shutdown=config.shutdown_timeout)  # type: ignore[arg-type]
+    return uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=protocol,
+        ws="none",
+        lifespan="on",
+        access_log=False,
+        log_level=config.log_level,
+        proxy_headers=False,
+        server_header=False,
+        # annotated int by uvicorn, used as seconds by asyncio: a float does
+        timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type]
+    )
 
 
 class _Server(uvicorn.Server):
@@ -444,8 +482,9 @@ def _raise_fd_limit() -> None:
 
 
 def serve(config: Config) -> int:
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     _raise_fd_limit()
     try:
         check_dirs(config)

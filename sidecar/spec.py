@@ -1,4 +1,5 @@
 """Namespace specs: one model x one pool kind x one layout x one rank scope."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,25 +12,56 @@ import orjson
 from sidecar.errors import BadRequest
 
 POOL_KINDS = (
-    "kv", "mamba", "swa", "indexer", "draft", "draft_indexer", "draft_swa",
-    "deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128",
-    "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state", "deepseek_v4_c128_state",
+    "kv",
+    "mamba",
+    "swa",
+    "indexer",
+    "draft",
+    "draft_indexer",
+    "draft_swa",
+    "deepseek_v4_c4",
+    "deepseek_v4_c4_indexer",
+    "deepseek_v4_c128",
+    "deepseek_v4_c4_state",
+    "deepseek_v4_c4_indexer_state",
+    "deepseek_v4_c128_state",
     # added by SGLang 0.5.23's PoolName
-    "auxiliary_swa", "deepseek_v4_c1", "deepseek_v4_c1_indexer", "deepseek_v4_c1_indexer_scale",
-    "deepseek_v4_c2", "deepseek_v4_c2_indexer", "deepseek_v4_c2_indexer_scale",
-    "deepseek_v4_c4_indexer_scale", "deepseek_v4_c4_rope", "deepseek_v4_c128_rope",
+    "auxiliary_swa",
+    "deepseek_v4_c1",
+    "deepseek_v4_c1_indexer",
+    "deepseek_v4_c1_indexer_scale",
+    "deepseek_v4_c2",
+    "deepseek_v4_c2_indexer",
+    "deepseek_v4_c2_indexer_scale",
+    "deepseek_v4_c4_indexer_scale",
+    "deepseek_v4_c4_rope",
+    "deepseek_v4_c128_rope",
 )
-MIN_PAGE_BYTES = 512   # the index costs about the same per page whatever its size
+MIN_PAGE_BYTES = 512  # the index costs about the same per page whatever its size
 _NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}")
 _RANK_FIELDS = ("tp", "tp_size", "pp", "pp_size", "cp", "cp_size")
-_FIELDS = {"page_bytes", "pool", "model", "layout", "dtype", "page_tokens", "rank",
-           "replicated", "host_capacity_bytes", "share_scope", "share_gid", "key_format"}
-KEY_FORMATS = ("", "vllm", "sglang")   # how KV events name a page (sidecar/events.py)
+_FIELDS = {
+    "page_bytes",
+    "pool",
+    "model",
+    "layout",
+    "dtype",
+    "page_tokens",
+    "rank",
+    "replicated",
+    "host_capacity_bytes",
+    "share_scope",
+    "share_gid",
+    "key_format",
+}
+KEY_FORMATS = ("", "vllm", "sglang")  # how KV events name a page (sidecar/events.py)
 
 
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
-        raise BadRequest(f"namespace name {name[:140]!r} must be 1-128 characters of [0-9A-Za-z_.:-]")
+        raise BadRequest(
+            f"namespace name {name[:140]!r} must be 1-128 characters of [0-9A-Za-z_.:-]"
+        )
     return name
 
 
@@ -56,9 +88,9 @@ class NamespaceSpec:
     rank: Rank = field(default_factory=Rank)
     replicated: bool = False
     host_capacity_bytes: int | None = None
-    share_scope: str = ""       # namespaces naming the same scope share tier pages
-    share_gid: int | None = None   # peers in this group may use it too (sidecar/tenancy.py)
-    key_format: str = ""        # how KV events name its pages: "vllm", "sglang", "" (the key)
+    share_scope: str = ""  # namespaces naming the same scope share tier pages
+    share_gid: int | None = None  # peers in this group may use it too (sidecar/tenancy.py)
+    key_format: str = ""  # how KV events name its pages: "vllm", "sglang", "" (the key)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,7 +106,7 @@ class NamespaceSpec:
         """
         data = self.to_json()
         data.pop("host_capacity_bytes")
-        data.pop("key_format")      # what events call a page, not what the page is
+        data.pop("key_format")  # what events call a page, not what the page is
         data["owner"] = owner
         if not self.share_scope:
             data["name"] = name
@@ -109,8 +141,10 @@ def _rank(value: Any) -> Rank:
         return Rank()
     if not isinstance(value, dict) or set(value) - set(_RANK_FIELDS):
         raise BadRequest(f"'rank' must be an object with keys from {list(_RANK_FIELDS)}")
-    vals = {k: _int(value, k, 1 if k.endswith("_size") else 0, 1 if k.endswith("_size") else 0)
-            for k in _RANK_FIELDS}
+    vals = {
+        k: _int(value, k, 1 if k.endswith("_size") else 0, 1 if k.endswith("_size") else 0)
+        for k in _RANK_FIELDS
+    }
     for dim in ("tp", "pp", "cp"):
         if vals[dim] >= vals[dim + "_size"]:
             raise BadRequest(f"rank.{dim} must be < rank.{dim}_size")
@@ -136,13 +170,19 @@ def parse_spec(body: Any) -> NamespaceSpec:
     if replicated:  # identical on every TP rank: one namespace, whichever rank registers it
         rank = Rank(0, rank.tp_size, rank.pp, rank.pp_size, rank.cp, rank.cp_size)
     return NamespaceSpec(
-        page_bytes=_int(body, "page_bytes", 0, MIN_PAGE_BYTES), pool=pool,
-        model=_str(body, "model", ""), layout=_str(body, "layout", "page_first"),
-        dtype=_str(body, "dtype", ""), page_tokens=_int(body, "page_tokens", 0, 0),
-        rank=rank, replicated=replicated,
+        page_bytes=_int(body, "page_bytes", 0, MIN_PAGE_BYTES),
+        pool=pool,
+        model=_str(body, "model", ""),
+        layout=_str(body, "layout", "page_first"),
+        dtype=_str(body, "dtype", ""),
+        page_tokens=_int(body, "page_tokens", 0, 0),
+        rank=rank,
+        replicated=replicated,
         host_capacity_bytes=_int(body, "host_capacity_bytes", None, 1),
-        share_scope=_str(body, "share_scope", ""), share_gid=_int(body, "share_gid", None, 0),
-        key_format=_key_format(body.get("key_format", "")))
+        share_scope=_str(body, "share_scope", ""),
+        share_gid=_int(body, "share_gid", None, 0),
+        key_format=_key_format(body.get("key_format", "")),
+    )
 
 
 def _key_format(value: Any) -> str:

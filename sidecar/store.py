@@ -3,6 +3,7 @@
 Index operations run on the event loop thread only; byte copies run in the copy
 executor between `reserve`/`pin` and `commit`/`unpin`, so the index needs no lock.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,36 +47,42 @@ from sidecar.tenancy import (
 from sidecar.tiering import Tiering
 from sidecar.transports.base import check_runs, check_slots
 
-if TYPE_CHECKING:   # pyzmq and msgspec: the `events` extra
+if TYPE_CHECKING:  # pyzmq and msgspec: the `events` extra
     from sidecar.events import Events
 
 log = logging.getLogger("kv_sidecar.store")
-MAX_BUFFERS_PER_NAMESPACE = 64   # an engine registers a few (one per pool and rank)
-MAX_BUFFERS = 1024               # each is a mapping or an open fd
-MAX_BUFFERS_PER_UID = 256        # one uid's share: the others keep room
+MAX_BUFFERS_PER_NAMESPACE = 64  # an engine registers a few (one per pool and rank)
+MAX_BUFFERS = 1024  # each is a mapping or an open fd
+MAX_BUFFERS_PER_UID = 256  # one uid's share: the others keep room
 
 
 class Store:
     """Every namespace of the process, over one host pool."""
 
-    def __init__(self, host_pool: HostPool, executor: Executor, sources: Sources,
-                 copy_parallel: int = 2, tiering: Tiering | None = None):
+    def __init__(
+        self,
+        host_pool: HostPool,
+        executor: Executor,
+        sources: Sources,
+        copy_parallel: int = 2,
+        tiering: Tiering | None = None,
+    ):
         self.host_pool = host_pool
         self.executor = executor
-        self.copier = Copier(2 * copy_parallel, copy_parallel)   # one uid: half the threads
+        self.copier = Copier(2 * copy_parallel, copy_parallel)  # one uid: half the threads
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
         self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
         sources.leases.on_end = self.release_lent
         self.dir = Directory.empty()
-        self.namespaces: dict[str, Namespace] = self.dir.by_ref   # by ref (sidecar/tenancy.py)
-        self.operator_tcp = False   # TCP callers are the operator (a token guards TCP)
+        self.namespaces: dict[str, Namespace] = self.dir.by_ref  # by ref (sidecar/tenancy.py)
+        self.operator_tcp = False  # TCP callers are the operator (a token guards TCP)
         self.joints = Joints()
         # is this key present? every route asks here (sidecar/lookup.py)
         self.lookup = Lookup(self.namespaces, self.namespace, self.tiering, self.joints)
-        self.events: Events | None = None   # with --kv-events
-        self.totals = Counters()    # every namespace since start, deleted ones too (the sampler's)
-        self.controls = Controls(self)   # operator pins and warm jobs (sidecar/controls.py)
+        self.events: Events | None = None  # with --kv-events
+        self.totals = Counters()  # every namespace since start, deleted ones too (the sampler's)
+        self.controls = Controls(self)  # operator pins and warm jobs (sidecar/controls.py)
         self._base = host_pool.arena.address
 
     # -- namespaces -------------------------------------------------------------------
@@ -84,28 +91,35 @@ class Store:
     def caller(self, peer: Peer | None) -> Caller:
         return caller(peer, self.operator_tcp)
 
-    def capped(self, uid: int | None) -> bool:   # a tenant: a peer's uid, anonymous TCP
+    def capped(self, uid: int | None) -> bool:  # a tenant: a peer's uid, anonymous TCP
         return uid is not None or not self.operator_tcp
 
     def resolve(self, name: str, who: Caller) -> str:
         """The ref of the namespace `name` means to `who`; 404 when none (sidecar/tenancy.py)."""
         ref = self.dir.ref(name, who) if isinstance(name, str) else MISSING
         if ref is MISSING:
-            raise NamespaceNotFound(f"namespace {str(name)[:140]!r} does not exist; create it "
-                                    f"with PUT /v1/namespaces/{{name}}")
+            raise NamespaceNotFound(
+                f"namespace {str(name)[:140]!r} does not exist; create it "
+                f"with PUT /v1/namespaces/{{name}}"
+            )
         return ref
 
-    def put_namespace(self, name: str, spec: NamespaceSpec, who: Caller = OPERATOR) -> tuple[Namespace, bool]:
+    def put_namespace(
+        self, name: str, spec: NamespaceSpec, who: Caller = OPERATOR
+    ) -> tuple[Namespace, bool]:
         """(namespace, created): the caller's own `name`, one shared with it under the same
         spec, or a new one (`Directory.landing`: 403 on another group). 409: another spec."""
         check_name(name)
         ns, owner = self.dir.landing(name, spec, who), owner_of(who)
         if ns is not None:
             if ns.spec != spec:
-                raise Conflict(f"namespace {name!r} exists with a different spec; delete it "
-                               f"first or use another name", existing=ns.spec.to_json())
+                raise Conflict(
+                    f"namespace {name!r} exists with a different spec; delete it "
+                    f"first or use another name",
+                    existing=ns.spec.to_json(),
+                )
             if isinstance(who, Peer) and ns.owner != who.uid:
-                ns.joined.add(who.uid)   # a member's PUT: from now on its name means this one
+                ns.joined.add(who.uid)  # a member's PUT: from now on its name means this one
             return ns, False
         self.dir.check_room(owner)
         ref = ref_of(name, owner)
@@ -115,8 +129,9 @@ class Store:
             raise NoRoom(f"host pool cannot hold namespace {name!r}: {exc}") from exc
         except ValueError as exc:
             raise GeometryMismatch(str(exc)) from exc
-        ns = Namespace(name, spec, pool, spec.identity(name, owner_tag(owner, spec.share_gid)),
-                       owner, ref)
+        ns = Namespace(
+            name, spec, pool, spec.identity(name, owner_tag(owner, spec.share_gid)), owner, ref
+        )
         if self.tiering.policy == "write_back":
             pool.on_evict = self.tiering.on_evict(ns.identity)
         self.dir.add(ns)
@@ -127,8 +142,10 @@ class Store:
     def namespace(self, ref: str) -> Namespace:
         ns = self.namespaces.get(ref)
         if ns is None:
-            raise NamespaceNotFound(f"namespace {ref[:140]!r} does not exist; create it with "
-                                    f"PUT /v1/namespaces/{{name}}")
+            raise NamespaceNotFound(
+                f"namespace {ref[:140]!r} does not exist; create it with "
+                f"PUT /v1/namespaces/{{name}}"
+            )
         return ns
 
     def delete_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
@@ -138,10 +155,10 @@ class Store:
         if isinstance(who, Peer) and ns.owner != who.uid:
             raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner deletes it")
         self.dir.remove(ns)
-        if self.events is not None:   # before the pool drops its pages: one AllBlocksCleared
+        if self.events is not None:  # before the pool drops its pages: one AllBlocksCleared
             self.events.dropped_namespace(ns)
         self.joints.drop(ref)
-        self.controls.forget_namespace(ns)   # its pins end: the pool can drain
+        self.controls.forget_namespace(ns)  # its pins end: the pool can drain
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(ref)
@@ -152,7 +169,9 @@ class Store:
         (api/engine/restore_cost.py): counted on its own namespace only. The new total."""
         ns = self.namespace(ref)
         if isinstance(who, Peer) and ns.owner != who.uid:
-            raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner counts on it")
+            raise Forbidden(
+                f"namespace {ns.name!r} is shared with you; only its owner counts on it"
+            )
         for c in (ns.counters, self.totals):
             c.restores_skipped += loads
             c.restore_pages_skipped += pages
@@ -171,16 +190,23 @@ class Store:
         `open_buffer`). Buffers are capped a namespace, a uid and in all (429)."""
         ns = self.namespace(name)
         quota, uid = self.sources.quota, (peer.uid if peer is not None else None)
-        if len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE or quota.total_buffers >= MAX_BUFFERS \
-                or (quota.buffers[uid] >= MAX_BUFFERS_PER_UID and self.capped(uid)):
-            raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace, "
-                          f"{MAX_BUFFERS_PER_UID} a user and {MAX_BUFFERS} in all; release "
-                          f"unused ones first")
+        if (
+            len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE
+            or quota.total_buffers >= MAX_BUFFERS
+            or (quota.buffers[uid] >= MAX_BUFFERS_PER_UID and self.capped(uid))
+        ):
+            raise TooMany(
+                f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace, "
+                f"{MAX_BUFFERS_PER_UID} a user and {MAX_BUFFERS} in all; release "
+                f"unused ones first"
+            )
         buf = await open_buffer(name, body, ns.spec.page_bytes, self.sources, peer)
         if self.namespaces.get(name) is not ns or len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE:
-            buf.release()   # deleted, or filled by other registrations, while it was mapped
+            buf.release()  # deleted, or filled by other registrations, while it was mapped
             if self.namespaces.get(name) is not ns:
-                raise NamespaceNotFound(f"namespace {ns.name!r} was deleted during the registration")
+                raise NamespaceNotFound(
+                    f"namespace {ns.name!r} was deleted during the registration"
+                )
             raise TooMany(f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace")
         ns.buffers[buf.id] = buf
         return buf
@@ -215,15 +241,16 @@ class Store:
         keys some tier failed to remove and still holds)."""
         ns = self.namespace(name)
         was = await self.lookup.present(name, keys)  # validates (JSON) keys it does not find
-        self.controls.forget(name, keys)      # a pinned page is deleted too, its slot freed
+        self.controls.forget(name, keys)  # a pinned page is deleted too, its slot freed
         for k in keys:
             ns.pool.delete(k)
         failed = await self.tiering.delete(ns.identity, keys)
         return sum(was), failed
 
     # -- page moves through engine buffers --------------------------------------------
-    def check_move(self, name: str, keys: Any, buffer_id: Any, slots: Any,
-                   peer: Peer | None = None) -> tuple[Namespace, Buffer]:
+    def check_move(
+        self, name: str, keys: Any, buffer_id: Any, slots: Any, peer: Peer | None = None
+    ) -> tuple[Namespace, Buffer]:
         """Validate a set/get before anything moves: namespace, keys, buffer, slots."""
         ns = self.namespace(name)
         check_keys(keys)
@@ -232,9 +259,16 @@ class Store:
         check_runs(len(keys), len(buf.chunks))
         return ns, buf
 
-    async def set(self, name: str, keys: Any, buffer_id: Any, slots: Any,
-                  durable: bool = False, peer: Peer | None = None,
-                  meta: tuple | None = None) -> list[bool]:
+    async def set(
+        self,
+        name: str,
+        keys: Any,
+        buffer_id: Any,
+        slots: Any,
+        durable: bool = False,
+        peer: Peer | None = None,
+        meta: tuple | None = None,
+    ) -> list[bool]:
         """Copy pages from engine slots into the host pool; present keys are True, no copy.
         `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         Under write_through a page is True only once it is pinned on the writer's queue
@@ -245,7 +279,7 @@ class Store:
         stored, todo, repeats = await self._reserve_all(ns, keys)
         try:
             credits = await self.tiering.admit(ns.identity, ns.pool, len(todo))
-        except BaseException:   # cancelled while the writer had no room
+        except BaseException:  # cancelled while the writer had no room
             for _, e in todo:
                 ns.pool.abort(e)
             raise
@@ -263,15 +297,27 @@ class Store:
                         committed.append(e)
                 else:
                     ns.pool.abort(e)
-            if chain and committed:   # (all of `keys` stored, the common case: no positions)
+            if chain and committed:  # (all of `keys` stored, the common case: no positions)
                 assert self.events is not None and meta is not None, "a chain without events"
-                self.events.stored_chain(ns.pool, keys, None if len(committed) == len(keys)
-                                         else [i for i, _ in todo if stored[i]], meta)
-            queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits) \
-                if credits else []
+                self.events.stored_chain(
+                    ns.pool,
+                    keys,
+                    None if len(committed) == len(keys) else [i for i, _ in todo if stored[i]],
+                    meta,
+                )
+            queued = (
+                self.tiering.queue_committed(ns.identity, ns.pool, committed, credits)
+                if credits
+                else []
+            )
             futures.update(zip((e.key for e in committed), queued, strict=False))
-        await self.copier.copy(buf, [(self._base + e.offset, slots[i]) for i, e in todo],
-                               into_engine=False, settle=settle)
+
+        await self.copier.copy(
+            buf,
+            [(self._base + e.offset, slots[i]) for i, e in todo],
+            into_engine=False,
+            settle=settle,
+        )
         for i, first in repeats:
             stored[i] = stored[first]
         ns.counters.stored += len(todo)
@@ -293,7 +339,7 @@ class Store:
             if r is None and self.tiering.backlogged():
                 try:
                     r = await self._reserve_after_writes(ns, key)
-                except BaseException:   # cancelled: give back what this set reserved
+                except BaseException:  # cancelled: give back what this set reserved
                     for _, e in todo:
                         ns.pool.abort(e)
                     raise
@@ -319,16 +365,18 @@ class Store:
             r = None if ns.pool.closed else ns.pool.reserve(key)
         return r
 
-    async def _await_durable(self, ns: Namespace, keys: list[str], stored: list[bool],
-                             futures: dict) -> None:
+    async def _await_durable(
+        self, ns: Namespace, keys: list[str], stored: list[bool], futures: dict
+    ) -> None:
         for i, key in enumerate(keys):
             if not stored[i]:
                 continue
             fut = futures.get(key)
             stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
 
-    async def get(self, name: str, keys: Any, buffer_id: Any, slots: Any,
-                  peer: Peer | None = None) -> list[bool]:
+    async def get(
+        self, name: str, keys: Any, buffer_id: Any, slots: Any, peer: Peer | None = None
+    ) -> list[bool]:
         """Copy pages into engine slots, promoting tier-only pages first; misses are False.
         `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         With tiers, a long get goes in chunks of a quarter of the pool, so promoting its
@@ -340,9 +388,9 @@ class Store:
         loaded: list[bool] = []
         for i in range(0, len(keys), step):
             if ns.pool.closed or buf.released:  # deleted while this get ran: the rest misses
-                loaded += [False] * len(keys[i:i + step])
+                loaded += [False] * len(keys[i : i + step])
                 continue
-            loaded += await self._get_chunk(ns, buf, keys[i:i + step], slots[i:i + step])
+            loaded += await self._get_chunk(ns, buf, keys[i : i + step], slots[i : i + step])
         hits = sum(loaded)
         ns.counters.hits += hits
         ns.counters.misses += len(keys) - hits
@@ -352,22 +400,31 @@ class Store:
         self.totals.bytes_out += hits * ns.spec.page_bytes
         return loaded
 
-    async def _get_chunk(self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]) -> list[bool]:
+    async def _get_chunk(
+        self, ns: Namespace, buf: Buffer, keys: list[str], slots: list[int]
+    ) -> list[bool]:
         # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
         missing = [k for k, e in zip(keys, pinned, strict=False) if e is None]
         if missing and self.tiering.enabled:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
             if not ns.pool.closed:
-                pinned = [e if e is not None else ns.pool.pin(k) for k, e in zip(keys, pinned, strict=False)]
+                pinned = [
+                    e if e is not None else ns.pool.pin(k)
+                    for k, e in zip(keys, pinned, strict=False)
+                ]
 
         def settle(ok: bool) -> None:
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
-        ok = await self.copier.copy(buf, [(self._base + e.offset, slots[i])
-                                          for i, e in enumerate(pinned) if e is not None],
-                                    into_engine=True, settle=settle)
+
+        ok = await self.copier.copy(
+            buf,
+            [(self._base + e.offset, slots[i]) for i, e in enumerate(pinned) if e is not None],
+            into_engine=True,
+            settle=settle,
+        )
         return [ok and e is not None for e in pinned]
 
     # -- inline pages -----------------------------------------------------------------
@@ -392,8 +449,9 @@ class Store:
         try:
             got = await self._fill(r, body, size)
             if got != size:
-                raise GeometryMismatch(f"page body has {got} bytes; namespace {name!r} pages "
-                                       f"are exactly {size} bytes")
+                raise GeometryMismatch(
+                    f"page body has {got} bytes; namespace {name!r} pages are exactly {size} bytes"
+                )
             credits = await self.tiering.admit(ns.identity, ns.pool, 1)
             ok = True
         finally:
@@ -401,7 +459,7 @@ class Store:
                 ok = ns.pool.commit(r)
             else:
                 ns.pool.abort(r)
-        if credits:   # queued in the loop turn of the commit (see `set`)
+        if credits:  # queued in the loop turn of the commit (see `set`)
             self.tiering.queue_committed(ns.identity, ns.pool, [r] if ok else [], credits)
         ns.counters.stored += 1
         ns.counters.bytes_in += size
@@ -432,7 +490,9 @@ class Store:
             return None
         try:
             out = bytearray(ns.spec.page_bytes)
-            ctypes.memmove((ctypes.c_char * len(out)).from_buffer(out), self._base + e.offset, len(out))
+            ctypes.memmove(
+                (ctypes.c_char * len(out)).from_buffer(out), self._base + e.offset, len(out)
+            )
         finally:
             ns.pool.unpin(e)
         ns.counters.hits += 1
@@ -472,7 +532,7 @@ class Store:
     async def _prefetch(self, ns: Namespace, keys: list[str], state: dict) -> None:
         try:
             for i in range(0, len(keys), 64):
-                chunk = keys[i:i + 64]
+                chunk = keys[i : i + 64]
                 ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, chunk)
                 state["done"] = i + sum(ns.pool.present(chunk))
             state["state"] = "done"

@@ -33,6 +33,7 @@ owners: a uid, a share group (every member's namespace of that name and spec is 
 same), the operator, or anonymous TCP ("tcp": a sidecar restarted without its token does
 not hand the operator's tier pages to anyone on the node).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -43,12 +44,13 @@ from sidecar.namespace import Namespace, Owner
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec
 
-MAX_PER_OWNER = 256        # namespaces one uid (or the operator) may hold
-MAX_NAMESPACES = 4096      # in all
+MAX_PER_OWNER = 256  # namespaces one uid (or the operator) may hold
+MAX_NAMESPACES = 4096  # in all
 
 
 class _Operator:
     """TCP with the token (or the sidecar itself): every namespace."""
+
     __slots__ = ()
 
     def __repr__(self) -> str:
@@ -57,6 +59,7 @@ class _Operator:
 
 class _Anonymous:
     """TCP on a sidecar with no token: anyone on the node; the operator's namespaces only."""
+
     __slots__ = ()
 
     def __repr__(self) -> str:
@@ -64,9 +67,9 @@ class _Anonymous:
 
 
 OPERATOR, ANONYMOUS = _Operator(), _Anonymous()
-TCP_TENANT = "tcp"   # the owner of what anonymous TCP makes: a tenant (uids are ints)
+TCP_TENANT = "tcp"  # the owner of what anonymous TCP makes: a tenant (uids are ints)
 Caller = Peer | _Operator | _Anonymous
-MISSING = "@"   # a ref no namespace has: what an unknown name resolves to where 0 is the answer
+MISSING = "@"  # a ref no namespace has: what an unknown name resolves to where 0 is the answer
 
 
 def caller(peer: Peer | None, operator_tcp: bool) -> Caller:
@@ -75,8 +78,6 @@ def caller(peer: Peer | None, operator_tcp: bool) -> Caller:
     if peer is not None:
         return peer
     return OPERATOR if operator_tcp else ANONYMOUS
-
-
 
 
 def owner_of(who: Caller) -> Owner:
@@ -111,8 +112,10 @@ def check_share(who: Caller, share_gid: int | None) -> None:
         return
     if isinstance(who, Peer) and share_gid in who.groups:
         return
-    raise Forbidden(f"share_gid {share_gid} names a group this caller is not in; only its "
-                    f"members (on the engine socket) or the operator may share with it")
+    raise Forbidden(
+        f"share_gid {share_gid} names a group this caller is not in; only its "
+        f"members (on the engine socket) or the operator may share with it"
+    )
 
 
 @dataclass(slots=True)
@@ -121,7 +124,7 @@ class Directory:
 
     by_ref: dict
     by_name: dict
-    version: int = 0    # one more each time a namespace comes or goes
+    version: int = 0  # one more each time a namespace comes or goes
 
     @classmethod
     def empty(cls) -> Directory:
@@ -162,8 +165,10 @@ class Directory:
             return MISSING
         same = self.by_name.get(name, ())
         if len(same) > 1:
-            raise Conflict(f"namespace {name!r} exists for several owners "
-                           f"({sorted(str(ns.owner) for ns in same)}); name one as {name}@UID")
+            raise Conflict(
+                f"namespace {name!r} exists for several owners "
+                f"({sorted(str(ns.owner) for ns in same)}); name one as {name}@UID"
+            )
         return same[0].ref if same else MISSING
 
     def landing(self, name: str, spec: NamespaceSpec, who: Caller) -> Namespace | None:
@@ -181,8 +186,11 @@ class Directory:
         a PUT of `spec` joins, or (no spec) one `peer` joined by such a PUT. Being in the
         group is not enough: a name never means a namespace its caller did not ask for."""
         for ns in self.by_name.get(name, ()):
-            if ns.spec.share_gid is not None and ns.spec.share_gid in peer.groups \
-                    and (ns.spec == spec if spec is not None else peer.uid in ns.joined):
+            if (
+                ns.spec.share_gid is not None
+                and ns.spec.share_gid in peer.groups
+                and (ns.spec == spec if spec is not None else peer.uid in ns.joined)
+            ):
                 return ns
         return None
 

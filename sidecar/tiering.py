@@ -7,6 +7,7 @@
 Every tier speaks sidecar/tiers/base.py. Local look-ups run on the event loop; a tier with
 `remote_lookup` (Mooncake) is asked once per request for all its keys, in the executor.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,24 +18,30 @@ from pools.page_pool import BUSY, PRESENT, Entry, run_in_any
 from sidecar.tiers.base import Tier
 from sidecar.tiers.writer import TierWriter
 
-DIRTY_CHUNK = 4096   # pages a write-back flush checks in one loop turn
+DIRTY_CHUNK = 4096  # pages a write-back flush checks in one loop turn
 
 
 class Tiering:
     """Tiers in lookup order, the write policy, and the writer shared by all namespaces."""
 
-    def __init__(self, tiers: list[Tier], policy: str, writer: TierWriter | None,
-                 host_pool: HostPool, executor: Executor):
+    def __init__(
+        self,
+        tiers: list[Tier],
+        policy: str,
+        writer: TierWriter | None,
+        host_pool: HostPool,
+        executor: Executor,
+    ):
         self.tiers = tiers
         self.policy = policy if tiers else "none"
         self.writer = writer
         self.host_pool = host_pool
         self.executor = executor
         self.read_parallel = 2
-        self.writing: dict[str, int] = {}   # pages pinned for the writer, per pool
+        self.writing: dict[str, int] = {}  # pages pinned for the writer, per pool
         self.dropping: dict[str, asyncio.Future] = {}  # identities whose tier pages go now
-        self.room_wait = 5.0     # seconds a promotion waits for the writer to free slots
-        self.room_waits = 0      # promotions that waited so (a counter for /v1/stats)
+        self.room_wait = 5.0  # seconds a promotion waits for the writer to free slots
+        self.room_waits = 0  # promotions that waited so (a counter for /v1/stats)
 
     @property
     def enabled(self) -> bool:
@@ -78,7 +85,11 @@ class Tiering:
                 break
             if not tier.remote_lookup:
                 index, asked = tier.index(identity), [keys[i] for i in todo]
-                hits = tier.lookup(identity, asked) if index is None else map(index.__contains__, asked)
+                hits = (
+                    tier.lookup(identity, asked)
+                    if index is None
+                    else map(index.__contains__, asked)
+                )
                 for i, hit in zip(todo, hits, strict=False):
                     found[i] = bool(hit)
         return found
@@ -107,7 +118,9 @@ class Tiering:
         for tier in self.tiers:
             if tier.remote_lookup:
                 todo = [i for i, hit in enumerate(found) if not hit]
-                for i, hit in zip(todo, await self._lookup(tier, identity, [keys[i] for i in todo]), strict=False):
+                for i, hit in zip(
+                    todo, await self._lookup(tier, identity, [keys[i] for i in todo]), strict=False
+                ):
                     found[i] = hit
         n = 0
         for k, hit in zip(keys, found, strict=False):
@@ -161,13 +174,14 @@ class Tiering:
         self.queue.promised += n
         return n
 
-    def queue_committed(self, identity: str, pool: PagePool, entries: list[Entry],
-                        credits: int) -> list:
+    def queue_committed(
+        self, identity: str, pool: PagePool, entries: list[Entry], credits: int
+    ) -> list:
         """Pin and queue committed pages now (no await: none can be evicted first), each on
         one of `credits` taken by `admit`; the rest of the credits go back. Futures say
         which pages became durable."""
         assert len(entries) <= credits, "more pages than write credits"
-        self.writing[pool.name] -= credits      # each queued page counts again, pinned
+        self.writing[pool.name] -= credits  # each queued page counts again, pinned
         self.queue.promised -= credits
         futures = [self._queue_pinned(identity, pool, e.key) for e in entries]
         if len(entries) < credits:
@@ -223,8 +237,11 @@ class Tiering:
         for key in keys:
             if self.writer.full:
                 break
-            if pool.contains(key) and not self.writer.queued(identity, key) \
-                    and not self.durable(identity, key):
+            if (
+                pool.contains(key)
+                and not self.writer.queued(identity, key)
+                and not self.durable(identity, key)
+            ):
                 n += self._queue_pinned(identity, pool, key) is not None
         return n
 
@@ -248,8 +265,13 @@ class Tiering:
                 await asyncio.sleep(0)
                 if pool.closed:
                     return []
-            out += [k for k in keys[i:i + DIRTY_CHUNK] if k in pool.ready
-                    and not self.queue.queued(identity, k) and not self.durable(identity, k)]
+            out += [
+                k
+                for k in keys[i : i + DIRTY_CHUNK]
+                if k in pool.ready
+                and not self.queue.queued(identity, k)
+                and not self.durable(identity, k)
+            ]
         return out
 
     async def write_dirty(self, identity: str, pool: PagePool, deadline: float) -> int:
@@ -275,13 +297,15 @@ class Tiering:
     def on_evict(self, identity: str):
         """For write_back: a page in no tier may leave the host pool only once a staged
         copy of it is queued; with the queue full the pool keeps it (and evicts another)."""
+
         def evicted(pool: PagePool, e: Entry) -> bool:
             if self.queue.queued(identity, e.key) or self.durable(identity, e.key):
                 return True
-            if identity in self.dropping:   # written now, it would be dropped: keep it
+            if identity in self.dropping:  # written now, it would be dropped: keep it
                 return False
             page = bytes(self.host_pool.view(e.offset, pool.page_bytes))
             return self.queue.try_submit(identity, e.key, page)
+
         return evicted
 
     # -- promotion --------------------------------------------------------------------
@@ -291,15 +315,22 @@ class Tiering:
         if pool.closed:
             return 0
         keys = [k for k in keys if not pool.contains(k)]
-        found = [(k, t) for k, t in zip(keys, await self.locate(identity, keys) if keys else [], strict=False)
-                 if t is not None]
+        found = [
+            (k, t)
+            for k, t in zip(keys, await self.locate(identity, keys) if keys else [], strict=False)
+            if t is not None
+        ]
         todo = await self._reserve_room(pool, found)
         if not todo:
             return 0
         loop = asyncio.get_running_loop()
         parts = self._parts(todo)
-        futs = [loop.run_in_executor(self.executor, self._read_all, identity, pool.page_bytes,
-                                     [todo[i] for i in part]) for part in parts]
+        futs = [
+            loop.run_in_executor(
+                self.executor, self._read_all, identity, pool.page_bytes, [todo[i] for i in part]
+            )
+            for part in parts
+        ]
         results = [False] * len(todo)
         try:
             done = await asyncio.shield(asyncio.gather(*futs))
@@ -332,7 +363,7 @@ class Tiering:
             while found and not pool.closed:
                 later: list[tuple[str, Tier]] = []
                 for key, tier in found:
-                    if pool.contains(key):   # another request loaded it
+                    if pool.contains(key):  # another request loaded it
                         continue
                     # after one "no room", the rest wait too (each failed reserve asks
                     # the host pool for a segment again)
@@ -349,7 +380,7 @@ class Tiering:
                 found = later
         except TimeoutError:
             pass
-        except BaseException:   # cancelled while waiting: give the slots back
+        except BaseException:  # cancelled while waiting: give the slots back
             for _, e in todo:
                 pool.abort(e)
             raise
@@ -371,7 +402,9 @@ class Tiering:
             by_tier.setdefault(tier, []).append(i)
         out = [False] * len(todo)
         for tier, idx in by_tier.items():
-            items = [(todo[i][1].key, self.host_pool.view(todo[i][1].offset, page_bytes)) for i in idx]
+            items = [
+                (todo[i][1].key, self.host_pool.view(todo[i][1].offset, page_bytes)) for i in idx
+            ]
             for i, good in zip(idx, tier.read_batch(identity, items), strict=False):
                 out[i] = bool(good)
         return out

@@ -1,5 +1,6 @@
 """Fixtures: a real uvicorn server on loopback (in a thread, so tests can check the pool's
 invariants on its own loop), and a helper to run `python -m sidecar serve` as a process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,13 @@ collect_ignore = ["engines"]
 # Every default the sidecar reads from the environment, pointed by `hermetic` at a fresh
 # temp dir per test (short: a socket path holds at most 100 bytes). The first four are
 # what `Config()` resolves its data dir and socket from; HOME catches `~` anywhere else.
-HERMETIC_DIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config",
-                 "XDG_RUNTIME_DIR": "run", "RUNTIME_DIRECTORY": "run/kv-sidecar"}
+HERMETIC_DIRS = {
+    "HOME": "home",
+    "XDG_CACHE_HOME": "cache",
+    "XDG_CONFIG_HOME": "config",
+    "XDG_RUNTIME_DIR": "run",
+    "RUNTIME_DIRECTORY": "run/kv-sidecar",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +67,7 @@ def scratch():
     def make(**kw) -> str:
         made.append(tempfile.mkdtemp(**kw))
         return made[-1]
+
     yield make
     for d in made:
         shutil.rmtree(d, ignore_errors=True)
@@ -71,6 +78,7 @@ def _has_cuda() -> bool:
     module must import (a broken import is an error, never a skip), and cuda_available()
     itself answers False when the driver or cuda-python is missing."""
     from sidecar.transports.cuda_ipc import cuda_available
+
     return cuda_available()
 
 
@@ -145,6 +153,7 @@ class LiveServer:
     def ns(self, name: str):
         """The namespace called `name`, whoever owns it (as the operator sees it)."""
         from sidecar.tenancy import OPERATOR
+
         store = self.ctx.store
         return store.namespace(store.resolve(name, OPERATOR))
 
@@ -172,11 +181,18 @@ def make_server():
     servers = []
 
     def make(**overrides) -> LiveServer:
-        base = Config(port=free_port(), host_pool=64 * 2**20, segment_size=2**20,
-                      file_tier=False, copy_threads=2, socket=socket_path())
+        base = Config(
+            port=free_port(),
+            host_pool=64 * 2**20,
+            segment_size=2**20,
+            file_tier=False,
+            copy_threads=2,
+            socket=socket_path(),
+        )
         srv = LiveServer(replace(base, **overrides)).start()
         servers.append(srv)
         return srv
+
     yield make
     for srv in servers:
         srv.stop()
@@ -197,19 +213,34 @@ def client(server) -> SidecarClient:
 class SidecarProcess:
     """`python -m sidecar serve` as a child process on a free loopback port."""
 
-    def __init__(self, *args: str, env: dict | None = None, port: int | None = None,
-                 socket: str | None = None):
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        port: int | None = None,
+        socket: str | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket = socket or socket_path()
         self.socket_url = f"unix://{self.socket}"
-        cmd = [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port),
-               "--socket", self.socket, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "serve",
+            "--port",
+            str(self.port),
+            "--socket",
+            self.socket,
+            *args,
+        ]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # a file, not a pipe: a pipe nobody reads could block the server
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the server writes it until it exits)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, text=True
+        )
 
     def output(self) -> str:
         self.log.seek(0)
@@ -242,11 +273,13 @@ class SidecarProcess:
 def spawn():
     procs = []
 
-    def make(*args: str, env: dict | None = None, port: int | None = None,
-             socket: str | None = None) -> SidecarProcess:
+    def make(
+        *args: str, env: dict | None = None, port: int | None = None, socket: str | None = None
+    ) -> SidecarProcess:
         p = SidecarProcess(*args, env=env, port=port, socket=socket)
         procs.append(p)
         return p
+
     yield make
     for p in procs:
         p.kill()
@@ -275,6 +308,7 @@ def replay_frames(endpoint: str) -> list[tuple[bytes, bytes, bytes]]:
     """Ask a KV events replay socket (sidecar/events.py) for every batch it keeps, from
     seq 0: [(topic, seq, payload)], up to its end marker."""
     import zmq  # the `events` extra
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     sock.send_multipart((b"", (0).to_bytes(8, "big")))
@@ -302,6 +336,7 @@ def wait_for(cond, timeout: float = 30.0) -> None:
 def cluster():
     """A real Mooncake cluster on loopback: mooncake_master and one store node."""
     from loadtest.mooncake_cluster import Master, StoreNode
+
     master = Master().start()
     node = StoreNode(master, "64MB").start()
     yield master, node

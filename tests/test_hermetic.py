@@ -1,5 +1,6 @@
 """The suite's hermetic rule (tests/conftest.py `hermetic`): every default the sidecar
 resolves lies under the test's own temp dir, and nothing of the caller's environment leaks."""
+
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ REAL_HOME = os.path.expanduser("~" + __import__("pwd").getpwuid(os.getuid()).pw_
 
 
 def _under(path: str, top: str) -> bool:
-    return os.path.commonpath([os.path.realpath(path), os.path.realpath(top)]) == os.path.realpath(top)
+    return os.path.commonpath([os.path.realpath(path), os.path.realpath(top)]) == os.path.realpath(
+        top
+    )
 
 
 def test_the_fixture_points_every_default_at_a_temp_dir(hermetic):
@@ -26,9 +29,16 @@ def test_the_fixture_points_every_default_at_a_temp_dir(hermetic):
 
 
 def test_a_child_process_resolves_the_same_defaults(hermetic):
-    out = subprocess.run([sys.executable, "-c", "from sidecar.config import Config; c = Config(); "
-                          "print(c.data_dir); print(c.socket)"], capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from sidecar.config import Config; c = Config(); print(c.data_dir); print(c.socket)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert all(_under(p, hermetic) for p in out), out
 
 

@@ -1,5 +1,6 @@
 """Dependencies point one way: loadtest -> api -> sidecar -> pools, with no circles, and a
 module named in a string counts as an import. Only the CUDA transport touches CUDA."""
+
 import ast
 import pathlib
 import re
@@ -40,28 +41,41 @@ def test_product_never_imports_loadtest():
     """No import statement in api/, sidecar/ or pools/ names loadtest: at the top of a file,
     in a function (the replay command once imported its quantile from the bench there), or
     behind `if TYPE_CHECKING`."""
-    bad = [(f, n) for pkg in ("pools", "sidecar", "api") for f, top, n in imports(pkg)
-           if top == "loadtest"]
+    bad = [
+        (f, n)
+        for pkg in ("pools", "sidecar", "api")
+        for f, top, n in imports(pkg)
+        if top == "loadtest"
+    ]
     assert bad == []
 
 
 def test_only_cuda_ipc_touches_cuda():
     """In the sidecar, only the CUDA transport; on the engine side, only its exporter."""
-    users = {f for pkg in ("pools", "sidecar", "api") for f, top, _ in imports(pkg) if top == "cuda"}
+    users = {
+        f for pkg in ("pools", "sidecar", "api") for f, top, _ in imports(pkg) if top == "cuda"
+    }
     assert users <= {"sidecar/transports/cuda_ipc.py", "api/engine/cuda_export.py"}
 
 
 def test_files_stay_small():
-    big = [p.name for pkg in ("pools", "sidecar", "api") for p in (ROOT / pkg).rglob("*.py")
-           if len(p.read_text().splitlines()) > 600]
+    big = [
+        p.name
+        for pkg in ("pools", "sidecar", "api")
+        for p in (ROOT / pkg).rglob("*.py")
+        if len(p.read_text().splitlines()) > 600
+    ]
     assert big == []
 
 
 def test_engine_side_imports_no_server_code():
     """An engine process imports api.engine only: never the routes, the sidecar or the pools."""
-    bad = [(f, n) for f, top, n in imports("api/engine")
-           if top in ("sidecar", "pools", "fastapi", "starlette", "uvicorn")
-           or (top == "api" and not n.startswith("api.engine"))]
+    bad = [
+        (f, n)
+        for f, top, n in imports("api/engine")
+        if top in ("sidecar", "pools", "fastapi", "starlette", "uvicorn")
+        or (top == "api" and not n.startswith("api.engine"))
+    ]
     assert bad == []
 
 
@@ -116,7 +130,9 @@ def test_no_import_circles():
     for m, path in mods.items():
         rel = path.relative_to(ROOT).as_posix()
         edges[m] |= {name for _, _, name in imports_of(path) if name in mods and name != m}
-        edges[m] |= {n for n in named_by_string(path) if n in mods and (rel, n) not in COMPOSITION_ROOT}
+        edges[m] |= {
+            n for n in named_by_string(path) if n in mods and (rel, n) not in COMPOSITION_ROOT
+        }
     assert circles(edges) == []
 
 

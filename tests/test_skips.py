@@ -1,5 +1,6 @@
 """Skips that must not hide breakage (issue 18): a broken import of our own CUDA module is
 an error, never "no CUDA device"; a missing ../shared fails where CI says it must be there."""
+
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ def test_a_broken_cuda_ipc_import_is_an_error_not_a_skip(monkeypatch):
 
 def test_no_cuda_device_is_a_clean_false():
     from sidecar.transports.cuda_ipc import cuda_available
+
     assert conftest._has_cuda() is cuda_available()
 
 

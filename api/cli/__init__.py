@@ -10,6 +10,7 @@ alone); the rest are clients of the API, so they live here, above the sidecar: t
 imports `sidecar.cli` for `serve`, never the other way round. `python -m api.cli` is the same
 command as the `sidecar` console script.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,9 @@ from sidecar import cli as server_cli
 def parser() -> argparse.ArgumentParser:
     """`sidecar serve`'s parser with the clients' subcommands added."""
     p, sub = server_cli.commands()
-    replay.parser(sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar"))
+    replay.parser(
+        sub.add_parser("replay", help="replay a Mooncake-format trace against a running sidecar")
+    )
     plan.parser(sub.add_parser("plan", help="hit rate vs capacity for a trace (offline)"))
     ctl.add_parsers(sub)
     return p

@@ -8,6 +8,7 @@ with the sidecar's semantics:
                request are not evictable, and a key with no slot is not stored); the new
                keys join the most-recent end in order when the request commits
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

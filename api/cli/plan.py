@@ -9,6 +9,7 @@ a hit there is promoted into the host pool). `--engines N` adds the case the sid
 for: the same total capacity split into N per-engine caches, requests round-robin, beside one
 shared cache. Capacities are pages or percentages of the trace's unique pages (`10%`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,11 @@ def load(path: str, page_tokens: int, limit: int | None) -> list[Request]:
     out = []
     for req in read_trace(path, limit):
         ids = req["hash_ids"]
-        keys = [f"{h}.{j}" for h in ids for j in range(per_block)] if per_block > 1 else list(map(str, ids))
+        keys = (
+            [f"{h}.{j}" for h in ids for j in range(per_block)]
+            if per_block > 1
+            else list(map(str, ids))
+        )
         out.append(Request(keys, int(req.get("input_length", len(ids) * BLOCK_TOKENS))))
     return out
 
@@ -79,7 +84,10 @@ def simulate(trace: list[Request], caches: list, page_tokens: int) -> dict:
         hit_pages += hit
         tokens += req.tokens
         hit_tokens += min(hit * page_tokens, req.tokens)
-    return {"hit_rate_blocks": hit_pages / max(pages, 1), "hit_rate_tokens": hit_tokens / max(tokens, 1)}
+    return {
+        "hit_rate_blocks": hit_pages / max(pages, 1),
+        "hit_rate_tokens": hit_tokens / max(tokens, 1),
+    }
 
 
 def unique_pages(trace: list[Request]) -> int:
@@ -110,24 +118,37 @@ def run(args) -> dict:
     rows = []
     bar = Progress(len(caps), "plan")
     for cap in caps:
-        row = {"capacity_pages": cap, "capacity_bytes": cap * page_bytes,
-               "fraction_of_unique": cap / max(unique, 1),
-               "node_bytes": round(cap * (page_bytes + cost["index_bytes_per_page"])
-                                   + cost["base_rss_bytes"]),
-               **simulate(trace, [LruSim(cap)], args.page_tokens)}
+        row = {
+            "capacity_pages": cap,
+            "capacity_bytes": cap * page_bytes,
+            "fraction_of_unique": cap / max(unique, 1),
+            "node_bytes": round(
+                cap * (page_bytes + cost["index_bytes_per_page"]) + cost["base_rss_bytes"]
+            ),
+            **simulate(trace, [LruSim(cap)], args.page_tokens),
+        }
         if args.file_pages:
             two = simulate(trace, [TwoLevel(cap, args.file_pages)], args.page_tokens)
             row["with_file_tier"] = two
         if args.engines > 1:
             share = max(cap // args.engines, 1)
-            row["per_engine"] = simulate(trace, [LruSim(share) for _ in range(args.engines)],
-                                         args.page_tokens)
+            row["per_engine"] = simulate(
+                trace, [LruSim(share) for _ in range(args.engines)], args.page_tokens
+            )
         rows.append(row)
         bar.update(1)
     bar.close()
-    return {"trace": args.trace, "requests": len(trace), "unique_pages": unique,
-            "page_tokens": args.page_tokens, "page_bytes": page_bytes, "engines": args.engines,
-            "file_pages": args.file_pages, "cost": cost, "rows": rows}
+    return {
+        "trace": args.trace,
+        "requests": len(trace),
+        "unique_pages": unique,
+        "page_tokens": args.page_tokens,
+        "page_bytes": page_bytes,
+        "engines": args.engines,
+        "file_pages": args.file_pages,
+        "cost": cost,
+        "rows": rows,
+    }
 
 
 def node_cost(args) -> dict:
@@ -136,9 +157,14 @@ def node_cost(args) -> dict:
     index of a real page pool measured here (64-character keys) and no base."""
     if not args.cost_from:
         from sidecar.cost import index_bytes_per_page
-        return {"index_bytes_per_page": round(index_bytes_per_page(), 1), "base_rss_bytes": 0,
-                "source": "measured here: a page pool of 4,096 64-character keys"}
+
+        return {
+            "index_bytes_per_page": round(index_bytes_per_page(), 1),
+            "base_rss_bytes": 0,
+            "source": "measured here: a page pool of 4,096 64-character keys",
+        }
     from api.engine.client import SidecarClient, SidecarError
+
     c = SidecarClient(args.cost_from, token=os.environ.get("SIDECAR_TOKEN") or None, timeout=30)
     try:
         node = c.request("GET", "/v1/cost")[1]["node"]
@@ -148,8 +174,11 @@ def node_cost(args) -> dict:
         c.close()
     index = node["per_page"]["index_bytes"] or 0.0
     base = max(node["rss_bytes"] - node["nominal_bytes"] - node["index_bytes"], 0)
-    return {"index_bytes_per_page": index, "base_rss_bytes": base,
-            "source": f"{args.cost_from}/v1/cost ({node['pages']} pages)"}
+    return {
+        "index_bytes_per_page": index,
+        "base_rss_bytes": base,
+        "source": f"{args.cost_from}/v1/cost ({node['pages']} pages)",
+    }
 
 
 def human_bytes(n: float) -> str:
@@ -161,23 +190,31 @@ def human_bytes(n: float) -> str:
 
 
 def print_report(res: dict, as_json: bool) -> None:
-    print(f"{res['requests']} requests, {res['unique_pages']} unique pages of "
-          f"{res['page_tokens']} tokens, {human_bytes(res['page_bytes'])} each")
+    print(
+        f"{res['requests']} requests, {res['unique_pages']} unique pages of "
+        f"{res['page_tokens']} tokens, {human_bytes(res['page_bytes'])} each"
+    )
     cost = res["cost"]
-    print(f"node bytes = pages x (page + {cost['index_bytes_per_page']:.0f} B of index) + "
-          f"{human_bytes(cost['base_rss_bytes'])} of process ({cost['source']})")
-    head = (f"{'capacity':>10} {'of unique':>9} {'bytes':>11} {'node bytes':>11} {'hit blocks':>10} "
-            f"{'hit tokens':>10}")
+    print(
+        f"node bytes = pages x (page + {cost['index_bytes_per_page']:.0f} B of index) + "
+        f"{human_bytes(cost['base_rss_bytes'])} of process ({cost['source']})"
+    )
+    head = (
+        f"{'capacity':>10} {'of unique':>9} {'bytes':>11} {'node bytes':>11} {'hit blocks':>10} "
+        f"{'hit tokens':>10}"
+    )
     if res["file_pages"]:
         head += f" {'+file tier':>10}"
     if res["engines"] > 1:
         head += f" {res['engines']:>3} engines  {'shared/per-engine':>17}"
     print(head)
     for r in res["rows"]:
-        line = (f"{r['capacity_pages']:>10} {r['fraction_of_unique']:>9.1%} "
-                f"{human_bytes(r['capacity_bytes']):>11} {human_bytes(r['node_bytes']):>11} "
-                f"{r['hit_rate_blocks']:>10.4f} "
-                f"{r['hit_rate_tokens']:>10.4f}")
+        line = (
+            f"{r['capacity_pages']:>10} {r['fraction_of_unique']:>9.1%} "
+            f"{human_bytes(r['capacity_bytes']):>11} {human_bytes(r['node_bytes']):>11} "
+            f"{r['hit_rate_blocks']:>10.4f} "
+            f"{r['hit_rate_tokens']:>10.4f}"
+        )
         if "with_file_tier" in r:
             line += f" {r['with_file_tier']['hit_rate_blocks']:>10.4f}"
         if "per_engine" in r:
@@ -192,6 +229,7 @@ def print_report(res: dict, as_json: bool) -> None:
 def plot(res: dict, path: str) -> None:
     """Hit rate against capacity, with the bytes each capacity costs on a second axis."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np  # matplotlib's own dependency: the axis functions get arrays
@@ -202,18 +240,31 @@ def plot(res: dict, path: str) -> None:
     ax.plot(x, [r["hit_rate_blocks"] for r in rows], "o-", label="shared sidecar (blocks)")
     ax.plot(x, [r["hit_rate_tokens"] for r in rows], "s--", label="shared sidecar (tokens)")
     if rows and "with_file_tier" in rows[0]:
-        ax.plot(x, [r["with_file_tier"]["hit_rate_blocks"] for r in rows], "^-",
-                label=f"+ file tier of {res['file_pages']} pages (blocks)")
+        ax.plot(
+            x,
+            [r["with_file_tier"]["hit_rate_blocks"] for r in rows],
+            "^-",
+            label=f"+ file tier of {res['file_pages']} pages (blocks)",
+        )
     if rows and "per_engine" in rows[0]:
-        ax.plot(x, [r["per_engine"]["hit_rate_blocks"] for r in rows], "v-",
-                label=f"{res['engines']} per-engine caches, same total (blocks)")
+        ax.plot(
+            x,
+            [r["per_engine"]["hit_rate_blocks"] for r in rows],
+            "v-",
+            label=f"{res['engines']} per-engine caches, same total (blocks)",
+        )
     ax.set_xlabel("host pool capacity (pages)")
     ax.set_ylabel("hit rate")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    top = ax.secondary_xaxis("top", functions=(lambda p: np.asarray(p) * res["page_bytes"] / 2**30,
-                                               lambda g: np.asarray(g) * 2**30 / res["page_bytes"]))
+    top = ax.secondary_xaxis(
+        "top",
+        functions=(
+            lambda p: np.asarray(p) * res["page_bytes"] / 2**30,
+            lambda g: np.asarray(g) * 2**30 / res["page_bytes"],
+        ),
+    )
     top.set_xlabel(f"GiB at {human_bytes(res['page_bytes'])} per page")
     ax.set_title(f"{res['requests']} requests, {res['unique_pages']} unique pages", fontsize=9)
     fig.tight_layout()
@@ -222,22 +273,45 @@ def plot(res: dict, path: str) -> None:
 
 
 def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="sidecar plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = p or argparse.ArgumentParser(
+        prog="sidecar plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("trace", help="Mooncake-format JSONL trace")
-    p.add_argument("--capacities", required=True,
-                   help="comma-separated host pool capacities: pages, or a percentage of unique pages")
-    p.add_argument("--page-tokens", type=int, default=BLOCK_TOKENS,
-                   help=f"tokens per page (divides {BLOCK_TOKENS}, the trace's block; default {BLOCK_TOKENS})")
-    p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
-                   help="KV bytes per token (default: Qwen3-8B in bf16, 147456)")
-    p.add_argument("--page-bytes", type=int, default=None, help="bytes per page (default: tokens x bytes)")
+    p.add_argument(
+        "--capacities",
+        required=True,
+        help="comma-separated host pool capacities: pages, or a percentage of unique pages",
+    )
+    p.add_argument(
+        "--page-tokens",
+        type=int,
+        default=BLOCK_TOKENS,
+        help=f"tokens per page (divides {BLOCK_TOKENS}, the trace's block; default {BLOCK_TOKENS})",
+    )
+    p.add_argument(
+        "--bytes-per-token",
+        type=int,
+        default=DEFAULT_BYTES_PER_TOKEN,
+        help="KV bytes per token (default: Qwen3-8B in bf16, 147456)",
+    )
+    p.add_argument(
+        "--page-bytes", type=int, default=None, help="bytes per page (default: tokens x bytes)"
+    )
     p.add_argument("--file-pages", type=int, default=0, help="add a file tier of this many pages")
-    p.add_argument("--engines", type=int, default=1,
-                   help="also split each capacity into N per-engine caches (round-robin)")
-    p.add_argument("--cost-from", default=None,
-                   help="URL of a running sidecar: its /v1/cost gives the index bytes a page "
-                        "and the process's base RSS for the 'node bytes' column")
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="also split each capacity into N per-engine caches (round-robin)",
+    )
+    p.add_argument(
+        "--cost-from",
+        default=None,
+        help="URL of a running sidecar: its /v1/cost gives the index bytes a page "
+        "and the process's base RSS for the 'node bytes' column",
+    )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--plot", default=None, help="write a hit rate vs capacity chart (PNG)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")

@@ -1,4 +1,5 @@
 """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
 from __future__ import annotations
 
 import sys
@@ -31,8 +32,10 @@ class Progress:
         fill = int(frac * WIDTH)
         rate = self.done / max(now - self.start, 1e-9)
         eta = (self.total - self.done) / rate if rate else 0.0
-        return (f"{self.label} [{'#' * fill}{'.' * (WIDTH - fill)}] {self.done}/{self.total} "
-                f"{frac:4.0%}  {rate:,.0f}/s  eta {eta:4.0f}s ")
+        return (
+            f"{self.label} [{'#' * fill}{'.' * (WIDTH - fill)}] {self.done}/{self.total} "
+            f"{frac:4.0%}  {rate:,.0f}/s  eta {eta:4.0f}s "
+        )
 
     def close(self) -> None:
         if self.on:

@@ -1,4 +1,5 @@
 """Small statistics the commands report (and the benches in loadtest/ reuse)."""
+
 from __future__ import annotations
 
 

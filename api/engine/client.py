@@ -11,6 +11,7 @@ they register shared memory, which the client does by lending the fd itself (SCM
 `<socket>.fds`, see docs/security.md). Keep the client alive while its buffers are in use:
 closing it (or exiting) ends the leases and the sidecar releases those buffers.
 """
+
 from __future__ import annotations
 
 import array
@@ -24,7 +25,8 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-Body = bytes | bytearray | memoryview   # a request's body, sent as it is
+Body = bytes | bytearray | memoryview  # a request's body, sent as it is
+
 
 class SidecarError(Exception):
     """An error answer: `status`, `code` and `message` from the error body of API.md."""
@@ -47,7 +49,7 @@ class _Connection:
     answers are framed by Content-Length, which every sidecar answer carries."""
 
     def __init__(self, address, timeout: float):
-        self.address, self.timeout = address, timeout   # a Unix socket path or (host, port)
+        self.address, self.timeout = address, timeout  # a Unix socket path or (host, port)
         self.sock: socket.socket | None = None
         self.buf = bytearray()
 
@@ -91,7 +93,7 @@ class _Connection:
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
             self._fill()
         lines = self.buf[:end].decode("latin-1").split("\r\n")
-        del self.buf[:end + 4]
+        del self.buf[: end + 4]
         length, close = 0, False
         for line in lines[1:]:
             name, _, value = line.partition(":")
@@ -111,7 +113,7 @@ class _Connection:
         return self.sock
 
     def _fill(self) -> None:
-        chunk = self._sock.recv(1 << 16)   # under malloc's mmap threshold: no mmap/munmap a call
+        chunk = self._sock.recv(1 << 16)  # under malloc's mmap threshold: no mmap/munmap a call
         if not chunk:
             raise http.client.RemoteDisconnected("the sidecar closed the connection")
         self.buf += chunk
@@ -135,22 +137,30 @@ class _Connection:
 
 
 _ONE_WRITE = 256 << 10
-_RETRYABLE = (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected,
-              http.client.CannotSendRequest)
+_RETRYABLE = (
+    ConnectionResetError,
+    BrokenPipeError,
+    http.client.RemoteDisconnected,
+    http.client.CannotSendRequest,
+)
 LEND_FRAME = b"LEND\n"
-ENGINE_URL = "unix:///run/kv-sidecar/sidecar.sock"  # the engine socket of a root sidecar / the image
+ENGINE_URL = (
+    "unix:///run/kv-sidecar/sidecar.sock"  # the engine socket of a root sidecar / the image
+)
 
 
 class SidecarClient:
     """Every endpoint of API.md. Thread-safe: each thread has its own connection."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8411", token: str | None = None,
-                 timeout: float = 10.0):
+    def __init__(
+        self, url: str = "http://127.0.0.1:8411", token: str | None = None, timeout: float = 10.0
+    ):
         parts = urlsplit(url)
         self.socket_path = parts.path if parts.scheme == "unix" and parts.path else None
         if self.socket_path is None and (parts.scheme != "http" or not parts.hostname):
-            raise ValueError(f"sidecar url must be unix:///path/to/socket or http://host:port, "
-                             f"got {url!r}")
+            raise ValueError(
+                f"sidecar url must be unix:///path/to/socket or http://host:port, got {url!r}"
+            )
         self.host, self.port = parts.hostname, parts.port or 8411
         self.timeout = timeout
         self._lender: socket.socket | None = None
@@ -187,8 +197,12 @@ class SidecarClient:
         """Pass `fd` to the sidecar (SCM_RIGHTS) and return its lease id. The lease lives
         as long as this client's fd connection: a new one is opened after a restart."""
         if self.socket_path is None:
-            raise SidecarError(0, "socket_required", "shared memory can be registered only "
-                               "over the engine socket: use a unix:///path sidecar url")
+            raise SidecarError(
+                0,
+                "socket_required",
+                "shared memory can be registered only "
+                "over the engine socket: use a unix:///path sidecar url",
+            )
         with self._lend_lock:
             for attempt in (0, 1):
                 try:
@@ -211,8 +225,9 @@ class SidecarClient:
                 sock.close()
                 raise
             self._lender = sock
-        self._lender.sendmsg([LEND_FRAME], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                             array.array("i", [fd]))])
+        self._lender.sendmsg(
+            [LEND_FRAME], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        )
         reply = self._lender.recv(4096)
         if not reply:
             raise ConnectionResetError("the sidecar closed the fd socket")
@@ -221,11 +236,15 @@ class SidecarClient:
             raise SidecarError(400, answer["error"]["code"], answer["error"]["message"])
         return answer["lease"]
 
-    def request(self, method: str, path: str, body: Any = None, raw: bool = False,
-                ok: Sequence[int] = ()) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, raw: bool = False, ok: Sequence[int] = ()
+    ) -> tuple[int, Any]:
         """(status, decoded body). Raises SidecarError for an error status not in `ok`."""
-        data = body if isinstance(body, (bytes, bytearray, memoryview)) or body is None \
+        data = (
+            body
+            if isinstance(body, (bytes, bytearray, memoryview)) or body is None
             else orjson.dumps(body)
+        )
         for attempt in (0, 1):
             conn = self._conn()
             try:
@@ -286,8 +305,15 @@ class SidecarClient:
     def delete_namespace(self, name: str) -> None:
         self.request("DELETE", self._ns(name))
 
-    def register_buffer(self, namespace: str, size: int, slots: int, chunks: list[dict],
-                        transport: str = "shm", **where: Any) -> str:
+    def register_buffer(
+        self,
+        namespace: str,
+        size: int,
+        slots: int,
+        chunks: list[dict],
+        transport: str = "shm",
+        **where: Any,
+    ) -> str:
         """Register engine memory: shm by `fd=` (lent to the sidecar, see `lend_fd`) or
         `path=`; cuda_ipc by `handle=` ... (see api.engine.cuda_export)."""
         if transport == "shm" and "fd" in where:
@@ -316,10 +342,19 @@ class SidecarClient:
         return self.request("POST", self._ns(namespace, "/skipped"), body)[1]["restores_skipped"]
 
     def exists_each(self, namespace: str, keys: Sequence[str]) -> list[bool]:
-        return self.request("POST", self._ns(namespace, "/exists?each=1"), {"keys": keys})[1]["present"]
+        return self.request("POST", self._ns(namespace, "/exists?each=1"), {"keys": keys})[1][
+            "present"
+        ]
 
-    def set(self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int],
-            parent: str | None = None, tokens: Sequence[Sequence[int]] | None = None) -> list[bool]:
+    def set(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        buffer_id: str,
+        slots: Sequence[int],
+        parent: str | None = None,
+        tokens: Sequence[Sequence[int]] | None = None,
+    ) -> list[bool]:
         """`parent` (the key before keys[0]) and `tokens` (each key's token ids) only feed the
         sidecar's KV events (docs/kv-events.md)."""
         body: dict = {"keys": keys, "buffer_id": buffer_id, "slots": slots}
@@ -329,7 +364,9 @@ class SidecarClient:
             body["tokens"] = tokens
         return self.request("POST", self._ns(namespace, "/set"), body)[1]["stored"]
 
-    def get(self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int]) -> list[bool]:
+    def get(
+        self, namespace: str, keys: Sequence[str], buffer_id: str, slots: Sequence[int]
+    ) -> list[bool]:
         body = {"keys": keys, "buffer_id": buffer_id, "slots": slots}
         return self.request("POST", self._ns(namespace, "/get"), body)[1]["loaded"]
 
@@ -337,10 +374,16 @@ class SidecarClient:
         return self.request("POST", self._ns(namespace, "/delete"), {"keys": keys})[1]["deleted"]
 
     # -- several pools at once (hybrid models) ----------------------------------------
-    def batch_exists(self, keys: Sequence[str], kv: str, extra: Sequence[dict] = (),
-                     restorable: bool = False) -> dict:
+    def batch_exists(
+        self, keys: Sequence[str], kv: str, extra: Sequence[dict] = (), restorable: bool = False
+    ) -> dict:
         """{"hit", "kv", "pools"} (+ "restorable"); `extra` items: {"namespace", "policy", "window"}."""
-        body = {"keys": keys, "kv": kv, "extra": list(extra), **({"restorable": True} if restorable else {})}
+        body = {
+            "keys": keys,
+            "kv": kv,
+            "extra": list(extra),
+            **({"restorable": True} if restorable else {}),
+        }
         return self.request("POST", "/v1/batch/exists", body)[1]
 
     def batch_set(self, items: Sequence[dict]) -> dict[str, list[bool]]:

@@ -13,6 +13,7 @@ is tried again (one load) after `probe_s`, then after twice as long each time it
 slow (at most an hour), so a tier that recovers is seen to and one that does not costs
 one slow request an hour at most. Nothing here raises: the callers answer "recompute" (the adapters' rule) on any error.
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,14 +41,14 @@ class RestoreCost:
     """The estimates of one engine (one scheduler), thread-safe."""
 
     alpha: float = 0.3
-    probe_s: float = 60.0                      # a tier judged too slow is tried again after this
-    min_seconds: float = 1e-4                  # shorter timings are noise: ignored
+    probe_s: float = 60.0  # a tier judged too slow is tried again after this
+    min_seconds: float = 1e-4  # shorter timings are noise: ignored
     clock: Callable[[], float] = time.monotonic
-    prefill: Ewma = field(init=False)          # tokens/s
-    rtt: Ewma = field(init=False)              # seconds
+    prefill: Ewma = field(init=False)  # tokens/s
+    rtt: Ewma = field(init=False)  # seconds
     rates: dict[str, Ewma] = field(init=False)  # bytes/s by tier
     judged: dict[str, float] = field(default_factory=dict)  # tier -> when last judged too slow
-    waits: dict[str, float] = field(default_factory=dict)   # tier -> seconds until its next probe
+    waits: dict[str, float] = field(default_factory=dict)  # tier -> seconds until its next probe
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -111,7 +112,7 @@ class RestoreCost:
             now = self.clock()
             since = self.judged.setdefault(slow, now)
             wait = self.waits.get(slow, self.probe_s)
-            if now - since >= wait:   # try it once more: the tier may have recovered
+            if now - since >= wait:  # try it once more: the tier may have recovered
                 self.judged[slow] = now
                 self.waits[slow] = min(2 * wait, 3600.0)
                 return True
@@ -128,8 +129,11 @@ class RestoreCost:
     def snapshot(self) -> dict:
         """The estimates (logs, tests)."""
         with self.lock:
-            return {"prefill_tokens_per_s": self.prefill.value, "rtt_s": self.rtt.value,
-                    "bytes_per_s": {t: e.value for t, e in self.rates.items()}}
+            return {
+                "prefill_tokens_per_s": self.prefill.value,
+                "rtt_s": self.rtt.value,
+                "bytes_per_s": {t: e.value for t, e in self.rates.items()},
+            }
 
 
 def by_tier(pages: int, host: int, local: int, page_bytes: int, start: int = 0) -> dict[str, int]:

@@ -14,6 +14,7 @@ several allocations) go through the inline page endpoints. No method raises: SGL
 storage threads die on an exception, so every failure is a miss / `False` / 0, with a
 rate-limited warning; after a sidecar restart the backend registers everything again.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ _DRAFT_SUFFIX = ".draft"
 
 def never_raises(default):
     """Turn any exception into `default(self, *args)` (or `default`) and a rate-limited warning."""
+
     def wrap(fn):
         @functools.wraps(fn)
         def inner(self, *args, **kwargs):
@@ -52,7 +54,9 @@ def never_raises(default):
             except Exception as exc:  # the storage thread must never see an exception
                 self._failed(fn.__name__, exc)
                 return default(self, *args, **kwargs) if callable(default) else default
+
         return inner
+
     return wrap
 
 
@@ -84,7 +88,9 @@ class SidecarHiCacheStorage(HiCacheStorage):
         self.interface_v1 = bool(int(extra.get("interface_v1", 0) or 0))
         url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
-        self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
+        self.client = SidecarClient(
+            url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0))
+        )
         self.bindings: dict[str, PoolBinding] = {}
         self.generic: dict[str, tuple[str, dict]] = {}  # "kind:bytes" -> (namespace, spec)
         self.registered_pools: dict[str, Any] = {}
@@ -108,9 +114,16 @@ class SidecarHiCacheStorage(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         """SGLang's end of the attach burst (every pool of the group registered): one log line
         of how each pool moves. Pools registered later (draft sidecars) arrive through v2 alone."""
-        how = {name: "marker" if b.logical else "zero copy" if b.buffer_id else
-               "inline" if not b.namespace.startswith("unregistered-") else "unregistered"
-               for name, b in self.bindings.items()}
+        how = {
+            name: "marker"
+            if b.logical
+            else "zero copy"
+            if b.buffer_id
+            else "inline"
+            if not b.namespace.startswith("unregistered-")
+            else "unregistered"
+            for name, b in self.bindings.items()
+        }
         log.info("kv-sidecar pools: %s", ", ".join(f"{n} ({h})" for n, h in how.items()))
 
     def _bind(self, name: str, host_pool) -> None:
@@ -164,7 +177,11 @@ class SidecarHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         binding = self.bindings[_KV]
-        ns = binding.namespace if self.interface_v1 else self._generic_ns(keys[0], binding.page_bytes)
+        ns = (
+            binding.namespace
+            if self.interface_v1
+            else self._generic_ns(keys[0], binding.page_bytes)
+        )
         return self._call(self.client.exists, ns, list(keys))
 
     @never_raises(_falses)
@@ -262,7 +279,9 @@ class SidecarHiCacheStorage(HiCacheStorage):
         hits = {_KV: res["kv"]} if res["kv"] else {}
         hits.update({names[ns]: n for ns, n in res["pools"].items() if n})
         for name, ns, group in groups:  # reported, never gating the KV hit
-            present = self._call(self.client.exists_each, ns, keys[:res["kv"]]) if res["kv"] else []
+            present = (
+                self._call(self.client.exists_each, ns, keys[: res["kv"]]) if res["kv"] else []
+            )
             run = next((i for i, p in enumerate(present) if not p), len(present))
             if run // group:
                 hits[name] = run // group * group
@@ -290,7 +309,9 @@ class SidecarHiCacheStorage(HiCacheStorage):
     # -- housekeeping -----------------------------------------------------------------
     @never_raises(None)
     def clear(self) -> None:
-        for ns in [b.namespace for b in self.bindings.values()] + [ns for ns, _ in self.generic.values()]:
+        for ns in [b.namespace for b in self.bindings.values()] + [
+            ns for ns, _ in self.generic.values()
+        ]:
             try:
                 self.client.delete_namespace(ns)
             except SidecarError as exc:
@@ -311,4 +332,3 @@ class SidecarHiCacheStorage(HiCacheStorage):
                     self.client.release_buffer(binding.namespace, binding.buffer_id)
             binding.close()
         self.client.close()
-

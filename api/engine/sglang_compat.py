@@ -1,5 +1,6 @@
 """Stand-ins for SGLang's storage interface types, used only where SGLang cannot be
 imported (so `api.engine.sglang_backend` imports anywhere); inside SGLang the real ones are used."""
+
 from __future__ import annotations
 
 from abc import ABC

@@ -34,6 +34,7 @@ SGLang: a failed lookup is no hit, a failed load fails its batch's layer counter
 then aborts those requests), a failed offload is `False`; after a sidecar restart the
 namespaces and buffers are registered again.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,6 +74,7 @@ _REGISTER = object()  # an offload-queue item: register again (asked for by a lo
 def _quiet(default):
     """Any exception becomes `default` and a rate-limited warning: SGLang's scheduler must
     never see one from the linker."""
+
     def wrap(fn):
         @functools.wraps(fn)
         def inner(self, *args, **kwargs):
@@ -81,7 +83,9 @@ def _quiet(default):
             except Exception as exc:
                 self._failed(fn.__name__, exc)
                 return default() if callable(default) else default
+
         return inner
+
     return wrap
 
 
@@ -93,18 +97,23 @@ class SidecarLinker(UnifiedCacheLinker):
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-        self.pool_group, self.pool_source = device_pool_group(kvcache, params, self.page_size, components)
+        self.pool_group, self.pool_source = device_pool_group(
+            kvcache, params, self.page_size, components
+        )
         self.pools = self.pool_group.entry_map
         self.tp_rank, self.tp_size = _tp_rank(params)
         self.layouts = {n: PoolLayout.of(n, e) for n, e in self.pools.items()}
-        size = plan_staging(list(self.layouts.values()), int(extra.get("staging_pages", 64)),
-                            int(extra.get("staging_mib", 256)) << 20)
+        size = plan_staging(
+            list(self.layouts.values()),
+            int(extra.get("staging_pages", 64)),
+            int(extra.get("staging_mib", 256)) << 20,
+        )
         self.staging = SharedBuffer(size, name="kv-sidecar-linker")
-        self.stage: torch.Tensor | None = self.staging.bytes   # None once closed
+        self.stage: torch.Tensor | None = self.staging.bytes  # None once closed
         self.cfg = self._storage_config(server_args, params, extra)
         self.specs = {n: self._spec(lay) for n, lay in self.layouts.items()}
         self.names = {n: namespace_name(self.cfg, n.value, s) for n, s in self.specs.items()}
-        self.direct: dict[PoolName, DevicePool] = {}   # pools the sidecar copies by CUDA IPC
+        self.direct: dict[PoolName, DevicePool] = {}  # pools the sidecar copies by CUDA IPC
         if extra.get("device_ipc", True):
             for n, lay in self.layouts.items():
                 pool = direct_pool(self.names[n], lay.pages, lay.span, lay.entry.kv_buffer)
@@ -112,8 +121,12 @@ class SidecarLinker(UnifiedCacheLinker):
                     self.direct[n] = pool
         url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
-        self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
-        self.lookups = SidecarClient(url, token=token, timeout=float(extra.get("lookup_timeout", 1.0)))
+        self.client = SidecarClient(
+            url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0))
+        )
+        self.lookups = SidecarClient(
+            url, token=token, timeout=float(extra.get("lookup_timeout", 1.0))
+        )
         self.buffers: dict[PoolName, str] = {}
         self._stale = False
         self.reg_lock = threading.Lock()
@@ -124,26 +137,45 @@ class SidecarLinker(UnifiedCacheLinker):
         self.load_queue: queue.Queue = queue.Queue()
         self.offload_queue: queue.Queue = queue.Queue()
         self.offload_results: queue.Queue = queue.Queue()
-        self.stats = {"lookups": 0, "hits": 0, "pages_loaded": 0, "pages_offloaded": 0,
-                      "load_failures": 0, "offload_failures": 0, "failures": 0}
+        self.stats = {
+            "lookups": 0,
+            "hits": 0,
+            "pages_loaded": 0,
+            "pages_offloaded": 0,
+            "load_failures": 0,
+            "offload_failures": 0,
+            "failures": 0,
+        }
         self._down_until = 0.0
         self._last_warning = 0.0
         self.cost = _restore_cost(extra)
         self._register_quietly()
-        self.threads = [threading.Thread(target=fn, daemon=True, name=f"kv-sidecar-{what}-tp{self.tp_rank}")
-                        for what, fn in (("load", self._load_loop), ("offload", self._offload_loop))]
+        self.threads = [
+            threading.Thread(target=fn, daemon=True, name=f"kv-sidecar-{what}-tp{self.tp_rank}")
+            for what, fn in (("load", self._load_loop), ("offload", self._offload_loop))
+        ]
         for t in self.threads:
             t.start()
 
     # -- identity -------------------------------------------------------------------------
     def _storage_config(self, server_args, params, extra: dict) -> HiCacheStorageConfig:
         kv = self.pools[PoolName.KV]
-        model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
+        model = getattr(server_args, "served_model_name", None) or getattr(
+            server_args, "model_path", ""
+        )
         return HiCacheStorageConfig(
-            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=params.pp_rank, pp_size=params.pp_size,
-            attn_cp_rank=params.attn_cp_rank, attn_cp_size=params.attn_cp_size,
-            is_mla_model=is_mla(kv) or self.pool_group.rank_replicated, enable_storage_metrics=False,
-            is_page_first_layout=False, model_name=model, extra_config=extra)
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=params.pp_rank,
+            pp_size=params.pp_size,
+            attn_cp_rank=params.attn_cp_rank,
+            attn_cp_size=params.attn_cp_size,
+            is_mla_model=is_mla(kv) or self.pool_group.rank_replicated,
+            enable_storage_metrics=False,
+            is_page_first_layout=False,
+            model_name=model,
+            extra_config=extra,
+        )
 
     def _spec(self, layout: PoolLayout) -> dict:
         """The namespace of one device pool of this rank: device layout, never a host layout,
@@ -152,8 +184,14 @@ class SidecarLinker(UnifiedCacheLinker):
         dcp = get_parallel().attn_dcp_size
         if dcp > 1:
             shape += f";dcp{get_parallel().attn_dcp_rank}/{dcp}"
-        return namespace_spec(self.cfg, layout.name.value, layout.slot_bytes, shape, layout.dtype(),
-                              layout.entry.page_size)
+        return namespace_spec(
+            self.cfg,
+            layout.name.value,
+            layout.slot_bytes,
+            shape,
+            layout.dtype(),
+            layout.entry.page_size,
+        )
 
     def writes(self, name: PoolName) -> bool:
         """A replicated pool (MLA) is written by TP rank 0 only; every rank reads it."""
@@ -180,7 +218,8 @@ class SidecarLinker(UnifiedCacheLinker):
                 if name in self.direct and self._register_device(name):
                     continue
                 self.buffers[name] = self.client.register_buffer(
-                    ns, self.staging.size, 2 * layout.slots, layout.chunks(), fd=self.staging.fd)
+                    ns, self.staging.size, 2 * layout.slots, layout.chunks(), fd=self.staging.fd
+                )
 
     def _register_device(self, name: PoolName) -> bool:
         """Register a device pool by CUDA IPC (once); False, and the staging path for good,
@@ -191,8 +230,11 @@ class SidecarLinker(UnifiedCacheLinker):
         except SidecarUnavailable:
             raise
         except (SidecarError, ValueError, RuntimeError) as exc:
-            log.warning("kv-sidecar linker: %s by CUDA IPC refused (%s); staging instead",
-                        self.names[name], exc)
+            log.warning(
+                "kv-sidecar linker: %s by CUDA IPC refused (%s); staging instead",
+                self.names[name],
+                exc,
+            )
             del self.direct[name]
             return False
 
@@ -245,11 +287,20 @@ class SidecarLinker(UnifiedCacheLinker):
         kv = next((t for t in expanded if t.name == PoolName.KV), None)
         if kv is None or not kv.keys:
             return []
-        extra = [{"namespace": self.names[t.name], "policy": t.hit_policy.value,
-                  "window": max(1, len(t.keys))} for t in expanded if t.name != PoolName.KV]
+        extra = [
+            {
+                "namespace": self.names[t.name],
+                "policy": t.hit_policy.value,
+                "window": max(1, len(t.keys)),
+            }
+            for t in expanded
+            if t.name != PoolName.KV
+        ]
         self.stats["lookups"] += 1
         try:
-            res = self.lookups.batch_exists(list(kv.keys), self.names[PoolName.KV], extra, restorable=True)
+            res = self.lookups.batch_exists(
+                list(kv.keys), self.names[PoolName.KV], extra, restorable=True
+            )
         except SidecarError as exc:
             if exc.code in _LOST:  # a restarted sidecar: the offload thread registers again
                 self._lost()
@@ -266,14 +317,16 @@ class SidecarLinker(UnifiedCacheLinker):
         """The prefix lengths whose restore beats their prefill (api/engine/restore_cost.py);
         a longest prefix not worth it is counted skipped by the sidecar."""
         cost = self.cost
-        if cost is None:   # no restore cost: every prefix is worth restoring
+        if cost is None:  # no restore cost: every prefix is worth restoring
             return restorable
         page = sum(lay.page_bytes for lay in self.layouts.values())
         keep = [p for p in restorable if cost.worth(p * self.page_size, {HOST: p * page})]
         if len(keep) < len(restorable):
             self.stats["skipped"] = self.stats.get("skipped", 0) + 1
             try:
-                self.lookups.skipped(self.names[PoolName.KV], 1, max(restorable) - max(keep, default=0))
+                self.lookups.skipped(
+                    self.names[PoolName.KV], 1, max(restorable) - max(keep, default=0)
+                )
             except Exception as exc:
                 log.debug("kv-sidecar linker: reporting a skipped restore failed: %s", exc)
         return keep
@@ -284,7 +337,9 @@ class SidecarLinker(UnifiedCacheLinker):
         """Queue a load into the request's device slots (run by the next batch start)."""
         if self._down() or rid in self.pending:
             return False
-        expanded = self.pool_group.resolve_transfers(transfers, allow_partial=True, allow_missing_kv=True)
+        expanded = self.pool_group.resolve_transfers(
+            transfers, allow_partial=True, allow_missing_kv=True
+        )
         items = [(t.name, list(t.keys), page_rows(self.layouts[t.name], t)) for t in expanded]
         if not items or any(rows is None for _, _, rows in items):
             return False
@@ -330,19 +385,23 @@ class SidecarLinker(UnifiedCacheLinker):
         try:
             for round_items in self._rounds(items):
                 loaded = self._call(self.client.batch_get, round_items, True)
-                missing = sum(not ok for name, _, _ in round_items for ok in loaded[self.names[name]])
+                missing = sum(
+                    not ok for name, _, _ in round_items for ok in loaded[self.names[name]]
+                )
                 if missing:
                     raise LookupError(f"{missing} page(s) no longer in the sidecar")
                 for name, _, rows in round_items:
                     layout = self.layouts[name]
-                    if name not in self.direct:   # a direct pool's pages are in place already
+                    if name not in self.direct:  # a direct pool's pages are in place already
                         layout.from_staging(self._stage(), rows, layout.slots)
             if self._on_device():  # the copies into device pages are queued on this thread's stream
                 torch.cuda.current_stream().synchronize()
             self.stats["pages_loaded"] += sum(len(keys) for _, keys, _ in items)
-            if self.cost is not None:   # the restore cost learns the load's rate
-                self.cost.observe_restore({HOST: sum(len(k) * self.layouts[n].page_bytes for n, k, _ in items)},
-                                          time.monotonic() - started)
+            if self.cost is not None:  # the restore cost learns the load's rate
+                self.cost.observe_restore(
+                    {HOST: sum(len(k) * self.layouts[n].page_bytes for n, k, _ in items)},
+                    time.monotonic() - started,
+                )
             for layer in range(self.layer_done_counter.num_layers):
                 self.layer_done_counter.complete(index, layer)
         except Exception as exc:
@@ -409,7 +468,7 @@ class SidecarLinker(UnifiedCacheLinker):
             merged = _merge(items for items, _ in tasks)
             if not merged:
                 return [True] * len(tasks)
-            self._register()   # which pools go direct is settled before any staging copy
+            self._register()  # which pools go direct is settled before any staging copy
             for name, _, rows in merged:
                 if name not in self.direct:
                     self.layouts[name].to_staging(self._stage(), rows, 0)
@@ -421,7 +480,7 @@ class SidecarLinker(UnifiedCacheLinker):
                 for name, keys, _ in items:
                     first = at.get(name, 0)
                     at[name] = first + len(keys)
-                    ok = ok and all(stored[self.names[name]][first:first + len(keys)])
+                    ok = ok and all(stored[self.names[name]][first : first + len(keys)])
                 results.append(ok)
             self.stats["pages_offloaded"] += sum(len(keys) for _, keys, _ in merged)
             self.stats["offload_failures"] += results.count(False)
@@ -435,9 +494,9 @@ class SidecarLinker(UnifiedCacheLinker):
         """Copy the node's pages into staging, then store them (in rounds when they do not fit
         at once): True when every page is stored."""
         try:
-            gate(events)   # the forward pass wrote these pages: only then may the sidecar copy
+            gate(events)  # the forward pass wrote these pages: only then may the sidecar copy
             for round_items in self._rounds(items):
-                self._register()   # which pools go direct is settled before any staging copy
+                self._register()  # which pools go direct is settled before any staging copy
                 for name, _, rows in round_items:
                     if name not in self.direct:
                         self.layouts[name].to_staging(self._stage(), rows, 0)
@@ -464,13 +523,17 @@ class SidecarLinker(UnifiedCacheLinker):
     # -- rounds: what fits in the staging slots at once -------------------------------------
     def _rounds(self, items: list):
         """Slices of (pool, keys, rows) that fit each pool's C slots, in order."""
-        steps = max((-(-len(keys) // self.layouts[name].slots) for name, keys, _ in items), default=0)
+        steps = max(
+            (-(-len(keys) // self.layouts[name].slots) for name, keys, _ in items), default=0
+        )
         for step in range(steps):
             out = []
             for name, keys, rows in items:
                 c = self.layouts[name].slots
-                if keys[step * c:(step + 1) * c]:
-                    out.append((name, keys[step * c:(step + 1) * c], rows[step * c:(step + 1) * c]))
+                if keys[step * c : (step + 1) * c]:
+                    out.append(
+                        (name, keys[step * c : (step + 1) * c], rows[step * c : (step + 1) * c])
+                    )
             yield out
 
     def _item(self, name: PoolName, keys: list, rows: list, load: bool) -> dict:
@@ -479,8 +542,12 @@ class SidecarLinker(UnifiedCacheLinker):
         if name in self.direct:
             return self.direct[name].item(keys, rows)
         first = self.layouts[name].slots if load else 0
-        return {"namespace": self.names[name], "keys": keys, "buffer_id": self.buffers[name],
-                "slots": list(range(first, first + len(keys)))}
+        return {
+            "namespace": self.names[name],
+            "keys": keys,
+            "buffer_id": self.buffers[name],
+            "slots": list(range(first, first + len(keys))),
+        }
 
     # -- lifecycle --------------------------------------------------------------------------
     def reset(self) -> None:
@@ -546,7 +613,13 @@ def _merge(requests) -> list:
 def _tp_rank(params) -> tuple[int, int]:
     """The attention-TP rank and size (the group the tree reduces hits over)."""
     group = params.attn_tp_cache_group or params.tp_cache_group
-    if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+    if (
+        group is not None
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+    ):
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(
+            group=group
+        )
     parallel = get_parallel()
     return int(getattr(parallel, "tp_rank", 0) or 0), int(getattr(parallel, "tp_size", 1) or 1)

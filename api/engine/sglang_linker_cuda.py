@@ -18,6 +18,7 @@ side (the sidecar's copies start after the offload thread saw the events complet
 HTTP contract carries no CUDA events. Nothing here imports SGLang: the GPU tests drive it
 with plain torch tensors laid out as SGLang's pools (tests/api/test_linker_cuda_gpu.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,9 @@ def page_views(buffers: Sequence[torch.Tensor], span: int) -> list[torch.Tensor]
     """Each buffer (rows of a token, or of a page) as uint8 (pages, its bytes of a page):
     `span` rows make a page; rows past the last whole page are left out."""
     rows = [b.view(torch.uint8).view(b.shape[0], -1) for b in buffers]
-    return [r[:r.shape[0] // span * span].reshape(r.shape[0] // span, span * r.shape[1]) for r in rows]
+    return [
+        r[: r.shape[0] // span * span].reshape(r.shape[0] // span, span * r.shape[1]) for r in rows
+    ]
 
 
 def page_numbers(rows: Iterable[int], span: int) -> list[int]:
@@ -49,9 +52,14 @@ def can_go_direct(views: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
     """None when a pool can be registered by CUDA IPC, else why not (the staging path then).
     `views` are `page_views(buffers, ...)`: each must be the buffer's own memory, never a
     copy a reshape made (the sidecar would write into a temporary)."""
-    if not views or len(views) != len(buffers) or any(
+    if (
+        not views
+        or len(views) != len(buffers)
+        or any(
             v.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-            for v, b in zip(views, buffers, strict=True)):
+            for v, b in zip(views, buffers, strict=True)
+        )
+    ):
         return "a buffer's pages are not a view of it"
     if sum(v.shape[1] for v in views) < MIN_PAGE:
         return f"a page of fewer than {MIN_PAGE} bytes"
@@ -89,6 +97,7 @@ class DevicePool:
         tensor, slot i = page i) unless done already; its buffer id."""
         if self.buffer_id is None:
             from api.engine.cuda_export import register_cuda  # cuda-python: GPU engines only
+
             self.buffer_id = register_cuda(client, self.namespace, self.views, self.slots)
         return self.buffer_id
 
@@ -98,18 +107,24 @@ class DevicePool:
 
     def release(self, client: SidecarClient) -> None:
         if self.buffer_id is not None:
-            with contextlib.suppress(SidecarError):   # gone with a restarted sidecar
+            with contextlib.suppress(SidecarError):  # gone with a restarted sidecar
                 client.release_buffer(self.namespace, self.buffer_id)
             self.buffer_id = None
 
     def item(self, keys: Sequence[str], rows: Sequence[int]) -> dict:
         """A batch/set or batch/get item moving `keys` from / to the pages at `rows`."""
         assert self.buffer_id is not None, "register the pool first"
-        return {"namespace": self.namespace, "keys": list(keys), "buffer_id": self.buffer_id,
-                "slots": page_numbers(rows, self.span)}
+        return {
+            "namespace": self.namespace,
+            "keys": list(keys),
+            "buffer_id": self.buffer_id,
+            "slots": page_numbers(rows, self.span),
+        }
 
 
-def direct_pool(namespace: str, views: list, span: int, buffers: Sequence[torch.Tensor]) -> DevicePool | None:
+def direct_pool(
+    namespace: str, views: list, span: int, buffers: Sequence[torch.Tensor]
+) -> DevicePool | None:
     """A DevicePool for these page views of `buffers`, or None (logged) when they need staging."""
     why = can_go_direct(views, buffers)
     if why is not None:

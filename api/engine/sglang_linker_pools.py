@@ -27,6 +27,7 @@ here from its own entry helpers (`_mha_device_pool_entry`, `_mamba_device_pool_e
 KV, SWA and MAMBA pools are served: DSA indexer, DeepSeek-V4 and draft pools keep the HiCache
 backend (docs/sglang.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,25 +46,37 @@ SUPPORTED = (PoolName.KV, PoolName.SWA, PoolName.MAMBA)
 MIN_PAGE = 512  # the sidecar's smallest page: a smaller pool page is padded in its slot
 
 
-def device_pool_group(kvcache, params, page_size: int, components) -> tuple[lpa.DevicePoolGroup, str]:
+def device_pool_group(
+    kvcache, params, page_size: int, components
+) -> tuple[lpa.DevicePoolGroup, str]:
     """SGLang's linker view of the engine's device pools and who built it ("sglang": its
     assembler; "kv-sidecar": here, from its entry helpers, for the groups it refuses); a pool
     other than KV, SWA and MAMBA is refused, and so are draft pools."""
-    drafts = [getattr(params, f, ()) for f in ("mtp_draft_device_pools", "sidecar_draft_device_pools",
-                                                "mtp_draft_mamba_pools")]
+    drafts = [
+        getattr(params, f, ())
+        for f in ("mtp_draft_device_pools", "sidecar_draft_device_pools", "mtp_draft_mamba_pools")
+    ]
     if any(drafts):
-        raise ValueError("the kv-sidecar linker does not store speculative draft KV: use the HiCache "
-                         "backend (api.sglang_backend, docs/sglang.md) for models with draft pools")
+        raise ValueError(
+            "the kv-sidecar linker does not store speculative draft KV: use the HiCache "
+            "backend (api.sglang_backend, docs/sglang.md) for models with draft pools"
+        )
     try:
-        group, source = lpa.resolve_hybrid_device_pool_group(
-            kvcache=kvcache, page_size=page_size, params=params, components=set(components)), "sglang"
+        group, source = (
+            lpa.resolve_hybrid_device_pool_group(
+                kvcache=kvcache, page_size=page_size, params=params, components=set(components)
+            ),
+            "sglang",
+        )
     except (ValueError, AssertionError) as refused:
         group, source = _own_group(kvcache, params, page_size, refused), "kv-sidecar"
     unsupported = [str(n.value) for n in group.entry_map if n not in SUPPORTED]
     if unsupported:
-        raise ValueError(f"the kv-sidecar linker serves KV, SWA and Mamba pools; this model also "
-                         f"has {unsupported}: use the HiCache backend (api.sglang_backend, "
-                         f"docs/sglang.md) for DSA indexer, DeepSeek-V4 and draft pools")
+        raise ValueError(
+            f"the kv-sidecar linker serves KV, SWA and Mamba pools; this model also "
+            f"has {unsupported}: use the HiCache backend (api.sglang_backend, "
+            f"docs/sglang.md) for DSA indexer, DeepSeek-V4 and draft pools"
+        )
     return group, source
 
 
@@ -82,20 +95,35 @@ def _own_group(kvcache, params, page_size: int, refused: Exception) -> lpa.Devic
 
     if isinstance(kvcache, SWAKVPool):
         full, swa = _swa_layer_mappings(kvcache)
-        entries = [lpa._mha_device_pool_entry(PoolName.KV, kvcache.full_kv_pool, full, page_size),
-                   lpa._mha_device_pool_entry(PoolName.SWA, kvcache.swa_kv_pool, swa, page_size)]
-    elif isinstance(kvcache, HybridLinearKVPool) and isinstance(kvcache.full_kv_pool, MHATokenToKVPool):
-        mapping = _stage_local_layer_mapping(kvcache.full_attention_layer_id_mapping, kvcache.start_layer)
-        entries = [lpa._mha_device_pool_entry(PoolName.KV, kvcache.full_kv_pool, mapping, page_size),
-                   lpa._mamba_device_pool_entry(params.req_to_token_pool, kvcache.start_layer)]
+        entries = [
+            lpa._mha_device_pool_entry(PoolName.KV, kvcache.full_kv_pool, full, page_size),
+            lpa._mha_device_pool_entry(PoolName.SWA, kvcache.swa_kv_pool, swa, page_size),
+        ]
+    elif isinstance(kvcache, HybridLinearKVPool) and isinstance(
+        kvcache.full_kv_pool, MHATokenToKVPool
+    ):
+        mapping = _stage_local_layer_mapping(
+            kvcache.full_attention_layer_id_mapping, kvcache.start_layer
+        )
+        entries = [
+            lpa._mha_device_pool_entry(PoolName.KV, kvcache.full_kv_pool, mapping, page_size),
+            lpa._mamba_device_pool_entry(params.req_to_token_pool, kvcache.start_layer),
+        ]
     elif isinstance(kvcache, MHATokenToKVPool):
         layers = {i: i for i in range(len(kvcache.k_buffer))}
         entries = [lpa._mha_device_pool_entry(PoolName.KV, kvcache, layers, page_size)]
     elif type(kvcache) is MLATokenToKVPool:
-        entries = [lpa.DevicePoolEntry(name=PoolName.KV, indices_from_pool=PoolName.KV, device_pool=kvcache,
-                                       components=[kvcache.kv_buffer], page_size=page_size,
-                                       layer_mapping={i: i for i in range(len(kvcache.kv_buffer))},
-                                       rows_are_pages=False)]
+        entries = [
+            lpa.DevicePoolEntry(
+                name=PoolName.KV,
+                indices_from_pool=PoolName.KV,
+                device_pool=kvcache,
+                components=[kvcache.kv_buffer],
+                page_size=page_size,
+                layer_mapping={i: i for i in range(len(kvcache.kv_buffer))},
+                rows_are_pages=False,
+            )
+        ]
         return lpa.DevicePoolGroup(entries, len(kvcache.kv_buffer), page_size, rank_replicated=True)
     else:
         raise refused
@@ -106,6 +134,7 @@ def _own_group(kvcache, params, page_size: int, refused: Exception) -> lpa.Devic
 def is_mla(entry) -> bool:
     """An MLA KV pool (latent KV, the same on every TP rank)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
     return isinstance(entry.device_pool, MLATokenToKVPool)
 
 
@@ -118,13 +147,13 @@ class PoolLayout:
 
     name: PoolName
     entry: Any
-    pages: list = field(default_factory=list)     # each buffer as uint8 (pages, its bytes a page)
-    offsets: list = field(default_factory=list)   # each buffer's offset in the page
-    span: int = 1                                 # buffer rows per page
-    page_bytes: int = 0                           # the pool's bytes per page
-    slot_bytes: int = 0                           # page_bytes, padded to MIN_PAGE
-    region: int = 0                               # the pool's region in the staging memfd
-    slots: int = 0                                # C: slots per direction
+    pages: list = field(default_factory=list)  # each buffer as uint8 (pages, its bytes a page)
+    offsets: list = field(default_factory=list)  # each buffer's offset in the page
+    span: int = 1  # buffer rows per page
+    page_bytes: int = 0  # the pool's bytes per page
+    slot_bytes: int = 0  # page_bytes, padded to MIN_PAGE
+    region: int = 0  # the pool's region in the staging memfd
+    slots: int = 0  # C: slots per direction
 
     @classmethod
     def of(cls, name: PoolName, entry) -> PoolLayout:
@@ -166,9 +195,11 @@ class PoolLayout:
         for pages, off in zip(self.pages, self.offsets, strict=False):
             size = pages.shape[1]
             if self.on_cpu:
-                table.numpy()[first_slot:first_slot + n, off:off + size] = pages.numpy()[index]
+                table.numpy()[first_slot : first_slot + n, off : off + size] = pages.numpy()[index]
             else:
-                table[first_slot:first_slot + n, off:off + size].copy_(pages.index_select(0, index))
+                table[first_slot : first_slot + n, off : off + size].copy_(
+                    pages.index_select(0, index)
+                )
 
     def from_staging(self, stage: torch.Tensor, rows: Sequence[int], first_slot: int) -> None:
         """Copy slots first_slot.. of this pool's region into the pages at device `rows`."""
@@ -177,7 +208,7 @@ class PoolLayout:
             return
         index, table = self._index(rows), self.table(stage)
         for pages, off in zip(self.pages, self.offsets, strict=False):
-            src = table[first_slot:first_slot + n, off:off + pages.shape[1]]
+            src = table[first_slot : first_slot + n, off : off + pages.shape[1]]
             if self.on_cpu:
                 pages.numpy()[index] = src.numpy()
             else:
@@ -186,7 +217,7 @@ class PoolLayout:
     def table(self, stage: torch.Tensor) -> torch.Tensor:
         """This pool's region of the staging bytes as (2C, slot bytes)."""
         size = 2 * self.slots * self.slot_bytes
-        return stage[self.region:self.region + size].view(2 * self.slots, self.slot_bytes)
+        return stage[self.region : self.region + size].view(2 * self.slots, self.slot_bytes)
 
     def chunks(self) -> list[dict]:
         return [{"offset": self.region, "stride": self.slot_bytes, "size": self.slot_bytes}]

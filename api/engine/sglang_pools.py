@@ -34,6 +34,7 @@ Replication: MLA / DeepSeek-V4 pools are stored once for all TP ranks, except po
 host pool has heads (`head_num`: an MHA draft beside an MLA target, TP-sharded by head) and
 Mamba state, which stay per rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,9 @@ _SLUG = re.compile(r"[^0-9A-Za-z_.:-]+")
 MIN_PAGE = 512  # the sidecar's smallest page: a marker, or what a smaller page is padded to
 
 
-def namespace_spec(cfg, pool: str, page_bytes: int, layout: str, dtype: str = "",
-                   page_tokens: int = 0) -> dict:
+def namespace_spec(
+    cfg, pool: str, page_bytes: int, layout: str, dtype: str = "", page_tokens: int = 0
+) -> dict:
     """The namespace spec for one pool of one engine rank (deterministic everywhere)."""
     replicated = bool(cfg.is_mla_model) and pool != "mamba"  # Mamba is TP-sharded even in MLA
     extra = cfg.extra_config or {}
@@ -64,13 +66,26 @@ def namespace_spec(cfg, pool: str, page_bytes: int, layout: str, dtype: str = ""
         model = f"{model}#{extra['sidecar_scope']}"
     if getattr(cfg, "dcp_size", 1) > 1:
         layout = f"{layout};dcp{cfg.dcp_rank}/{cfg.dcp_size}"
-    rank = {"tp": 0 if replicated else cfg.tp_rank, "tp_size": cfg.tp_size,
-            "pp": cfg.pp_rank, "pp_size": cfg.pp_size,
-            "cp": cfg.attn_cp_rank, "cp_size": cfg.attn_cp_size}
-    spec = {"page_bytes": page_bytes, "pool": pool, "model": model, "layout": layout,
-            "dtype": dtype, "page_tokens": page_tokens, "rank": rank, "replicated": replicated,
-            "key_format": "sglang"}   # KV events name a page by SGLang's int64 of its key
-    if extra.get("sidecar_share_gid") is not None:   # engines of other uids in this group share
+    rank = {
+        "tp": 0 if replicated else cfg.tp_rank,
+        "tp_size": cfg.tp_size,
+        "pp": cfg.pp_rank,
+        "pp_size": cfg.pp_size,
+        "cp": cfg.attn_cp_rank,
+        "cp_size": cfg.attn_cp_size,
+    }
+    spec = {
+        "page_bytes": page_bytes,
+        "pool": pool,
+        "model": model,
+        "layout": layout,
+        "dtype": dtype,
+        "page_tokens": page_tokens,
+        "rank": rank,
+        "replicated": replicated,
+        "key_format": "sglang",
+    }  # KV events name a page by SGLang's int64 of its key
+    if extra.get("sidecar_share_gid") is not None:  # engines of other uids in this group share
         spec["share_gid"] = int(extra["sidecar_share_gid"])
     return spec
 
@@ -87,7 +102,7 @@ def per_rank(spec: dict, cfg) -> dict:
 
 
 def namespace_name(cfg, pool: str, spec: dict) -> str:
-    same = {k: v for k, v in spec.items() if k != "key_format"}   # what events call a page
+    same = {k: v for k, v in spec.items() if k != "key_format"}  # what events call a page
     digest = hashlib.sha256(orjson.dumps(same, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
     slug = _SLUG.sub("-", cfg.model_name or "model")[-48:].strip("-") or "model"
     return f"sgl.{slug}.{pool}.{digest}"
@@ -111,7 +126,9 @@ class PoolBinding:
 
     @classmethod
     def unbound(cls, name: str, host_pool) -> PoolBinding:
-        return cls(name, f"unregistered-{name}", host_pool, int(getattr(host_pool, "page_size", 1)), 0)
+        return cls(
+            name, f"unregistered-{name}", host_pool, int(getattr(host_pool, "page_size", 1)), 0
+        )
 
     def markers(self, client, op: str, keys: list[str]) -> list[bool]:
         """A logical anchor's pages: set stores the marker under each key, get answers
@@ -121,8 +138,10 @@ class PoolBinding:
         if self.buffer_id is not None:
             return client.set(self.namespace, keys, self.buffer_id, [0] * len(keys))
         blank = bytes(MIN_PAGE)
-        return [client.put_page(self.namespace, k, blank) or client.exists(self.namespace, [k]) == 1
-                for k in keys]
+        return [
+            client.put_page(self.namespace, k, blank) or client.exists(self.namespace, [k]) == 1
+            for k in keys
+        ]
 
     def close(self) -> None:
         if self.marker is not None:
@@ -134,16 +153,20 @@ class PoolBinding:
         P, out, pad = self.page_size, [], bytes(max(0, self.stored_bytes - self.page_bytes))
         for key, slot in zip(keys, slots, strict=False):
             if op == "set":
-                tensor = self.host_pool.get_data_page(slot * P, flat=True).contiguous()  # alive for the view
+                tensor = self.host_pool.get_data_page(
+                    slot * P, flat=True
+                ).contiguous()  # alive for the view
                 page = _tensor_bytes(tensor)
-                out.append(client.put_page(self.namespace, key, bytes(page) + pad if pad else page) or
-                           client.exists(self.namespace, [key]) == 1)
+                out.append(
+                    client.put_page(self.namespace, key, bytes(page) + pad if pad else page)
+                    or client.exists(self.namespace, [key]) == 1
+                )
             else:
                 data = client.get_page(self.namespace, key)
                 if data is None or len(data) != max(self.stored_bytes, self.page_bytes):
                     out.append(False)
                     continue
-                data = bytearray(data[:self.page_bytes])
+                data = bytearray(data[: self.page_bytes])
                 flat = torch.frombuffer(data, dtype=torch.uint8).view(self.page_dtype)
                 self.host_pool.set_from_flat_data_page(slot * P, flat)
                 out.append(True)
@@ -166,8 +189,16 @@ def bind_pool(client, cfg, name: str, host_pool) -> PoolBinding:
         spec = per_rank(spec, cfg)
     ns = namespace_name(cfg, name, spec)
     client.put_namespace(ns, **spec)
-    binding = PoolBinding(name, ns, host_pool, P, page_bytes, chunks=chunks or [], page_dtype=page_dtype,
-                          stored_bytes=stored)
+    binding = PoolBinding(
+        name,
+        ns,
+        host_pool,
+        P,
+        page_bytes,
+        chunks=chunks or [],
+        page_dtype=page_dtype,
+        stored_bytes=stored,
+    )
     if chunks:
         slots, size, fd = where
         try:
@@ -217,10 +248,16 @@ def _shared_layout(host_pool) -> tuple[list | None, int, Any]:
         return None, page_bytes, None
     start, size = mapping
     slots = int(host_pool.size) // P
-    chunks = [{"offset": ptrs[i] - start, "stride": ptrs[n + i] - ptrs[i], "size": int(sizes[i])}
-              for i in range(n)]
-    fits = all(c["offset"] >= 0 and c["stride"] >= 0 and
-               c["offset"] + (slots - 1) * c["stride"] + c["size"] <= size for c in chunks)
+    chunks = [
+        {"offset": ptrs[i] - start, "stride": ptrs[n + i] - ptrs[i], "size": int(sizes[i])}
+        for i in range(n)
+    ]
+    fits = all(
+        c["offset"] >= 0
+        and c["stride"] >= 0
+        and c["offset"] + (slots - 1) * c["stride"] + c["size"] <= size
+        for c in chunks
+    )
     return (chunks if fits else None), page_bytes, (slots, size, fd)
 
 
@@ -248,6 +285,7 @@ def _mapping_of(fd: int, address: int) -> tuple[int, int] | None:
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of contiguous `t`, no copy: valid while the caller holds `t`."""
     import ctypes
+
     if not t.is_contiguous():
         raise ValueError("a view of a non-contiguous tensor would outlive its copy")
     n = t.numel() * t.element_size()

@@ -5,6 +5,7 @@ descriptors for the common page layouts.
     +---- tensor A (slots, a) ----+---- tensor B (slots, b) ----+
     | A[0] | A[1] | ... | A[n-1]  | B[0] | B[1] | ... | B[n-1]  |  A[i] then B[i] = page i
 """
+
 from __future__ import annotations
 
 import builtins
@@ -41,7 +42,9 @@ class SharedBuffer:
             raise ValueError("the buffer is closed")
         return self._bytes
 
-    def tensor(self, shape: Sequence[int], dtype: torch.dtype = torch.uint8, offset: int = 0) -> torch.Tensor:
+    def tensor(
+        self, shape: Sequence[int], dtype: torch.dtype = torch.uint8, offset: int = 0
+    ) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over the buffer's bytes at `offset` (no copy)."""
         count = 1
         for d in shape:
@@ -49,7 +52,7 @@ class SharedBuffer:
         nbytes = count * torch.empty((), dtype=dtype).element_size()
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"tensor of {nbytes} bytes at {offset} does not fit in {self.size}")
-        return self.bytes[offset:offset + nbytes].view(dtype).view(*shape)
+        return self.bytes[offset : offset + nbytes].view(dtype).view(*shape)
 
     def view(self, offset: int, length: int) -> memoryview:
         """Writable bytes [offset, offset + length) of the buffer (no copy)."""
@@ -57,9 +60,9 @@ class SharedBuffer:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the buffer")
         if self._mm is None:
             raise ValueError("the buffer is closed")
-        return memoryview(self._mm)[offset:offset + length]
+        return memoryview(self._mm)[offset : offset + length]
 
-    def tensor_bytes(self, t: torch.Tensor) -> builtins.bytes:   # `bytes` is ours, here
+    def tensor_bytes(self, t: torch.Tensor) -> builtins.bytes:  # `bytes` is ours, here
         """A copy of the bytes of a contiguous tensor that lives in this buffer."""
         return self.view(t.data_ptr() - self.address, t.numel() * t.element_size()).tobytes()
 
@@ -76,7 +79,9 @@ class SharedBuffer:
         if self._mm is not None:
             self._bytes = None
             self._anchor = None
-            with contextlib.suppress(BufferError):  # a tensor view is alive; the mapping goes with it
+            with contextlib.suppress(
+                BufferError
+            ):  # a tensor view is alive; the mapping goes with it
                 self._mm.close()
             self._mm = None
             os.close(self.fd)
@@ -95,8 +100,13 @@ def tensor_chunks(buffer: SharedBuffer, tensors: Sequence[torch.Tensor]) -> list
         offset = t.data_ptr() - buffer.address
         if not 0 <= offset < buffer.size:
             raise ValueError("tensor does not live in this shared buffer")
-        chunks.append({"offset": offset, "stride": t.stride(0) * t.element_size(),
-                       "size": t[0].numel() * t.element_size()})
+        chunks.append(
+            {
+                "offset": offset,
+                "stride": t.stride(0) * t.element_size(),
+                "size": t[0].numel() * t.element_size(),
+            }
+        )
     return chunks
 
 

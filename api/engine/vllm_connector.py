@@ -20,6 +20,7 @@ Hybrid models (several KV cache groups: sliding window, Mamba / linear attention
 through vLLM's hybrid KV cache manager (`SupportsHMA`): one namespace per group, each with
 its pool kind and hit rule (`api.engine.vllm_groups`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,10 +74,11 @@ class SidecarConnectorMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
-    prefill: int = 0            # prompt tokens this step computes (0: not a prefill step)
+    prefill: int = 0  # prompt tokens this step computes (0: not a prefill step)
 
 
 if KVConnectorStats is not None:
+
     @dataclass
     class SidecarStats(KVConnectorStats):
         """The worker's timings for the scheduler's restore cost, as vLLM's connector
@@ -91,8 +93,10 @@ if KVConnectorStats is not None:
             return self
 
         def reduce(self) -> dict:
-            return {"sidecar_restores_timed": len(self.data.get("restores", ())),
-                    "sidecar_prefill_steps_timed": len(self.data.get("prefill", ()))}
+            return {
+                "sidecar_restores_timed": len(self.data.get("restores", ())),
+                "sidecar_prefill_steps_timed": len(self.data.get("prefill", ())),
+            }
 
         def is_empty(self) -> bool:
             return not any(self.data.values())
@@ -112,6 +116,7 @@ class SidecarHandshake(KVConnectorHandshakeMetadata):
 
 def never_raises(default):
     """Log (rate-limited by the logger's config) and answer `default` instead of raising."""
+
     def wrap(fn):
         @functools.wraps(fn)
         def inner(self, *args, **kwargs):
@@ -120,7 +125,9 @@ def never_raises(default):
             except Exception:
                 log.exception("kv-sidecar connector %s failed (answering %r)", fn.__name__, default)
                 return default() if callable(default) else default
+
         return inner
+
     return wrap
 
 
@@ -133,7 +140,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.extra = extra
         url = extra.get("sidecar_url") or os.environ.get("SIDECAR_URL", ENGINE_URL)
         token = extra.get("sidecar_token") or os.environ.get("SIDECAR_TOKEN")
-        self.client = SidecarClient(url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0)))
+        self.client = SidecarClient(
+            url, token=token, timeout=float(extra.get("sidecar_timeout", 5.0))
+        )
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.arena: KvArena | None = None
@@ -145,7 +154,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def _init_scheduler(self, vllm_config, kv_cache_config) -> None:
         tc = self._kv_transfer_config
         if tc.kv_load_failure_policy != "recompute" and self.extra.get("on_load_error") != "fail":
-            log.info("kv-sidecar: a page that fails to load is a miss: kv_load_failure_policy=recompute")
+            log.info(
+                "kv-sidecar: a page that fails to load is a miss: kv_load_failure_policy=recompute"
+            )
             tc.kv_load_failure_policy = "recompute"
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         mamba = any(kind_of(g.kv_cache_spec) == MAMBA for g in groups)
@@ -156,37 +167,60 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             if not plans:
                 log.warning("kv-sidecar: unsupported KV cache groups (%s): disabled", why)
                 return
-            log.info("kv-sidecar: %d KV cache groups: %s", len(plans),
-                     ", ".join(f"{p.kind}" + (f" (window {p.window})" if p.window else "") for p in plans))
+            log.info(
+                "kv-sidecar: %d KV cache groups: %s",
+                len(plans),
+                ", ".join(
+                    f"{p.kind}" + (f" (window {p.window})" if p.window else "") for p in plans
+                ),
+            )
         elif len(groups) != 1:
             log.warning("kv-sidecar: no KV cache groups: disabled")
             return
         block_size = plans[0].block_size if plans else groups[0].kv_cache_spec.block_size
         hash_block = getattr(kv_cache_config, "hash_block_size", None) or block_size
         if block_size % hash_block:
-            log.warning("kv-sidecar: block size %d is no multiple of the hash block size %d: disabled",
-                        block_size, hash_block)
+            log.warning(
+                "kv-sidecar: block size %d is no multiple of the hash block size %d: disabled",
+                block_size,
+                hash_block,
+            )
             return
         cache = vllm_config.cache_config
         if not cache.enable_prefix_caching:
-            log.warning("kv-sidecar: needs --enable-prefix-caching (keys are its block hashes): disabled")
+            log.warning(
+                "kv-sidecar: needs --enable-prefix-caching (keys are its block hashes): disabled"
+            )
         algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
         if algo not in _CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
-            log.warning("kv-sidecar: %s block hashes get a random seed per process: set PYTHONHASHSEED "
-                        "(the same on every engine) or no engine finds another's pages", algo)
+            log.warning(
+                "kv-sidecar: %s block hashes get a random seed per process: set PYTHONHASHSEED "
+                "(the same on every engine) or no engine finds another's pages",
+                algo,
+            )
         ratio = block_size // hash_block
         tail = self._tail_hasher(algo, block_size, ratio) if tail_on else None
         kw: dict[str, Any] = dict(
-            ratio=ratio, lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
-            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3, tail_key=tail)
-        self.sched = (HybridScheduler(self.client, block_size, plans=plans, **kw) if plans
-                      else SchedulerSide(self.client, block_size, **kw))
+            ratio=ratio,
+            lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
+            lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3,
+            tail_key=tail,
+        )
+        self.sched = (
+            HybridScheduler(self.client, block_size, plans=plans, **kw)
+            if plans
+            else SchedulerSide(self.client, block_size, **kw)
+        )
         if not plans and SidecarStats is not None and self._flag("restore_cost", True):
             self.sched.cost = RestoreCost(probe_s=float(self.extra.get("restore_probe_s", 60.0)))
 
     def _flag(self, key: str, default: bool) -> bool:
         value = self.extra.get(key, default)
-        return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no", "off")
+        return (
+            value
+            if isinstance(value, bool)
+            else str(value).lower() not in ("0", "false", "no", "off")
+        )
 
     def _tail_hasher(self, algo: str, bs: int, ratio: int):
         """Key of a prompt's partial last block: vLLM's own block hash of its tokens (with the
@@ -198,10 +232,14 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 generate_block_hash_extra_keys,
                 hash_block_tokens,
             )
+
             hash_fn = get_hash_fn_by_name(algo)
         except Exception as exc:
-            log.warning("kv-sidecar: cannot hash partial blocks (%s): the last block of a prompt "
-                        "that does not end on a block boundary is computed", exc)
+            log.warning(
+                "kv-sidecar: cannot hash partial blocks (%s): the last block of a prompt "
+                "that does not end on a block boundary is computed",
+                exc,
+            )
             return None
 
         def tail_key(request, full: int) -> str | None:
@@ -210,6 +248,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
             digest = hash_block_tokens(hash_fn, parent, request.all_token_ids[start:end], extra)
             return bytes(digest).hex() + "-tail"
+
         return tail_key
 
     @property
@@ -235,25 +274,43 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         sides = []
         for plan, group in zip(plans, kcc.kv_cache_groups, strict=False):
             layers = {n: kv_caches[n] for n in group.layer_names if n in kv_caches}
-            sides.append(self._side(PageLayout.of(layers, num_blocks), layers, plan.pool, plan.describe))
+            sides.append(
+                self._side(PageLayout.of(layers, num_blocks), layers, plan.pool, plan.describe)
+            )
         self.hybrid = HybridWorker(sides)
 
     def _side(self, layout: PageLayout, kv_caches, pool: str = "kv", group: str = "") -> WorkerSide:
         """The worker side of one namespace: these layers' pages (a group's, or all)."""
         cfg = self._vllm_config
-        scope = EngineScope(model=self._model_id(), dtype=self._dtype(),
-                            block_size=cfg.cache_config.block_size, backend=self._backend(kv_caches),
-                            hashing=self._hashing(), rank=self._rank())
+        scope = EngineScope(
+            model=self._model_id(),
+            dtype=self._dtype(),
+            block_size=cfg.cache_config.block_size,
+            backend=self._backend(kv_caches),
+            hashing=self._hashing(),
+            rank=self._rank(),
+        )
         kv_buffer = self.arena.holding(layout.views) if self.arena is not None else None
         if self.arena is not None and kv_buffer is None:
-            log.warning("kv-sidecar: the KV cache is not in the connector's memfd: loads go through staging")
-        staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(layout, kv_buffer is None)
+            log.warning(
+                "kv-sidecar: the KV cache is not in the connector's memfd: loads go through staging"
+            )
+        staging = int(self.extra.get("staging_blocks", 0)) or self._default_staging(
+            layout, kv_buffer is None
+        )
         spec = namespace_spec(scope, layout, self.extra.get("sidecar_share_gid"), pool, group)
         side = WorkerSide(self.client, layout, spec, staging, kv_buffer)
-        log.info("kv-sidecar: namespace %s (%s), %d-byte pages, %s", side.namespace, pool, layout.page_bytes,
-                 "cuda_ipc" if side.cuda else
-                 f"loads into the KV cache's memfd, {side.slots.capacity}-slot staging memfd for saves"
-                 if kv_buffer is not None else f"{side.slots.capacity}-slot staging memfd")
+        log.info(
+            "kv-sidecar: namespace %s (%s), %d-byte pages, %s",
+            side.namespace,
+            pool,
+            layout.page_bytes,
+            "cuda_ipc"
+            if side.cuda
+            else f"loads into the KV cache's memfd, {side.slots.capacity}-slot staging memfd for saves"
+            if kv_buffer is not None
+            else f"{side.slots.capacity}-slot staging memfd",
+        )
         return side
 
     def get_mem_pool_context(self):
@@ -261,12 +318,15 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         the sidecar maps, and a load is one copy into the KV blocks (no staging)."""
         try:
             from vllm.platforms import current_platform
+
             if not current_platform.is_cpu() or not self._flag("kv_cache_in_memfd", True):
                 return None
             self.arena = self.arena or KvArena()
             return self.arena
         except Exception:
-            log.exception("kv-sidecar: the KV cache stays in private memory (loads through staging)")
+            log.exception(
+                "kv-sidecar: the KV cache stays in private memory (loads through staging)"
+            )
             return None
 
     def _model_id(self) -> str:
@@ -276,7 +336,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         return f"{model}#{scope}" if scope else model
 
     def _dtype(self) -> str:
-        return f"{self._vllm_config.model_config.dtype}/{self._vllm_config.cache_config.cache_dtype}"
+        return (
+            f"{self._vllm_config.model_config.dtype}/{self._vllm_config.cache_config.cache_dtype}"
+        )
 
     def _hashing(self) -> str:
         algo = getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
@@ -293,19 +355,27 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _rank(self) -> dict:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
         pc = self._vllm_config.parallel_config
         dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
         pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
         cp = 0  # context parallel (prefill x decode) shards the KV by token: one rank each
         if dcp > 1:
             from vllm.distributed.parallel_state import get_dcp_group
+
             cp = get_dcp_group().rank_in_group
         if pcp > 1:
             from vllm.distributed.parallel_state import get_pcp_group
+
             cp += get_pcp_group().rank_in_group * dcp
-        return {"tp": get_tp_group().rank_in_group, "tp_size": pc.tensor_parallel_size,
-                "pp": get_pp_group().rank_in_group, "pp_size": pc.pipeline_parallel_size,
-                "cp": cp, "cp_size": dcp * pcp}
+        return {
+            "tp": get_tp_group().rank_in_group,
+            "tp_size": pc.tensor_parallel_size,
+            "pp": get_pp_group().rank_in_group,
+            "pp_size": pc.pipeline_parallel_size,
+            "cp": cp,
+            "cp_size": dcp * pcp,
+        }
 
     def _default_staging(self, layout: PageLayout, loads: bool = True) -> int:
         """Enough slots for two steps' saves (and, when loads use staging too, a long
@@ -340,7 +410,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._forward = time.monotonic()   # the step starts (vLLM starts loads-free steps' at
+        self._forward = time.monotonic()  # the step starts (vLLM starts loads-free steps' at
         #                                    the forward's end): the forward's time is the prefill's
 
     def _time_prefill(self, meta) -> None:
@@ -350,8 +420,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if self.worker.cuda:
             import torch
+
             torch.cuda.current_stream().synchronize()
-        if not getattr(self, "_warm", False):   # the engine's first prefill pays one-time costs
+        if not getattr(self, "_warm", False):  # the engine's first prefill pays one-time costs
             self._warm = True
             return
         self.worker.timing("prefill", [meta.prefill, time.monotonic() - started])
@@ -393,8 +464,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             log.exception("kv-sidecar get_transfer_results failed")
             saved, loaded, failed = set(), set(), set()
-        return transfer_results_type()(finished_sending=saved, finished_recving=loaded,
-                                       failed_recving=failed)
+        return transfer_results_type()(
+            finished_sending=saved, finished_recving=loaded, failed_recving=failed
+        )
 
     @never_raises(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -421,12 +493,17 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         expected = pc.tensor_parallel_size * pc.pipeline_parallel_size
         if len(ranks) < expected or any(not isinstance(m, SidecarHandshake) for _, m in ranks):
             # a rank that cannot load would compute on KV it never received: no hits at all
-            log.warning("kv-sidecar: %d of %d workers have a namespace (see their log): disabled",
-                        len(ranks), expected)
+            log.warning(
+                "kv-sidecar: %d of %d workers have a namespace (see their log): disabled",
+                len(ranks),
+                expected,
+            )
             return
         if isinstance(self.sched, HybridScheduler):
             if any(not m.groups or len(m.groups) != len(self.sched.plans) for _, m in ranks):
-                log.warning("kv-sidecar: a worker registered no namespace per KV cache group: disabled")
+                log.warning(
+                    "kv-sidecar: a worker registered no namespace per KV cache group: disabled"
+                )
                 return
             self.sched.ranks = [[ns for ns, _ in m.groups] for _, m in ranks]
             self.sched.specs = {ns: spec for _, m in ranks for ns, spec in m.groups}
@@ -488,7 +565,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _block_ids_of(self, rid: str) -> list:
         """A request's block ids now, as the scheduler side plans with them."""
-        if self.sched is None:   # no scheduler side: no blocks to plan with
+        if self.sched is None:  # no scheduler side: no blocks to plan with
             return []
         return self.sched.block_ids(self._kv_cache_manager.get_block_ids(rid))
 

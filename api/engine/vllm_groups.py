@@ -21,6 +21,7 @@ allocated for it (non-null) from the local hit to the hit; loads are asynchronou
 forward and because vLLM takes load failures of several groups only per request
 (`failed_recving`): the request is then computed from its start, never on a torn state.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,14 @@ log = logging.getLogger("kv_sidecar.vllm")
 
 FULL, SWA, MAMBA = "full", "swa", "mamba"
 POOLS = {FULL: "kv", SWA: "swa", MAMBA: "mamba"}
-_KINDS = {"FullAttentionSpec": FULL, "MLAAttentionSpec": FULL, "SlidingWindowSpec": SWA,
-          "MambaSpec": MAMBA}
-NULL_BLOCK = 0      # vLLM's null block: a skipped sliding-window block or Mamba state
-FAILED = -1         # Transfer.group of a load that failed before it was planned
+_KINDS = {
+    "FullAttentionSpec": FULL,
+    "MLAAttentionSpec": FULL,
+    "SlidingWindowSpec": SWA,
+    "MambaSpec": MAMBA,
+}
+NULL_BLOCK = 0  # vLLM's null block: a skipped sliding-window block or Mamba state
+FAILED = -1  # Transfer.group of a load that failed before it was planned
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,10 @@ class GroupPlan:
     """One KV cache group: its kind, the pages a hit needs, and its spec for the digest."""
 
     index: int
-    kind: str          # full | swa | mamba
-    window: int        # trailing pages a hit needs (0: all pages)
+    kind: str  # full | swa | mamba
+    window: int  # trailing pages a hit needs (0: all pages)
     block_size: int
-    describe: str      # the vLLM spec and layers: part of the namespace digest
+    describe: str  # the vLLM spec and layers: part of the namespace digest
 
     @property
     def pool(self) -> str:
@@ -64,7 +69,9 @@ def kind_of(spec) -> str | None:
 def is_hybrid(kv_cache_config) -> bool:
     """Whether the groups need the per-group path (anything but one full-attention group)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return len(groups) > 1 or (len(groups) == 1 and kind_of(groups[0].kv_cache_spec) in (SWA, MAMBA))
+    return len(groups) > 1 or (
+        len(groups) == 1 and kind_of(groups[0].kv_cache_spec) in (SWA, MAMBA)
+    )
 
 
 def plan_groups(kv_cache_config, tail: bool) -> tuple[list[GroupPlan], str]:
@@ -76,12 +83,16 @@ def plan_groups(kv_cache_config, tail: bool) -> tuple[list[GroupPlan], str]:
         kind = kind_of(spec)
         if kind is None:
             return [], f"group {i} is {type(spec).__name__}"
-        if not getattr(group, "enable_kv_transfer", True) or not getattr(spec, "prefix_cacheable", True):
+        if not getattr(group, "enable_kv_transfer", True) or not getattr(
+            spec, "prefix_cacheable", True
+        ):
             return [], f"group {i} is not transferable"
         bs = int(spec.block_size)
         window = 0
         if kind == SWA:
-            span = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            span = (
+                int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            )
             window = max(1, -(-span // bs)) + int(tail)
         elif kind == MAMBA:
             if getattr(spec, "mamba_cache_mode", "none") != "align":
@@ -111,8 +122,8 @@ class HybridScheduler(SchedulerSide):
 
     plans: list[GroupPlan] = field(default_factory=list)
     ranks: list[list[str]] = field(default_factory=list)
-    failed: set[str] = field(default_factory=set)     # a load failed: no hit on its retry
-    async_loads = True     # Mamba state is copied forward before the forward; failures per request
+    failed: set[str] = field(default_factory=set)  # a load failed: no hit on its retry
+    async_loads = True  # Mamba state is copied forward before the forward; failures per request
 
     def block_ids(self, groups) -> list:
         """Every group's block ids (`plan.index` picks one)."""
@@ -133,7 +144,9 @@ class HybridScheduler(SchedulerSide):
                 if plan.kind == FULL or plan.index == anchor:
                     extra.append({"namespace": ns, "policy": "all_pages"})
                 else:
-                    extra.append({"namespace": ns, "policy": "trailing_pages", "window": plan.window})
+                    extra.append(
+                        {"namespace": ns, "policy": "trailing_pages", "window": plan.window}
+                    )
         return extra
 
     def _exists_once(self, keys: list[str]) -> int:
@@ -152,27 +165,35 @@ class HybridScheduler(SchedulerSide):
         for plan in self.plans:
             ids = block_ids[plan.index]
             pick = [i for i in index if i < len(ids) and ids[i] != NULL_BLOCK]
-            self.loads.append(Transfer(rid, [keys[i] for i in pick], [ids[i] for i in pick],
-                                       group=plan.index))
+            self.loads.append(
+                Transfer(rid, [keys[i] for i in pick], [ids[i] for i in pick], group=plan.index)
+            )
 
     def fail_load(self, rid: str, block_ids: list) -> None:
         """Report the request's load as failed, as a whole (its plan could not be made)."""
         self.loads.append(Transfer(rid, [], [], group=FAILED))
 
-    def _save_transfers(self, req, keys: list[str], index: list[int], end: int,
-                        block_ids_of) -> list[Transfer]:
+    def _save_transfers(
+        self, req, keys: list[str], index: list[int], end: int, block_ids_of
+    ) -> list[Transfer]:
         """Per group: every block with a real id; Mamba only the block whose state is at
         the step's end, when that is a block boundary. KV events ride on the anchor's."""
         groups = block_ids_of(req.request_id)
         out = []
         for plan in self.plans:
             ids = groups[plan.index]
-            pick = [(k, i) for k, i in zip(keys, index, strict=False) if i < len(ids) and ids[i] != NULL_BLOCK]
+            pick = [
+                (k, i)
+                for k, i in zip(keys, index, strict=False)
+                if i < len(ids) and ids[i] != NULL_BLOCK
+            ]
             if plan.kind == MAMBA:
                 pick = [(k, i) for k, i in pick if (i + 1) * self.block_size == end]
             if not pick:
                 continue
-            t = Transfer(req.request_id, [k for k, _ in pick], [ids[i] for _, i in pick], group=plan.index)
+            t = Transfer(
+                req.request_id, [k for k, _ in pick], [ids[i] for _, i in pick], group=plan.index
+            )
             out.append(self._with_meta(t, req, pick[0][1]) if plan.index == self.anchor else t)
         return out
 
@@ -209,7 +230,7 @@ class HybridWorker:
         for g, side in enumerate(self.sides):
             side.load([t for t in transfers if t.group == g])
             failed |= side.failed_reqs
-            side.take_load_errors()          # several groups: vLLM takes failures per request
+            side.take_load_errors()  # several groups: vLLM takes failures per request
         with self.lock:
             self.received |= {t.req_id for t in transfers}
             self.failed |= failed
@@ -226,7 +247,7 @@ class HybridWorker:
             for rid in self.finishing:
                 states = [s.save_state(rid) for s in self.sides]
                 if not any(saving for saving, _ in states):
-                    gone.add(rid)            # never saved: the scheduler did not keep it
+                    gone.add(rid)  # never saved: the scheduler did not keep it
                 elif not any(busy for _, busy in states):
                     done.add(rid)
             for side in self.sides:
@@ -249,4 +270,5 @@ class HybridWorker:
 
 def transfer_results_type() -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
     return KVConnectorTransferResults

@@ -12,6 +12,7 @@ namespace names the backend and kernel path.
     | L0 view0 | L0 view1 | L1 ..| L0 view0 | L0 view1 | L1 ..|
       ^ view j of block b is copied to [s * page_bytes + offset_j, + size_j)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,11 +30,11 @@ _SLUG = re.compile(r"[^0-9A-Za-z_.:-]+")
 class PageLayout:
     """Block-major byte views of the KV cache and where each lands inside a page."""
 
-    views: tuple[torch.Tensor, ...]   # uint8 [num_blocks, size_j], rows contiguous
+    views: tuple[torch.Tensor, ...]  # uint8 [num_blocks, size_j], rows contiguous
     offsets: tuple[int, ...]
     page_bytes: int
     num_blocks: int
-    describe: str                     # shapes and dtypes, for the namespace
+    describe: str  # shapes and dtypes, for the namespace
 
     @classmethod
     def of(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> PageLayout:
@@ -54,19 +55,25 @@ class PageLayout:
 
     def staging_views(self, staging: torch.Tensor) -> list[torch.Tensor]:
         """The matching [slots, size_j] windows of a uint8 [slots, page_bytes] staging tensor."""
-        return [staging[:, o:o + v.shape[1]] for v, o in zip(self.views, self.offsets, strict=False)]
+        return [
+            staging[:, o : o + v.shape[1]] for v, o in zip(self.views, self.offsets, strict=False)
+        ]
 
-    def to_staging(self, staging: Sequence[torch.Tensor], blocks: list[int], slots: list[int]) -> None:
+    def to_staging(
+        self, staging: Sequence[torch.Tensor], blocks: list[int], slots: list[int]
+    ) -> None:
         """Copy KV blocks `blocks` into staging slots `slots` (all layers)."""
         for b, s, n in _runs(blocks, slots):
             for view, window in zip(self.views, staging, strict=False):
-                window[s:s + n].copy_(view[b:b + n])
+                window[s : s + n].copy_(view[b : b + n])
 
-    def from_staging(self, staging: Sequence[torch.Tensor], slots: list[int], blocks: list[int]) -> None:
+    def from_staging(
+        self, staging: Sequence[torch.Tensor], slots: list[int], blocks: list[int]
+    ) -> None:
         """Copy staging slots `slots` into KV blocks `blocks` (all layers)."""
         for b, s, n in _runs(blocks, slots):
             for view, window in zip(self.views, staging, strict=False):
-                view[b:b + n].copy_(window[s:s + n])
+                view[b : b + n].copy_(window[s : s + n])
 
 
 def _runs(a: Sequence[int], b: Sequence[int]):
@@ -86,8 +93,10 @@ def _block_major(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
         return [t]
     if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks and t[0, 0].is_contiguous():
         return [t[0], t[1]]
-    raise ValueError(f"unsupported KV cache layout {tuple(t.shape)} strides {t.stride()} "
-                     f"for {num_blocks} blocks (need the block dimension first, or after K/V)")
+    raise ValueError(
+        f"unsupported KV cache layout {tuple(t.shape)} strides {t.stride()} "
+        f"for {num_blocks} blocks (need the block dimension first, or after K/V)"
+    )
 
 
 @dataclass(frozen=True)
@@ -104,16 +113,30 @@ class EngineScope:
     rank: dict
 
 
-def namespace_spec(scope: EngineScope, layout: PageLayout, share_gid: int | None = None,
-                   pool: str = "kv", group: str = "") -> dict:
+def namespace_spec(
+    scope: EngineScope,
+    layout: PageLayout,
+    share_gid: int | None = None,
+    pool: str = "kv",
+    group: str = "",
+) -> dict:
     """The sidecar namespace spec: equal exactly when pages are interchangeable. KV events
     name its pages by vLLM's block hash (`key_format`); `share_gid` lets engines of other
     uids in that group share it (docs/security.md, "Tenants"). A hybrid model's KV cache
     group adds its pool kind and `group`, a description of its vLLM spec (in the digest)."""
-    digest = hashlib.sha256((layout.describe + (f"|{group}" if group else "")).encode()).hexdigest()[:16]
-    spec = {"page_bytes": layout.page_bytes, "pool": pool, "model": scope.model, "dtype": scope.dtype,
-            "page_tokens": scope.block_size, "rank": scope.rank,
-            "layout": f"vllm:{scope.backend}:{scope.hashing}:{digest}", "key_format": "vllm"}
+    digest = hashlib.sha256(
+        (layout.describe + (f"|{group}" if group else "")).encode()
+    ).hexdigest()[:16]
+    spec = {
+        "page_bytes": layout.page_bytes,
+        "pool": pool,
+        "model": scope.model,
+        "dtype": scope.dtype,
+        "page_tokens": scope.block_size,
+        "rank": scope.rank,
+        "layout": f"vllm:{scope.backend}:{scope.hashing}:{digest}",
+        "key_format": "vllm",
+    }
     if share_gid is not None:
         spec["share_gid"] = int(share_gid)
     return spec

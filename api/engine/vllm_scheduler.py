@@ -24,6 +24,7 @@ With `cost` (api/engine/restore_cost.py), the exists call also says where the pr
 beat computing it: else the engine recomputes (its host-pool run may still load) and the
 sidecar is told (`restores_skipped`). The worker's timings feed the estimates back.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,10 +49,10 @@ class Transfer:
     req_id: str
     keys: list[str]
     block_ids: list[int]
-    parent: str | None = None                 # KV events: the key before keys[0]
-    tokens: list[list[int]] | None = None     # KV events: each key's token ids (saves)
-    group: int = 0                               # the KV cache group (hybrid models)
-    tiers: dict[str, int] | None = None       # loads: bytes by serving tier (restore cost)
+    parent: str | None = None  # KV events: the key before keys[0]
+    tokens: list[list[int]] | None = None  # KV events: each key's token ids (saves)
+    group: int = 0  # the KV cache group (hybrid models)
+    tiers: dict[str, int] | None = None  # loads: bytes by serving tier (restore cost)
 
 
 @dataclass
@@ -59,8 +60,8 @@ class Lookup:
     future: Future
     started: float
     keys: list[str]
-    tokens: int           # the request's tokens when asked: a load stops one short of them
-    tail: bool            # keys[-1] is the tail key (the partial block of the last token)
+    tokens: int  # the request's tokens when asked: a load stops one short of them
+    tail: bool  # keys[-1] is the tail key (the partial block of the last token)
 
 
 @dataclass
@@ -74,10 +75,10 @@ class Hit:
 
 @dataclass
 class Tail:
-    index: int            # block index of the partial block
+    index: int  # block index of the partial block
     key: str
-    end: int              # the prompt's tokens: the tail is complete once they are computed
-    saved: bool           # the sidecar holds it (found, or saved by this request)
+    end: int  # the prompt's tokens: the tail is complete once they are computed
+    saved: bool  # the sidecar holds it (found, or saved by this request)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Tracked:
     tail: Tail | None = None
 
 
-Where = tuple[int, int, int]   # (prefix, of it in the host pool, in the host pool or a local tier)
+Where = tuple[int, int, int]  # (prefix, of it in the host pool, in the host pool or a local tier)
 
 
 def _where(answer) -> Where:
@@ -114,22 +115,27 @@ def _answer(future: Future) -> int | None:
 class SchedulerSide:
     client: SidecarClient
     block_size: int
-    ratio: int = 1                      # KV block size / hash block size
+    ratio: int = 1  # KV block size / hash block size
     lookup_wait: float = 0.002
     lookup_timeout: float = 1.0
     tail_key: Callable[[Any, int], str | None] | None = None  # (request, full blocks) -> key
     cost: RestoreCost | None = None  # load only what restores faster than it computes
-    specs: dict[str, dict] = field(default_factory=dict)    # namespace -> spec, rank order
+    specs: dict[str, dict] = field(default_factory=dict)  # namespace -> spec, rank order
     lookups: dict[str, Lookup] = field(default_factory=dict)
     hits: dict[str, Hit] = field(default_factory=dict)
     tracked: dict[str, Tracked] = field(default_factory=dict)
     loads: list[Transfer] = field(default_factory=list)
-    stats: dict[str, int] = field(default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0,
-                                                            "skipped": 0})
-    tiers: dict[str, dict[str, int]] = field(default_factory=dict)   # rid -> its load's bytes by tier
-    skipped: set[str] = field(default_factory=set)                    # rids whose skip was reported
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "sidecar-exists"))
-    async_loads = False                 # loads land in the step's forward (hybrid: a step later)
+    stats: dict[str, int] = field(
+        default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0, "skipped": 0}
+    )
+    tiers: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # rid -> its load's bytes by tier
+    skipped: set[str] = field(default_factory=set)  # rids whose skip was reported
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, "sidecar-exists")
+    )
+    async_loads = False  # loads land in the step's forward (hybrid: a step later)
 
     def block_ids(self, groups) -> list:
         """The block ids this side plans with, from vLLM's per-group lists: the one group's."""
@@ -158,7 +164,9 @@ class SchedulerSide:
         keys, tail = self.keys_of(request)
         if not keys:
             return None
-        look = Lookup(self.pool.submit(self._exists, keys), time.monotonic(), keys, request.num_tokens, tail)
+        look = Lookup(
+            self.pool.submit(self._exists, keys), time.monotonic(), keys, request.num_tokens, tail
+        )
         self.lookups[request.request_id] = look
         self.stats["lookups"] += 1
         return look
@@ -194,7 +202,9 @@ class SchedulerSide:
         present = where[0]
         self.hits[rid] = Hit(num_computed, present)
         tokens = max(self._loadable(look, present) - num_computed, 0)
-        return self._worth(rid, look, where, num_computed, tokens) if tokens and self.cost else tokens
+        return (
+            self._worth(rid, look, where, num_computed, tokens) if tokens and self.cost else tokens
+        )
 
     def _worth(self, rid: str, look: Lookup, where: Where, start: int, tokens: int) -> int:
         """Of `tokens` loadable past `start`, those worth loading (`cost`): all of them,
@@ -208,7 +218,9 @@ class SchedulerSide:
             options = [(tokens, by_tier(-(-(start + tokens) // bs), host, local, page, first))]
             short = self._loadable(look, host) - start
             if 0 < short < tokens:
-                options.append((short, by_tier(-(-(start + short) // bs), host, local, page, first)))
+                options.append(
+                    (short, by_tier(-(-(start + short) // bs), host, local, page, first))
+                )
             chosen = self.cost.choose(options)
             self.tiers[rid] = dict(next(b for t, b in options if t == chosen)) if chosen else {}
             if chosen < tokens and rid not in self.skipped:
@@ -279,7 +291,9 @@ class SchedulerSide:
         stored = hit.local // bs if present is None else min(present, full_keys)
         t.stored = max(t.stored, stored)
         if look is not None and look.tail:
-            t.tail = Tail(full_keys, look.keys[-1], look.tokens, saved=bool(present and present > full_keys))
+            t.tail = Tail(
+                full_keys, look.keys[-1], look.tokens, saved=bool(present and present > full_keys)
+            )
         if num_external <= 0 or look is None:
             return
         first, last = hit.local // bs, -(-(hit.local + num_external) // bs)
@@ -291,7 +305,9 @@ class SchedulerSide:
 
     def _queue_load(self, rid: str, keys: list[str], index: range, block_ids) -> None:
         """Queue the load of keys[i] into block_ids[i] for i in `index`."""
-        self.loads.append(Transfer(rid, keys[index.start:index.stop], list(block_ids[index.start:index.stop])))
+        self.loads.append(
+            Transfer(rid, keys[index.start : index.stop], list(block_ids[index.start : index.stop]))
+        )
 
     def fail_load(self, rid: str, block_ids: list[int]) -> None:
         """Its load could not be planned: every block is reported failed (vLLM recomputes)."""
@@ -328,7 +344,7 @@ class SchedulerSide:
         if done > t.stored:
             full = block_keys(req.block_hashes, self.ratio, done)
             if len(full) > t.stored:
-                keys, index = full[t.stored:], list(range(t.stored, len(full)))
+                keys, index = full[t.stored :], list(range(t.stored, len(full)))
                 t.stored = len(full)
         tail = t.tail
         if tail is not None and not tail.saved and end >= tail.end and t.stored >= tail.index:
@@ -337,8 +353,9 @@ class SchedulerSide:
             tail.saved = True
         return keys, index, end
 
-    def _save_transfers(self, req, keys: list[str], index: list[int], end: int,
-                        block_ids_of) -> list[Transfer]:
+    def _save_transfers(
+        self, req, keys: list[str], index: list[int], end: int, block_ids_of
+    ) -> list[Transfer]:
         ids = block_ids_of(req.request_id)
         n = sum(1 for i in index if i < len(ids))
         if not n:
@@ -353,8 +370,10 @@ class SchedulerSide:
             if first:
                 t.parent = block_keys(req.block_hashes, self.ratio, first)[first - 1]
             ids, bs = req.all_token_ids, self.block_size
-            t.tokens = [list(ids[(first + i) * bs:min((first + i + 1) * bs, req.num_tokens)])
-                        for i in range(len(t.keys))]
+            t.tokens = [
+                list(ids[(first + i) * bs : min((first + i + 1) * bs, req.num_tokens)])
+                for i in range(len(t.keys))
+            ]
         except Exception:
             t.parent, t.tokens = None, None
         return t
@@ -366,7 +385,7 @@ class SchedulerSide:
                 blocks = block_ids_of(rid)
             except Exception:  # preempted: no blocks now, nothing of it was computed on them
                 continue
-            first = next((i for i, b in enumerate(blocks[:t.stored]) if b in invalid), None)
+            first = next((i for i, b in enumerate(blocks[: t.stored]) if b in invalid), None)
             if first is not None:
                 t.stored = first
             tail = t.tail
@@ -410,7 +429,7 @@ class SchedulerSide:
     def observe(self, timings: dict) -> None:
         """The worker's timings (`WorkerSide.take_timings`) into the restore cost."""
         cost = self.cost
-        if cost is None:   # no restore cost: nothing learns from them
+        if cost is None:  # no restore cost: nothing learns from them
             return
         for tokens, seconds in timings.get("prefill", ()):
             cost.observe_prefill(int(tokens), float(seconds))

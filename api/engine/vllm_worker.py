@@ -16,6 +16,7 @@ block ids: no staging, sets run in the step.
            (no arena: sidecar --get--> staging slots --copy--> KV blocks)
     save:  KV blocks --copy--> staging slots --set(keys, slots) on I/O thread--> sidecar
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,11 @@ class KvArena(TorchFunctionMode):
         """The arena buffer every view lies in, or None."""
         for buf in self.buffers:
             lo, hi = buf.address, buf.address + buf.size
-            if all(lo <= v.data_ptr() and v.data_ptr() + v.stride(0) * (v.shape[0] - 1) + v.shape[1] <= hi
-                   for v in views):
+            if all(
+                lo <= v.data_ptr()
+                and v.data_ptr() + v.stride(0) * (v.shape[0] - 1) + v.shape[1] <= hi
+                for v in views
+            ):
                 return buf
         return None
 
@@ -116,7 +120,7 @@ class SlotPool:
             self._cond.notify_all()
 
 
-MAX_SET_TOKENS = 8192   # token ids one set carries for KV events (a JSON body: 32,768 values)
+MAX_SET_TOKENS = 8192  # token ids one set carries for KV events (a JSON body: 32,768 values)
 
 
 def _meta(t: Transfer, i: int, j: int) -> dict:
@@ -131,12 +135,18 @@ def _meta(t: Transfer, i: int, j: int) -> dict:
 class WorkerSide:
     """Registration, loads, saves and their reports for one worker (one TP/PP rank)."""
 
-    def __init__(self, client: SidecarClient, layout: PageLayout, spec: dict, staging_blocks: int,
-                 kv_buffer: SharedBuffer | None = None):
+    def __init__(
+        self,
+        client: SidecarClient,
+        layout: PageLayout,
+        spec: dict,
+        staging_blocks: int,
+        kv_buffer: SharedBuffer | None = None,
+    ):
         self.client, self.layout, self.spec = client, layout, spec
         self.namespace = namespace_name(spec)
         self.cuda = layout.views[0].is_cuda
-        self.kv_buffer = kv_buffer               # the KV cache's own memfd (KvArena): direct loads
+        self.kv_buffer = kv_buffer  # the KV cache's own memfd (KvArena): direct loads
         self.kv_buffer_id: str | None = None
         self.staging: SharedBuffer | None = None
         if not self.cuda:
@@ -147,17 +157,17 @@ class WorkerSide:
             self.slots = SlotPool(slots)
         self.buffer_id: str | None = None
         self.io = ThreadPoolExecutor(1, "sidecar-save")
-        self.lock = threading.Lock()             # the bookkeeping below
-        self.reg_lock = threading.Lock()         # registration (HTTP: never under self.lock)
-        self.inflight: dict[str, int] = {}       # req_id -> sets not yet returned
-        self.saving: set[str] = set()            # requests with saves, until reported
-        self.finishing: set[str] = set()         # finished in the scheduler, not yet reported
+        self.lock = threading.Lock()  # the bookkeeping below
+        self.reg_lock = threading.Lock()  # registration (HTTP: never under self.lock)
+        self.inflight: dict[str, int] = {}  # req_id -> sets not yet returned
+        self.saving: set[str] = set()  # requests with saves, until reported
+        self.finishing: set[str] = set()  # finished in the scheduler, not yet reported
         self.load_errors: set[int] = set()
-        self.failed_reqs: set[str] = set()       # a load failed this step: do not save them
+        self.failed_reqs: set[str] = set()  # a load failed this step: do not save them
         self.pending: list[Future] = []
         self.stats = {"loaded": 0, "load_failed": 0, "saved": 0, "save_failed": 0}
         self._last_warning = 0.0
-        self.timings: dict[str, list] = {"restores": [], "prefill": []}   # restore cost's
+        self.timings: dict[str, list] = {"restores": [], "prefill": []}  # restore cost's
 
     @property
     def direct(self) -> bool:
@@ -176,13 +186,22 @@ class WorkerSide:
                 self.client.put_namespace(self.namespace, **self.spec)
                 if self.cuda:
                     from api.engine.cuda_export import register_cuda
-                    self.buffer_id = register_cuda(self.client, self.namespace,
-                                                   [v for v in self.layout.views], self.layout.num_blocks)
+
+                    self.buffer_id = register_cuda(
+                        self.client,
+                        self.namespace,
+                        [v for v in self.layout.views],
+                        self.layout.num_blocks,
+                    )
                 else:
                     assert self.staging is not None, "a CPU worker has its staging memfd"
                     slots = self.slots.capacity
-                    self.buffer_id = self.staging.register(self.client, self.namespace, slots,
-                                                           page_first_chunks(self.layout.page_bytes))
+                    self.buffer_id = self.staging.register(
+                        self.client,
+                        self.namespace,
+                        slots,
+                        page_first_chunks(self.layout.page_bytes),
+                    )
             return self.buffer_id
 
     def _register_kv(self) -> str:
@@ -191,18 +210,23 @@ class WorkerSide:
         buf = self.kv_buffer
         assert buf is not None, "kv loads only while `direct` off CUDA: the KV memfd is set"
         try:
-            return buf.register(self.client, self.namespace, self.layout.num_blocks,
-                                kv_chunks(self.layout, buf))
+            return buf.register(
+                self.client, self.namespace, self.layout.num_blocks, kv_chunks(self.layout, buf)
+            )
         except SidecarError as exc:
             if exc.status >= 500 or exc.code in ("namespace_not_found",):
                 raise
-            log.warning("kv-sidecar: the sidecar refused the KV cache buffer (%s): loads go through "
-                        "the staging memfd", exc)
+            log.warning(
+                "kv-sidecar: the sidecar refused the KV cache buffer (%s): loads go through "
+                "the staging memfd",
+                exc,
+            )
             self.kv_buffer = None
             raise
 
-    def _call(self, fn: Callable, keys: list[str], slots: list[int], kv: bool = False,
-              **meta) -> list[bool]:
+    def _call(
+        self, fn: Callable, keys: list[str], slots: list[int], kv: bool = False, **meta
+    ) -> list[bool]:
         """One get/set by slot (`kv`: the slots are KV block ids; `meta`: a set's parent and
         tokens); a lost registration registers again and retries once."""
         for attempt in (0, 1):
@@ -211,7 +235,9 @@ class WorkerSide:
                 return fn(self.namespace, keys, buffer_id, slots, **meta)
             except (SidecarUnavailable, SidecarError) as exc:
                 lost = isinstance(exc, SidecarUnavailable) or exc.code in (
-                    "buffer_not_found", "namespace_not_found")
+                    "buffer_not_found",
+                    "namespace_not_found",
+                )
                 if lost:
                     with self.reg_lock:
                         self.buffer_id = self.kv_buffer_id = None
@@ -233,7 +259,7 @@ class WorkerSide:
             started = time.monotonic()
             ok = self._load_one(t)
             failed = [b for b, good in zip(t.block_ids, ok, strict=False) if not good]
-            failed += t.block_ids[len(ok):]
+            failed += t.block_ids[len(ok) :]
             if t.tiers and t.keys and not failed:
                 self.timing("restores", [t.tiers, time.monotonic() - started])
             self.stats["loaded"] += len(t.block_ids) - len(failed)
@@ -251,13 +277,15 @@ class WorkerSide:
             ok: list[bool] = []
             step = self.slots.capacity
             for i in range(0, len(t.keys), step):
-                keys, blocks = t.keys[i:i + step], t.block_ids[i:i + step]
+                keys, blocks = t.keys[i : i + step], t.block_ids[i : i + step]
                 slots = self.slots.take(len(keys))
                 try:
                     got = self._call(self.client.get, keys, slots)
                     good = [(s, b) for s, b, g in zip(slots, blocks, got, strict=False) if g]
                     if good:
-                        self.layout.from_staging(self.windows, [s for s, _ in good], [b for _, b in good])
+                        self.layout.from_staging(
+                            self.windows, [s for s, _ in good], [b for _, b in good]
+                        )
                 finally:
                     self.slots.give(slots)
                 ok += got
@@ -284,13 +312,15 @@ class WorkerSide:
     def _save_one(self, t: Transfer) -> None:
         if self.cuda:  # the sidecar reads the KV blocks themselves: finish the step's writes first
             torch.cuda.current_stream().synchronize()
-            self._count(self._call(self.client.set, t.keys, t.block_ids, **_meta(t, 0, len(t.keys))))
+            self._count(
+                self._call(self.client.set, t.keys, t.block_ids, **_meta(t, 0, len(t.keys)))
+            )
             return
         step = self.slots.capacity
-        if t.tokens:   # a set's JSON holds at most 32,768 values: its tokens stay well within
+        if t.tokens:  # a set's JSON holds at most 32,768 values: its tokens stay well within
             step = max(1, min(step, MAX_SET_TOKENS // max(1, len(t.tokens[0]))))
         for i in range(0, len(t.keys), step):
-            keys, blocks = t.keys[i:i + step], t.block_ids[i:i + step]
+            keys, blocks = t.keys[i : i + step], t.block_ids[i : i + step]
             meta = _meta(t, i, i + step)
             slots = self.slots.take(len(keys))
             try:

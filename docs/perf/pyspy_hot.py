@@ -4,6 +4,7 @@ pages over the engine socket, `batch/exists` of 1,000 keys with three extra pool
 
     PYTHONPATH=$PWD PATH=$PWD/.venv/bin:$PATH python docs/perf/pyspy_hot.py get|batch|exists [SECONDS]
 """
+
 import collections
 import subprocess
 import sys
@@ -17,9 +18,11 @@ from api.engine.shm import SharedBuffer, page_first_chunks
 from loadtest.bench import exists_keys, measure, post_loop
 from loadtest.procs import start_sidecar
 
-EXTRA = [{"namespace": "mamba", "policy": "trailing_pages", "window": 1},
-         {"namespace": "swa", "policy": "trailing_pages", "window": 8},
-         {"namespace": "idx", "policy": "all_pages"}]
+EXTRA = [
+    {"namespace": "mamba", "policy": "trailing_pages", "window": 1},
+    {"namespace": "swa", "policy": "trailing_pages", "window": 8},
+    {"namespace": "idx", "policy": "all_pages"},
+]
 
 
 def request(sc, what: str):
@@ -29,8 +32,13 @@ def request(sc, what: str):
         c.put_namespace("m", 4096)
         buf = SharedBuffer(64 * 4096)
         buf.bytes.fill_(5)
-        body = orjson.dumps({"keys": [f"{i:064x}" for i in range(64)], "slots": list(range(64)),
-                             "buffer_id": buf.register(c, "m", 64, page_first_chunks(4096))})
+        body = orjson.dumps(
+            {
+                "keys": [f"{i:064x}" for i in range(64)],
+                "slots": list(range(64)),
+                "buffer_id": buf.register(c, "m", 64, page_first_chunks(4096)),
+            }
+        )
         post_loop(sc.socket_url, "/v1/namespaces/m/set", body, 1)
         request.keep = buf
         return sc.socket_url, "/v1/namespaces/m/get", body
@@ -54,10 +62,18 @@ def top(raw: str, n: int = 40) -> list[str]:
             own[frames[-1]] += count
             for f in set(frames):
                 incl[f] += count
-    skip = ("runpy", "sidecar/__main__", "sidecar/cli.py", "sidecar/server.py", "uvicorn/server.py",
-            "uvicorn/_compat.py")
+    skip = (
+        "runpy",
+        "sidecar/__main__",
+        "sidecar/cli.py",
+        "sidecar/server.py",
+        "uvicorn/server.py",
+        "uvicorn/_compat.py",
+    )
     rows = [f for f, _ in incl.most_common() if not any(s in f for s in skip)][:n]
-    return [f"{100 * incl[f] / total:5.1f}% incl {100 * own[f] / total:5.1f}% own  {f}" for f in rows]
+    return [
+        f"{100 * incl[f] / total:5.1f}% incl {100 * own[f] / total:5.1f}% own  {f}" for f in rows
+    ]
 
 
 def main(what: str, seconds: int) -> None:
@@ -67,9 +83,25 @@ def main(what: str, seconds: int) -> None:
         rps, cpu, _ = measure(sc, path, body, 2000, url)
         print(f"# {what}: {rps:.0f} req/s, {cpu * 1e6:.0f} us server CPU a request (unprofiled)")
         with tempfile.NamedTemporaryFile(suffix=".raw") as out:
-            spy = subprocess.Popen(["py-spy", "record", "-p", str(sc.proc.pid), "-r", "500", "-d",
-                                    str(seconds), "-f", "raw", "-o", out.name, "--nonblocking"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(sc.proc.pid),
+                    "-r",
+                    "500",
+                    "-d",
+                    str(seconds),
+                    "-f",
+                    "raw",
+                    "-o",
+                    out.name,
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             end = time.time() + seconds + 1
             while time.time() < end:
                 post_loop(url, path, body, 500)

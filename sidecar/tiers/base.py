@@ -14,6 +14,7 @@ The contract of each method (which thread calls it, who owns the buffer, what it
 is in its docstring. Threads: "event loop" methods must not block; "executor" and "writer
 thread" methods may do I/O. No method raises after start: a broken tier is a miss.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,11 +43,11 @@ class Tier:
     """The base every tier derives from; subclasses fill in the I/O."""
 
     name: str = "tier"
-    stats: TierStats        # each tier makes its own
-    shared = False          # other nodes publish into it: `recover` runs again every rescan
-    remote_lookup = False   # `lookup` does network I/O: Tiering calls it off the event loop
-    where = ""              # a directory or an address, for logs
-    degraded: str | None = None   # why the tier serves misses now (/v1/stats), else None
+    stats: TierStats  # each tier makes its own
+    shared = False  # other nodes publish into it: `recover` runs again every rescan
+    remote_lookup = False  # `lookup` does network I/O: Tiering calls it off the event loop
+    where = ""  # a directory or an address, for logs
+    degraded: str | None = None  # why the tier serves misses now (/v1/stats), else None
     # told (from any thread, in order) when pages join or leave the index: KV events
     listener: Callable[[str, list, bool], None] | None = None
 

@@ -14,6 +14,7 @@ and is rebuilt by one scan at start; requests never scan. A shared tier also che
 file system on an index miss (another node may have written the page) and rescans in the
 background. Every I/O error degrades to a miss or a `False`, with a counter and a log line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,15 +38,22 @@ ENOSPC_RETRIES = 3
 __all__ = ["FileTier", "TierStats"]
 
 
-_NONE: dict = {}   # the index of an identity with no page yet (never written to)
+_NONE: dict = {}  # the index of an identity with no page yet (never written to)
+
 
 class FileTier(Tier):
     """Pages as files under `root`, at most `capacity` bytes (None: no limit). Files are
     0600 and directories 0700; with `group` (a shared 3FS directory that several nodes'
     sidecars write under one group) files are 0640 and directories 2770 of that group."""
 
-    def __init__(self, name: str, root: str, capacity: int | None = None, shared: bool = False,
-                 group: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        capacity: int | None = None,
+        shared: bool = False,
+        group: int | None = None,
+    ):
         self.name = name
         self.group = group
         self.file_mode, self.dir_mode = (0o600, 0o700) if group is None else (0o640, 0o2770)
@@ -60,17 +68,17 @@ class FileTier(Tier):
         # least recent first: the pages `recover` found, oldest mtime first, from `_cold_at`
         # on (stale entries, since forgotten or touched, are skipped), then `lru`: pages
         # added or read since, in order. Recovery builds no per-page LRU node (1M pages)
-        self._cold: tuple[list[str], list[str]] = ([], [])   # (identities, keys)
+        self._cold: tuple[list[str], list[str]] = ([], [])  # (identities, keys)
         self._cold_at = 0
         self.lru: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.used = 0
-        self.reserved = 0       # bytes of writes between `_make_room` and publish
+        self.reserved = 0  # bytes of writes between `_make_room` and publish
         self._publishing: Counter[tuple[str, str]] = Counter()  # renamed, not yet indexed
-        self._scan_log: dict | None = None   # index changes while `recover` scans
+        self._scan_log: dict | None = None  # index changes while `recover` scans
         self.stats = TierStats()
         self.degraded: str | None = None
         self._lock = threading.Lock()
-        self._quiet = False     # True while `recover` rebuilds the index (no listener calls)
+        self._quiet = False  # True while `recover` rebuilds the index (no listener calls)
         self._dirs: set[str] = set()
         self._last_log = 0.0
 
@@ -125,7 +133,7 @@ class FileTier(Tier):
         if keys is None or key not in keys:
             return False
         self.used -= keys.pop(key)
-        self.lru.pop((identity, key), None)   # (or a stale entry of `_cold`)
+        self.lru.pop((identity, key), None)  # (or a stale entry of `_cold`)
         if self._scan_log is not None:
             self._scan_log[(identity, key)] = None
         if not self._quiet:
@@ -174,7 +182,9 @@ class FileTier(Tier):
                 pagefile.fsync_dir(d)
         except OSError as exc:
             self._failed("fsync", exc)
-            self._unreserve(sum(size for *_, size in synced), [(ident, key) for _, ident, key, _ in synced])
+            self._unreserve(
+                sum(size for *_, size in synced), [(ident, key) for _, ident, key, _ in synced]
+            )
             return ok
         with self._lock:
             for i, identity, key, size in synced:
@@ -205,8 +215,10 @@ class FileTier(Tier):
                 need = max(len(memoryview(page).cast("B")) + pagefile.BLOCK, self.used // 64)
                 if not self._evict_bytes(need):
                     raise
-                log.warning("%s tier: the file system is full; evicted least recent pages "
-                            "and retrying", self.name)
+                log.warning(
+                    "%s tier: the file system is full; evicted least recent pages and retrying",
+                    self.name,
+                )
         raise OSError(errno.ENOSPC, "no space left after evicting")
 
     def _evict_bytes(self, want: int) -> int:
@@ -310,7 +322,7 @@ class FileTier(Tier):
         with self._lock:
             if (identity, key) in self.lru:
                 self.lru.move_to_end((identity, key))
-            elif key in self.keys.get(identity, ()):    # a recovered page: now the most recent
+            elif key in self.keys.get(identity, ()):  # a recovered page: now the most recent
                 self.lru[(identity, key)] = self.keys[identity][key]
             self.stats.pages_read += 1
             self.stats.bytes_read += len(dst)
@@ -348,7 +360,9 @@ class FileTier(Tier):
         self.delete(identity, known)
         try:
             with os.scandir(directory) as it:
-                names = [e.name[:-len(pagefile.SUFFIX)] for e in it if pagefile.is_page_name(e.name)]
+                names = [
+                    e.name[: -len(pagefile.SUFFIX)] for e in it if pagefile.is_page_name(e.name)
+                ]
         except FileNotFoundError:
             names = []
         except OSError as exc:
@@ -420,7 +434,7 @@ class FileTier(Tier):
             self.keys.clear()
             self.keys.update((i, k) for i, k in keys.items() if k)
             self._cold, self._cold_at, self.lru, self.used = cold, 0, OrderedDict(), used
-            self._quiet = True    # the index is rebuilt: listeners hear the difference once
+            self._quiet = True  # the index is rebuilt: listeners hear the difference once
             for (ident, key), size in changed.items():  # what happened during the scan wins
                 if size is not None:
                     self._add(ident, key, size)
@@ -453,17 +467,28 @@ class FileTier(Tier):
         return sum(map(len, list(self.keys.values())))
 
     def describe(self) -> dict:
-        return {"root": self.root, "pages": self.pages(), "bytes": self.used,
-                "capacity": self.capacity, "shared": self.shared, "degraded": self.degraded,
-                **asdict(self.stats)}
+        return {
+            "root": self.root,
+            "pages": self.pages(),
+            "bytes": self.used,
+            "capacity": self.capacity,
+            "shared": self.shared,
+            "degraded": self.degraded,
+            **asdict(self.stats),
+        }
 
 
 def _stat_pages(fd: int, directory: str, names: list[str], now: float) -> tuple[list, list, list]:
     """(keys, sizes, mtimes) of the pages among `names` in the directory open as `fd`;
     unlinks abandoned temporaries. The per-file loop of a recovery: keep it lean."""
     keys, sizes, mtimes = [], [], []
-    shared: dict[int, int] = {}     # one int object a size: a namespace's pages have one or two
-    is_page, is_reg, cut, lstat = pagefile.page_name_match, stat.S_ISREG, -len(pagefile.SUFFIX), os.stat
+    shared: dict[int, int] = {}  # one int object a size: a namespace's pages have one or two
+    is_page, is_reg, cut, lstat = (
+        pagefile.page_name_match,
+        stat.S_ISREG,
+        -len(pagefile.SUFFIX),
+        os.stat,
+    )
     for name in names:
         try:
             st = lstat(name, dir_fd=fd, follow_symlinks=False)
@@ -502,7 +527,12 @@ def _build_index(scans: list) -> tuple[dict, tuple[list, list], int]:
 def _subdirs(path: str, length: int) -> list[str]:
     try:
         with os.scandir(path) as it:
-            return [e.name for e in it if len(e.name) == length and e.is_dir(follow_symlinks=False)
-                    and all(c in "0123456789abcdef" for c in e.name)]
+            return [
+                e.name
+                for e in it
+                if len(e.name) == length
+                and e.is_dir(follow_symlinks=False)
+                and all(c in "0123456789abcdef" for c in e.name)
+            ]
     except FileNotFoundError:
         return []

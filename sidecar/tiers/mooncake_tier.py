@@ -20,6 +20,7 @@ restarted, no space, an expired lease, a page evicted between exists and get) is
 `False` with a counter and at most one log line per interval. The client connects in a
 background thread, retrying until the master answers; until then the tier is empty.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,9 +41,9 @@ from sidecar.tiers.base import RateLog, Tier, TierStats
 
 log = logging.getLogger("kv_sidecar.tiers")
 HEADER = pagefile.HEADER_SIZE
-CHUNK = 64                 # pages per Mooncake call, and headers per header block
-BLOCKS = 32                # header blocks: concurrent calls (writer + copy threads)
-STAGING = 64 * 2**20       # registered staging for pages outside the arena (write-back copies)
+CHUNK = 64  # pages per Mooncake call, and headers per header block
+BLOCKS = 32  # header blocks: concurrent calls (writer + copy threads)
+STAGING = 64 * 2**20  # registered staging for pages outside the arena (write-back copies)
 # Mooncake's ErrorCode values (mooncake-store/include/types.h)
 NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_FOUND = -200, -600, -704
 OBJECT_ALREADY_EXISTS, LEASE_EXPIRED, REPLICA_IS_GONE, RPC_FAIL = -705, -707, -712, -900
@@ -50,21 +51,21 @@ OBJECT_ALREADY_EXISTS, LEASE_EXPIRED, REPLICA_IS_GONE, RPC_FAIL = -705, -707, -7
 
 @dataclass(frozen=True, slots=True)
 class MooncakeSettings:
-    master: str                       # HOST:PORT of mooncake_master
-    metadata: str = "P2PHANDSHAKE"    # or etcd://..., http://.../metadata
-    protocol: str = "tcp"             # tcp or rdma
-    device: str = ""                  # RDMA device names, e.g. "mlx5_0,mlx5_1"
-    segment_size: int = 2**30         # memory this sidecar lends the cluster (0: none)
+    master: str  # HOST:PORT of mooncake_master
+    metadata: str = "P2PHANDSHAKE"  # or etcd://..., http://.../metadata
+    protocol: str = "tcp"  # tcp or rdma
+    device: str = ""  # RDMA device names, e.g. "mlx5_0,mlx5_1"
+    segment_size: int = 2**30  # memory this sidecar lends the cluster (0: none)
     local_buffer_size: int = 16 * 2**20
-    local_hostname: str = ""          # empty: the address this node uses to reach the master
+    local_hostname: str = ""  # empty: the address this node uses to reach the master
 
 
 @dataclass(slots=True)
 class MooncakeStats(TierStats):
-    unavailable: int = 0      # calls made while the master was down or unreachable
-    no_space: int = 0         # writes refused: every segment full
-    lease_expired: int = 0    # reads whose lease ran out before the bytes arrived
-    evicted: int = 0          # pages gone between exists and get
+    unavailable: int = 0  # calls made while the master was down or unreachable
+    no_space: int = 0  # writes refused: every segment full
+    lease_expired: int = 0  # reads whose lease ran out before the bytes arrived
+    evicted: int = 0  # pages gone between exists and get
     connects: int = 0
 
 
@@ -89,7 +90,7 @@ def _address(view) -> int | None:
     """The address of a writable buffer; None for a read-only one."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:   # read-only: a staged copy
+    except TypeError:  # read-only: a staged copy
         return None
 
 
@@ -131,8 +132,9 @@ class MooncakeTier(Tier):
     def recover(self) -> int:
         """Start connecting in the background; Mooncake keeps no index to rebuild."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._connect_loop, name="kv-mooncake",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._connect_loop, name="kv-mooncake", daemon=True
+            )
             self._thread.start()
         return 0
 
@@ -170,8 +172,15 @@ class MooncakeTier(Tier):
         s = self.settings
         client = MooncakeDistributedStore()
         hostname = s.local_hostname or route_address(self.host, self.port)
-        rc = client.setup(hostname, s.metadata, s.segment_size, s.local_buffer_size, s.protocol,
-                          s.device, s.master)
+        rc = client.setup(
+            hostname,
+            s.metadata,
+            s.segment_size,
+            s.local_buffer_size,
+            s.protocol,
+            s.device,
+            s.master,
+        )
         if rc != 0 or not self._register(client):
             self.degraded = f"client set-up failed (rc {rc})"
             self._logs["unavailable"](logging.WARNING, "mooncake tier: %s; retrying", self.degraded)
@@ -180,16 +189,23 @@ class MooncakeTier(Tier):
         self._client = client
         self.stats.connects += 1
         self.degraded = None
-        log.info("mooncake tier: connected to %s as %s (%s, lending %d bytes)", s.master,
-                 hostname, s.protocol, s.segment_size)
+        log.info(
+            "mooncake tier: connected to %s as %s (%s, lending %d bytes)",
+            s.master,
+            hostname,
+            s.protocol,
+            s.segment_size,
+        )
         return True
 
     def _register(self, client) -> bool:
         """Register the arena, the header blocks and the staging area, once per client."""
         self._headers = mmap.mmap(-1, BLOCKS * CHUNK * HEADER)
         self._staging = mmap.mmap(-1, STAGING)
-        regions = [(_mapped_address(self._headers), len(self._headers)),
-                   (_mapped_address(self._staging), len(self._staging))]
+        regions = [
+            (_mapped_address(self._headers), len(self._headers)),
+            (_mapped_address(self._staging), len(self._staging)),
+        ]
         if self._arena is not None:
             regions.append(self._arena)
         for addr, size in regions:
@@ -290,7 +306,9 @@ class MooncakeTier(Tier):
                     ptrs.append([block + j * HEADER, addr])
                     sizes.append([HEADER, len(page)])
                 with self._put_lock:  # one batch in flight; the other writer hashes the next
-                    codes = self._call(client.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes)
+                    codes = self._call(
+                        client.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes
+                    )
         finally:
             self._blocks.put(block)
         return [self._written(job, code) for job, code in zip(jobs, codes, strict=False)]
@@ -305,7 +323,9 @@ class MooncakeTier(Tier):
             return True
         if code == NO_AVAILABLE_HANDLE:
             self.stats.no_space += 1
-            self._logs["write"](logging.WARNING, "mooncake tier: no space in the cluster's segments")
+            self._logs["write"](
+                logging.WARNING, "mooncake tier: no space in the cluster's segments"
+            )
         elif code == RPC_FAIL:
             self._unavailable(1, "write")
         else:
@@ -316,7 +336,7 @@ class MooncakeTier(Tier):
     def read_batch(self, identity: str, items: list[tuple[str, memoryview]]) -> list[bool]:
         out: list[bool] = []
         for i in range(0, len(items), CHUNK):
-            out += self._read_chunk(identity, items[i:i + CHUNK])
+            out += self._read_chunk(identity, items[i : i + CHUNK])
         return out
 
     def read(self, identity: str, key: str, dst: memoryview) -> bool:
@@ -336,8 +356,10 @@ class MooncakeTier(Tier):
             heads = [ctypes.string_at(block + j * HEADER, HEADER) for j in range(len(items))]
         finally:
             self._blocks.put(block)
-        return [self._verify(identity, item, mkey, head, code)
-                for item, mkey, head, code in zip(items, keys, heads, codes, strict=False)]
+        return [
+            self._verify(identity, item, mkey, head, code)
+            for item, mkey, head, code in zip(items, keys, heads, codes, strict=False)
+        ]
 
     def _verify(self, identity: str, item: tuple, mkey: str, head: bytes, code: int) -> bool:
         key, dst = item
@@ -348,7 +370,9 @@ class MooncakeTier(Tier):
         if code != HEADER + len(dst) or offset != HEADER or xxhash.xxh3_64_intdigest(dst) != digest:
             self.stats.corrupt += 1
             self._forget(identity, key)
-            self._logs["corrupt"](logging.WARNING, "mooncake tier: %s is not a valid page; removed", mkey)
+            self._logs["corrupt"](
+                logging.WARNING, "mooncake tier: %s is not a valid page; removed", mkey
+            )
             self._remove([mkey])
             return False
         self._remember(identity, key)
@@ -364,7 +388,7 @@ class MooncakeTier(Tier):
             self.stats.lease_expired += 1
         elif code == RPC_FAIL:
             self._unavailable(1, "read")
-        elif code == INVALID_PARAMS:   # an object of another size under this key
+        elif code == INVALID_PARAMS:  # an object of another size under this key
             self.stats.corrupt += 1
         else:
             self.stats.read_errors += 1
@@ -405,16 +429,27 @@ class MooncakeTier(Tier):
         self.stats.unavailable += n
         if self._client is not None:
             self.degraded = f"master {self.settings.master} unavailable"
-        self._logs["unavailable"](logging.WARNING, "mooncake tier: %s failed, master %s "
-                                  "unavailable (a miss; serving from the other tiers)",
-                                  what, self.settings.master)
+        self._logs["unavailable"](
+            logging.WARNING,
+            "mooncake tier: %s failed, master %s "
+            "unavailable (a miss; serving from the other tiers)",
+            what,
+            self.settings.master,
+        )
 
     def describe(self) -> dict:
         s = self.settings
-        return {"master": s.master, "metadata": s.metadata, "protocol": s.protocol,
-                "segment_size": s.segment_size, "connected": self.connected,
-                "pages": sum(map(len, list(self.known.values()))), "shared": True,
-                "degraded": self.degraded, **asdict(self.stats)}
+        return {
+            "master": s.master,
+            "metadata": s.metadata,
+            "protocol": s.protocol,
+            "segment_size": s.segment_size,
+            "connected": self.connected,
+            "pages": sum(map(len, list(self.known.values()))),
+            "shared": True,
+            "degraded": self.degraded,
+            **asdict(self.stats),
+        }
 
 
 class _Staged:
@@ -435,7 +470,7 @@ class _Staged:
         base, at, addrs = _mapped_address(staging), 0, []
         for (_, _, page), a in zip(self.jobs, found, strict=False):
             if a is None:
-                staging[at:at + len(page)] = page
+                staging[at : at + len(page)] = page
                 a = base + at
                 at += len(page)
             addrs.append(a)

@@ -17,6 +17,7 @@ who writes them, so a scan removes only provably abandoned ones (`abandoned`):
 
     ~<node>~<boot>~<pid>~<random>.tmp     node: host name + pid namespace; boot: boot id
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,15 +36,15 @@ import xxhash
 
 MAGIC = b"KVSPAGE\x01"
 VERSION = 1
-HEADER = struct.Struct("<8sIIQQQ")      # 40 bytes, then the header's own xxh3 (8 bytes)
+HEADER = struct.Struct("<8sIIQQQ")  # 40 bytes, then the header's own xxh3 (8 bytes)
 HEADER_SIZE = 64
-BLOCK = 4096                             # the O_DIRECT alignment and data offset
+BLOCK = 4096  # the O_DIRECT alignment and data offset
 SUFFIX = ".pg"
 TMP_PREFIX = "~"
-TEMP_MAX_AGE = 600.0                     # seconds: any writer's temporary older is abandoned
+TEMP_MAX_AGE = 600.0  # seconds: any writer's temporary older is abandoned
 _PAGE_NAME = re.compile(r"[0-9A-Za-z_.:\-]{1,128}\.pg")
 _TEMP_NAME = re.compile(r"~([0-9A-Za-z.-]{1,80})~([0-9a-f]{1,32})~([0-9]{1,10})~[0-9a-f]{8}\.tmp")
-_LEGACY_TEMP = re.compile(r"\..*\.pg\.tmp\.[0-9]+\.[0-9a-f]{8}")   # before temporaries began with ~
+_LEGACY_TEMP = re.compile(r"\..*\.pg\.tmp\.[0-9]+\.[0-9a-f]{8}")  # before temporaries began with ~
 _local = threading.local()
 
 
@@ -73,7 +74,7 @@ def is_page_name(name: str) -> bool:
     return _PAGE_NAME.fullmatch(name) is not None
 
 
-page_name_match = _PAGE_NAME.fullmatch   # is_page_name without a Python frame (recovery's loop)
+page_name_match = _PAGE_NAME.fullmatch  # is_page_name without a Python frame (recovery's loop)
 
 
 def temp_name() -> str:
@@ -113,8 +114,9 @@ def page_name(key: str) -> str:
 
 
 def encode_header(key: str, page, data_offset: int = HEADER_SIZE) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, data_offset, len(page), xxhash.xxh3_64_intdigest(page),
-                       key_tag(key))
+    head = HEADER.pack(
+        MAGIC, VERSION, data_offset, len(page), xxhash.xxh3_64_intdigest(page), key_tag(key)
+    )
     head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
     return head + bytes(data_offset - len(head))
 
@@ -125,10 +127,15 @@ def parse_header(raw: bytes, key: str, length: int) -> tuple[int, int]:
         return -1, -1
     magic, version, offset, size, digest, tag = HEADER.unpack_from(raw)
     (head_sum,) = struct.unpack_from("<Q", raw, HEADER.size)
-    if (magic != MAGIC or version != VERSION or size != length or tag != key_tag(key)
-            or offset not in (HEADER_SIZE, BLOCK)):
+    if (
+        magic != MAGIC
+        or version != VERSION
+        or size != length
+        or tag != key_tag(key)
+        or offset not in (HEADER_SIZE, BLOCK)
+    ):
         return -1, -1
-    if head_sum != xxhash.xxh3_64_intdigest(raw[:HEADER.size]):
+    if head_sum != xxhash.xxh3_64_intdigest(raw[: HEADER.size]):
         return -1, -1
     return offset, digest
 
@@ -162,7 +169,7 @@ def write_temp(directory: str, key: str, page, mode: int = 0o600) -> tuple[str, 
         if mode != 0o600:
             os.fchmod(fd, mode)  # a group mode, whatever the umask
         head: bytes | mmap.mmap = encode_header(key, view, BLOCK if direct else HEADER_SIZE)
-        if direct:   # O_DIRECT writes from an aligned buffer: the header's own block
+        if direct:  # O_DIRECT writes from an aligned buffer: the header's own block
             block = _header_block()
             block[:] = head
             head = block

@@ -10,6 +10,7 @@ threads in batches (one directory fsync per batch), and finished back on the loo
 A delete cancels the jobs of its keys still queued and waits for those a thread already
 took (`in_flight`), so no write publishes a page after its delete.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,12 +30,12 @@ BATCH = 64
 class WriteJob:
     identity: str
     key: str
-    page: Any                                # memoryview of a pinned slot, or a staged copy
+    page: Any  # memoryview of a pinned slot, or a staged copy
     seq: int
     future: asyncio.Future
     release: Callable[[], None] | None = field(default=None)
-    started: bool = False                    # a thread took it (under TierWriter._lock)
-    cancelled: bool = False                  # deleted before a thread took it
+    started: bool = False  # a thread took it (under TierWriter._lock)
+    cancelled: bool = False  # deleted before a thread took it
 
 
 class TierWriter:
@@ -49,16 +50,18 @@ class TierWriter:
         self.failed = 0
         self.dropped = 0
         self.cancelled = 0
-        self.promised = 0      # write_through credits: pages being copied that will be queued
-        self._threads = [threading.Thread(target=self._work, name=f"kv-tier-{i}", daemon=True)
-                         for i in range(threads)]
+        self.promised = 0  # write_through credits: pages being copied that will be queued
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kv-tier-{i}", daemon=True)
+            for i in range(threads)
+        ]
         self._q: queue.Queue = queue.Queue()
         self._seq = 0
         self._outstanding: dict[int, WriteJob] = {}
         self._by_key: dict[tuple[str, str], list[WriteJob]] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[asyncio.Future] = []   # woken when a batch finishes
+        self._waiters: list[asyncio.Future] = []  # woken when a batch finishes
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -188,7 +191,7 @@ class TierWriter:
         """Wake every `changed()` waiter (a batch finished, or credits came back)."""
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
-            if not fut.done():   # (a waiter that timed out is cancelled)
+            if not fut.done():  # (a waiter that timed out is cancelled)
                 fut.set_result(None)
 
     async def flush(self, timeout: float) -> int:

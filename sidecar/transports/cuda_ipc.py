@@ -14,6 +14,7 @@ on non-default streams (one per copy thread) with `cudaMemcpyAsync` (unified add
 host arena <-> device), then sync before answering. Without a CUDA device nothing here
 calls CUDA: registration answers `transport_unavailable`.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,7 +29,9 @@ from sidecar.transports.base import CopyFailed, _nonneg_int
 
 log = logging.getLogger("kv_sidecar.cuda")
 _HANDLE = re.compile(r"[0-9a-fA-F]{128}")
-_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_UUID = re.compile(
+    r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+)
 
 
 def parse_handle(body: dict[str, Any]) -> tuple[bytes, int, str]:
@@ -64,12 +67,14 @@ def bindings() -> tuple[Any, Any]:
     (None, None) without either. Same calls and error tuples in both."""
     try:
         from cuda.bindings import driver, runtime
+
         return runtime, driver
     except Exception:
         pass
     try:
         from cuda import cuda as driver
         from cuda import cudart as runtime
+
         return runtime, driver
     except Exception:
         return None, None
@@ -97,13 +102,17 @@ def register_host_memory(address: int, size: int) -> bool:
         return False
     rt = _runtime()
     try:
-        err, = rt.cudaHostRegister(address, size, rt.cudaHostRegisterPortable)
+        (err,) = rt.cudaHostRegister(address, size, rt.cudaHostRegisterPortable)
     except Exception as exc:
         log.warning("cudaHostRegister of the host pool raised (copies stay pageable): %s", exc)
         return False
     if int(err) != 0:
-        log.warning("cudaHostRegister of the host pool (%d bytes) failed: %s; device copies "
-                    "stay correct but go through pageable memory", size, getattr(err, "name", err))
+        log.warning(
+            "cudaHostRegister of the host pool (%d bytes) failed: %s; device copies "
+            "stay correct but go through pageable memory",
+            size,
+            getattr(err, "name", err),
+        )
     return int(err) == 0
 
 
@@ -123,7 +132,7 @@ class CudaIpc:
     def __init__(self) -> None:
         self.rt, self.drv = bindings()
         self._lock = threading.Lock()
-        self._open: dict[tuple[int, bytes], list] = {}   # (pid, handle) -> [ptr, refs, device]
+        self._open: dict[tuple[int, bytes], list] = {}  # (pid, handle) -> [ptr, refs, device]
         self._streams = threading.local()
         self._closing: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._close_loop, name="kv-cuda-close", daemon=True).start()
@@ -138,13 +147,17 @@ class CudaIpc:
         try:
             return cls()
         except Exception as exc:
-            log.warning("CUDA is present but its devices cannot be listed (%s): cuda_ipc is off", exc)
+            log.warning(
+                "CUDA is present but its devices cannot be listed (%s): cuda_ipc is off", exc
+            )
             return None
 
     def _devices(self) -> dict[str, int]:
         out = {}
         for dev in range(_check(self.rt.cudaGetDeviceCount(), "cudaGetDeviceCount")):
-            raw = bytes(_check(self.rt.cudaGetDeviceProperties(dev), "cudaGetDeviceProperties").uuid.bytes)
+            raw = bytes(
+                _check(self.rt.cudaGetDeviceProperties(dev), "cudaGetDeviceProperties").uuid.bytes
+            )
             h = raw.hex()
             out[f"gpu-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"] = dev
         return out
@@ -153,19 +166,27 @@ class CudaIpc:
         """(device pointer of the allocation base, allocation size, device); opened once."""
         dev = self.devices.get(uuid)
         if dev is None:
-            raise BadRequest(f"device {uuid} is not visible to the sidecar; run it with the "
-                             f"same GPUs visible as the engine")
+            raise BadRequest(
+                f"device {uuid} is not visible to the sidecar; run it with the "
+                f"same GPUs visible as the engine"
+            )
         with self._lock:
             entry = self._open.get((pid, handle))
             if entry is None:
                 _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
                 h = self.rt.cudaIpcMemHandle_t()
                 ctypes.memmove(h.getPtr(), handle, 64)
-                ptr = int(_check(self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess),
-                                 "cudaIpcOpenMemHandle (same GPU? --pid=host?)"))
+                ptr = int(
+                    _check(
+                        self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess),
+                        "cudaIpcOpenMemHandle (same GPU? --pid=host?)",
+                    )
+                )
                 try:
-                    _, size = _check(self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)),
-                                     "cuMemGetAddressRange")
+                    _, size = _check(
+                        self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)),
+                        "cuMemGetAddressRange",
+                    )
                 except Exception:
                     self.rt.cudaIpcCloseMemHandle(ptr)
                     raise
@@ -185,7 +206,7 @@ class CudaIpc:
                 return
             del self._open[(pid, handle)]
             ptr, _, dev, _ = entry
-            try:   # a mapping's close never raises (the handle is forgotten either way)
+            try:  # a mapping's close never raises (the handle is forgotten either way)
                 _check(self.rt.cudaSetDevice(dev), "cudaSetDevice")
                 _check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
                 _check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
@@ -203,7 +224,7 @@ class CudaIpc:
             for handle in reversed(handles):
                 try:
                     self.release(pid, handle)
-                except Exception:   # never ends the thread: later closes still run
+                except Exception:  # never ends the thread: later closes still run
                     log.exception("releasing a CUDA IPC handle of pid %d", pid)
 
     def stream(self, dev: int):
@@ -212,8 +233,11 @@ class CudaIpc:
             streams = self._streams.by_dev = {}
         if dev not in streams:
             _check(self.rt.cudaSetDevice(dev), "cudaSetDevice", CopyFailed)
-            streams[dev] = _check(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking),
-                                  "cudaStreamCreateWithFlags", CopyFailed)
+            streams[dev] = _check(
+                self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking),
+                "cudaStreamCreateWithFlags",
+                CopyFailed,
+            )
         return streams[dev]
 
     def copy(self, dev: int, plan) -> int:
@@ -223,7 +247,9 @@ class CudaIpc:
         _check(self.rt.cudaSetDevice(dev), "cudaSetDevice", CopyFailed)
         stream, kind, moved = self.stream(dev), self.rt.cudaMemcpyKind.cudaMemcpyDefault, 0
         for dst, src, n in plan:
-            _check(self.rt.cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync", CopyFailed)
+            _check(
+                self.rt.cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync", CopyFailed
+            )
             moved += n
         _check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize", CopyFailed)
         return moved
@@ -240,8 +266,10 @@ class IpcMapping:
                 base, alloc, dev = cuda.open(pid, handle, uuid)
                 self._opened.append(handle)
                 if offset + size > alloc:
-                    raise GeometryMismatch(f"region of {size} bytes at offset {offset} runs past "
-                                           f"its allocation of {alloc} bytes")
+                    raise GeometryMismatch(
+                        f"region of {size} bytes at offset {offset} runs past "
+                        f"its allocation of {alloc} bytes"
+                    )
                 self.addresses.append(base + offset)
                 devices.add(dev)
             if len(devices) != 1:
@@ -269,7 +297,8 @@ def open_buffer(body: dict[str, Any], cuda: CudaIpc | None, pid: int | None, siz
     if cuda is None:
         raise TransportUnavailable(
             f"cuda_ipc needs a CUDA device on the sidecar's node and none is visible "
-            f"(device {regions[0][2]}); register the buffer with transport 'shm' instead")
+            f"(device {regions[0][2]}); register the buffer with transport 'shm' instead"
+        )
     if pid is None:
         raise BadRequest("a cuda_ipc buffer needs the engine's 'pid' (handles are per process)")
     return IpcMapping(cuda, pid, regions)

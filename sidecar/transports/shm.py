@@ -15,6 +15,7 @@ Only the bytes the chunks cover are mapped (`span`), and nothing here runs on th
 loop: the sidecar builds, copies with and closes these mappings on its lane threads
 (`sidecar.lanes`), since a tenant can hold its memfd's inode lock or punch holes under a copy.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,24 +51,32 @@ def open_beneath(path: object, allowed: Sequence[str]) -> int:
         if path.startswith(prefix):
             break
     else:
-        raise BadRequest(f"'path' must lie under one of the allowed shm directories {list(allowed)}")
-    parts = path[len(prefix):].split("/")
+        raise BadRequest(
+            f"'path' must lie under one of the allowed shm directories {list(allowed)}"
+        )
+    parts = path[len(prefix) :].split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise BadRequest("'path' must not contain empty, '.' or '..' components")
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise BadRequest(f"the shm directory cannot be opened: {os.strerror(exc.errno or errno.EIO)}") from None
+        raise BadRequest(
+            f"the shm directory cannot be opened: {os.strerror(exc.errno or errno.EIO)}"
+        ) from None
     try:
         for part in parts[:-1]:
             nxt = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = nxt
-        return os.open(parts[-1], os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        return os.open(
+            parts[-1], os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd
+        )
     except OSError as exc:
-        raise BadRequest(f"cannot open the registered 'path': {os.strerror(exc.errno or errno.EIO)} "
-                         f"(symlinks are not followed)") from None
+        raise BadRequest(
+            f"cannot open the registered 'path': {os.strerror(exc.errno or errno.EIO)} "
+            f"(symlinks are not followed)"
+        ) from None
     finally:
         os.close(fd)
 
@@ -104,8 +113,14 @@ class ShmMapping:
 
     __slots__ = ("size", "fd", "ident", "sealed", "mapped", "_mm", "_anchor", "address")
 
-    def __init__(self, fd: int, size: int, forbidden: Sequence[tuple[int, int]] = (),
-                 span: tuple[int, int] | None = None, refusal: Exception | None = None):
+    def __init__(
+        self,
+        fd: int,
+        size: int,
+        forbidden: Sequence[tuple[int, int]] = (),
+        span: tuple[int, int] | None = None,
+        refusal: Exception | None = None,
+    ):
         self.fd, self.mapped, self.address = fd, 0, 0
         self._mm: mmap.mmap | None = None
         self._anchor: ctypes.c_char | None = None
@@ -118,8 +133,10 @@ class ShmMapping:
             if not stat.S_ISREG(st.st_mode):
                 raise BadRequest("the registered fd is not a regular file or memfd")
             if st.st_size < size:
-                raise GeometryMismatch(f"buffer size {size} is larger than the file ({st.st_size} bytes)")
-            if self.sealed and refusal is not None:   # no room to map it (fd mode would be)
+                raise GeometryMismatch(
+                    f"buffer size {size} is larger than the file ({st.st_size} bytes)"
+                )
+            if self.sealed and refusal is not None:  # no room to map it (fd mode would be)
                 raise refusal
             if self.sealed:
                 self._map(fd, span or (0, size))
@@ -133,10 +150,12 @@ class ShmMapping:
         try:
             mm = mmap.mmap(fd, span[1] - start, flags=mmap.MAP_SHARED, offset=start)
         except OSError as exc:
-            if exc.errno == errno.ENOMEM:   # the address space is full: the caller's 4xx
-                raise TooMany(f"the sidecar cannot map {span[1] - start} more bytes now "
-                              f"(out of address space); release buffers or register smaller ones") from None
-            self.sealed = False   # e.g. a write-sealed memfd cannot be mapped writable: use the fd
+            if exc.errno == errno.ENOMEM:  # the address space is full: the caller's 4xx
+                raise TooMany(
+                    f"the sidecar cannot map {span[1] - start} more bytes now "
+                    f"(out of address space); release buffers or register smaller ones"
+                ) from None
+            self.sealed = False  # e.g. a write-sealed memfd cannot be mapped writable: use the fd
             return
         self._mm, anchor = mm, ctypes.c_char.from_buffer(mm)
         self._anchor = anchor

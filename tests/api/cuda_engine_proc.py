@@ -5,6 +5,7 @@ set: random pages 0..PAGES-1 stored from the device; get: all of them loaded int
 buffer; one: only page 3 loaded, into slot 0 of a zeroed buffer; hold: register and wait.
 Prints one JSON line: {"ok": bool, "digest": "...", "pages": [digest of each slot], "buffer_id": "..."}.
 """
+
 import hashlib
 import sys
 import time
@@ -15,11 +16,11 @@ import torch
 from api.engine.client import SidecarClient
 from api.engine.cuda_export import register_cuda
 
-LAYERS, HALF = 4, 64 * 1024   # per-layer K (or V) bytes of one page
+LAYERS, HALF = 4, 64 * 1024  # per-layer K (or V) bytes of one page
 
 
 def buffers(layout: str, slots: int):
-    if layout == "page_first":   # one allocation, K and V runs per page
+    if layout == "page_first":  # one allocation, K and V runs per page
         kv = torch.empty((2, slots, LAYERS * HALF), dtype=torch.uint8, device="cuda")
         return [kv[0], kv[1]]
     # layer_first as SGLang keeps it: one tensor per layer for K and for V (many allocations)
@@ -28,7 +29,9 @@ def buffers(layout: str, slots: int):
 
 def page_digests(tensors, slots: int) -> list[str]:
     host = [t.cpu().numpy() for t in tensors]
-    return [hashlib.sha256(b"".join(h[i].tobytes() for h in host)).hexdigest() for i in range(slots)]
+    return [
+        hashlib.sha256(b"".join(h[i].tobytes() for h in host)).hexdigest() for i in range(slots)
+    ]
 
 
 def main(url, ns, op, layout, pages):
@@ -44,7 +47,7 @@ def main(url, ns, op, layout, pages):
     else:
         for t in tensors:
             t.zero_()
-    torch.cuda.synchronize()   # the sidecar copies on its own streams: the writes must be done
+    torch.cuda.synchronize()  # the sidecar copies on its own streams: the writes must be done
     bid = register_cuda(client, ns, tensors, pages)
     if op == "hold":
         print(orjson.dumps({"buffer_id": bid}).decode(), flush=True)

@@ -3,6 +3,7 @@
     python -m tests.api.engine_proc URL NAMESPACE set|get|hold PAGE KEY...
 Prints one JSON line: {"result": [...], "ok": bool}.
 """
+
 import hashlib
 import sys
 import time
@@ -25,8 +26,10 @@ def main(url: str, ns: str, op: str, page: int, keys: list[str]) -> None:
         ok = all(result)
     elif op == "get":
         result = client.get(ns, keys, bid, slots)
-        ok = all(result) and all(buf.view(i * page, page) == hashlib.shake_256(k.encode()).digest(page)
-                                 for i, k in enumerate(keys))
+        ok = all(result) and all(
+            buf.view(i * page, page) == hashlib.shake_256(k.encode()).digest(page)
+            for i, k in enumerate(keys)
+        )
     else:  # hold: stay registered until killed
         print(orjson.dumps({"buffer_id": bid}).decode(), flush=True)
         time.sleep(600)

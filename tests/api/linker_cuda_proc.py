@@ -9,6 +9,7 @@ records an event; the offload thread gates on it and stores them (two rounds: 2,
 load: pages stored as 2, 5, 7 loaded into pages 0, 3, 4 of a zeroed pool.
 Prints one JSON line: digests of the pages, the answers, the pool's buffers in the sidecar.
 """
+
 import hashlib
 import sys
 import threading
@@ -29,17 +30,24 @@ def pool() -> list[torch.Tensor]:
 
 
 def digests(views, pages) -> list[str]:
-    return [hashlib.sha256(b"".join(v[p].cpu().numpy().tobytes() for v in views)).hexdigest() for p in pages]
+    return [
+        hashlib.sha256(b"".join(v[p].cpu().numpy().tobytes() for v in views)).hexdigest()
+        for p in pages
+    ]
 
 
 def offload(client, dev, views, gated: bool) -> dict:
     side = torch.cuda.Stream()
     g = torch.Generator(device="cuda").manual_seed(5)
-    data = [torch.randint(-100, 100, (len(STORED), v.shape[1] // 2), dtype=torch.int16, device="cuda",
-                          generator=g) for v in views]
+    data = [
+        torch.randint(
+            -100, 100, (len(STORED), v.shape[1] // 2), dtype=torch.int16, device="cuda", generator=g
+        )
+        for v in views
+    ]
     torch.cuda.synchronize()
-    with torch.cuda.stream(side):   # the forward pass: late writes of the pages to offload
-        torch.cuda._sleep(4_000_000_000)   # ~2 s of GPU time (at 2 GHz) before the writes land
+    with torch.cuda.stream(side):  # the forward pass: late writes of the pages to offload
+        torch.cuda._sleep(4_000_000_000)  # ~2 s of GPU time (at 2 GHz) before the writes land
         for v, d in zip(views, data, strict=True):
             v[STORED] = d.view(torch.uint8)
         ready = torch.cuda.Event()
@@ -47,11 +55,12 @@ def offload(client, dev, views, gated: bool) -> dict:
     keys = [f"k{p}" for p in STORED]
     out: dict = {}
 
-    def offload_thread():   # as the linker's: gate on the events, then the sidecar copies
+    def offload_thread():  # as the linker's: gate on the events, then the sidecar copies
         if gated:
             gate([ready])
         out["round1"] = client.batch_set([dev.item(keys[:1], [STORED[0] * PAGE])])
         out["round2"] = client.batch_set([dev.item(keys[1:], [p * PAGE for p in STORED[1:]])])
+
     t = threading.Thread(target=offload_thread)
     t.start()
     t.join()
@@ -68,7 +77,7 @@ def main(url: str, ns: str, op: str) -> None:
     dev = direct_pool(ns, views, PAGE, buffers)
     assert dev is not None, "a CUDA pool of 16 KiB pages must go direct"
     first = dev.register(client)
-    assert dev.register(client) == first   # registered once per pool
+    assert dev.register(client) == first  # registered once per pool
     out: dict = {"slots": dev.slots, "page_bytes": page_bytes}
     if op.startswith("offload"):
         out.update(offload(client, dev, views, gated=op == "offload"))
@@ -79,8 +88,9 @@ def main(url: str, ns: str, op: str) -> None:
         torch.cuda.synchronize()
         out["loaded"] = loaded[ns]
         out["pages"] = digests(views, LOADED)
-        out["untouched_zero"] = all(not v[p].any().item() for v in views for p in range(dev.slots)
-                                    if p not in LOADED)
+        out["untouched_zero"] = all(
+            not v[p].any().item() for v in views for p in range(dev.slots) if p not in LOADED
+        )
     out["buffers"] = client.stats()["namespaces"][ns]["buffers"]
     dev.release(client)
     print(orjson.dumps(out).decode(), flush=True)

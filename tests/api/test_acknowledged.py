@@ -6,6 +6,7 @@ around the real file tier's `write_batch`), a 4-page write queue and a 16-page n
 several engines setting at once: the old order (commit, then wait for room in the queue)
 let another set evict a committed page before it was queued, and still answered true.
 """
+
 import hashlib
 import threading
 
@@ -44,16 +45,18 @@ def test_write_through_under_eviction_pressure_never_acks_an_unqueued_page(make_
                 acked.extend(k for k, ok in zip(keys, got, strict=False) if ok)
         with lock:
             done.append(e)
+
     threads = [threading.Thread(target=engine, args=(e,)) for e in range(ENGINES)]
     for t in threads:
         t.start()
     # every engine is either done or waiting on the writer: whatever could be evicted has been
     wait_for(lambda: gate.entered.is_set() and len(writer._waiters) + len(done) == ENGINES)
 
-    def unqueued():   # on the loop: an acknowledged page in neither the queue nor the tier
+    def unqueued():  # on the loop: an acknowledged page in neither the queue nor the tier
         pool = srv.ns("kv").pool
         pool.invariants()
         return [k for k in list(acked) if not (writer.queued(ident, k) or tier.contains(ident, k))]
+
     assert srv.on_loop(unqueued) == []
     gate.open()
     for t in threads:

@@ -2,6 +2,7 @@
 allowed JSON body run, the event loop keeps answering `/healthz` within 50 ms and the
 server's own memory stays bounded. The sidecar is a real process, and so is the prober:
 neither shares the GIL or the garbage collector of the process sending the load."""
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,11 @@ from sidecar.keys import MAX_BATCH
 from sidecar.transports.base import MAX_RUNS
 from tests.conftest import UnixHTTPConnection
 
-CHUNKS = MAX_RUNS // MAX_BATCH      # 16 runs a page: the largest request is 4,096 x 16
+CHUNKS = MAX_RUNS // MAX_BATCH  # 16 runs a page: the largest request is 4,096 x 16
 CHUNK = 1024
 PAGE = CHUNKS * CHUNK
 PROBE_LIMIT = 0.050
-RSS_BOUND = 48 * 2**20              # the server's anonymous memory may grow this much at most
+RSS_BOUND = 48 * 2**20  # the server's anonymous memory may grow this much at most
 
 
 def layer_first(slots: int) -> list[dict]:
@@ -33,7 +34,9 @@ def layer_first(slots: int) -> list[dict]:
 
 
 def page_in(buf: SharedBuffer, slot: int) -> bytes:
-    return b"".join(bytes(buf.view(c * MAX_BATCH * CHUNK + slot * CHUNK, CHUNK)) for c in range(CHUNKS))
+    return b"".join(
+        bytes(buf.view(c * MAX_BATCH * CHUNK + slot * CHUNK, CHUNK)) for c in range(CHUNKS)
+    )
 
 
 def rss_anon(pid: int) -> int:
@@ -64,8 +67,9 @@ class Prober:
     anonymous RSS."""
 
     def __init__(self, port: int, pid: int):
-        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(port), str(pid)],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, str(port), str(pid)], stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdout.readline() == "ready\n"
 
     def stop(self) -> tuple[list[float], list[int]]:
@@ -104,18 +108,18 @@ def test_healthz_stays_fast_while_the_largest_requests_run(spawn):
     buf.view(0, buf.size)[:] = os.urandom(buf.size)
     bid = buf.register(client, "kv", MAX_BATCH, layer_first(MAX_BATCH))
     slots = list(range(MAX_BATCH))
-    with pytest.raises(SidecarError) as past:          # one copy more than MAX_RUNS: 413
+    with pytest.raises(SidecarError) as past:  # one copy more than MAX_RUNS: 413
         client.set("kv", [f"x{i}" for i in range(MAX_BATCH + 1)], bid, slots + [0])
     assert past.value.status == 413
-    client.set("kv", [f"warm{i}" for i in range(MAX_BATCH)], bid, slots)   # first-touch faults
+    client.set("kv", [f"warm{i}" for i in range(MAX_BATCH)], bid, slots)  # first-touch faults
     json_body = max_json_body()
-    lists = b'{"keys": [' + b"[]," * 400_000 + b"[]]}"   # 1.2 MB of 400,000 values: 413 unparsed
+    lists = b'{"keys": [' + b"[]," * 400_000 + b"[]]}"  # 1.2 MB of 400,000 values: 413 unparsed
     base = rss_anon(proc.proc.pid)
     prober = Prober(proc.port, proc.proc.pid)
     results = []
     for r in range(4):
         keys = [f"r{r}-{i}" for i in range(MAX_BATCH)]
-        first = page_in(buf, 0)        # what key r-0 is set from
+        first = page_in(buf, 0)  # what key r-0 is set from
         results.append(all(client.set("kv", keys, bid, slots)))
         results.append(all(client.get("kv", keys, bid, slots[::-1])))
         results.append(raw_post(proc.socket, "/v1/namespaces/kv/exists", json_body) == 200)
@@ -123,8 +127,10 @@ def test_healthz_stays_fast_while_the_largest_requests_run(spawn):
     latencies, rss = prober.stop()
     lat = sorted(latencies)
     over = [x for x in lat if x > PROBE_LIMIT]
-    print(f"probes {len(lat)} median {statistics.median(lat) * 1e3:.1f} ms max {lat[-1] * 1e3:.1f} ms "
-          f"over 50 ms {len(over)}; RssAnon +{(max(rss) - base) / 2**20:.1f} MiB")
+    print(
+        f"probes {len(lat)} median {statistics.median(lat) * 1e3:.1f} ms max {lat[-1] * 1e3:.1f} ms "
+        f"over 50 ms {len(over)}; RssAnon +{(max(rss) - base) / 2**20:.1f} MiB"
+    )
     assert all(results), results
     assert len(lat) >= 40
     # every probe within 50 ms, but a loaded 2-core machine deschedules the server or the
@@ -142,7 +148,8 @@ def test_healthz_stays_fast_while_the_largest_requests_run(spawn):
 def test_a_batch_plans_at_most_max_runs_in_all(server, client, monkeypatch):
     from api.engine.shm import page_first_chunks
     from sidecar import hybrid
-    monkeypatch.setattr(hybrid, "MAX_RUNS", 3)        # each item alone is within the cap
+
+    monkeypatch.setattr(hybrid, "MAX_RUNS", 3)  # each item alone is within the cap
     buf = SharedBuffer(2 * 4096)
     items = []
     for name in ("kv", "mamba"):
@@ -152,6 +159,6 @@ def test_a_batch_plans_at_most_max_runs_in_all(server, client, monkeypatch):
     with pytest.raises(SidecarError) as e:
         client.batch_set(items)
     assert (e.value.status, e.value.code) == (413, "payload_too_large")
-    assert client.exists("kv", ["a"]) == 0             # refused before anything moved
+    assert client.exists("kv", ["a"]) == 0  # refused before anything moved
     assert client.batch_set(items[:1]) == {"kv": [True, True]}
     buf.close()

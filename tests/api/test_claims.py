@@ -1,6 +1,7 @@
 """Claims of the README and API.md that no test checked (issue 18): /readyz during recovery,
 client_disconnected, prefetch tickets (failed, expired), the write-back `dropped` counter,
 and the 3FS and shm flags from the command line (rescan, --hf3fs-size, --shm-dir)."""
+
 import asyncio
 import hashlib
 import http.client
@@ -44,7 +45,7 @@ def test_readyz_is_503_until_tiers_are_recovered(make_server, monkeypatch, tmp_p
         assert not c.ready()
         status, body = _get(srv, "/readyz")
         assert status == 503 and b"not_ready" in body
-        assert _get(srv, "/healthz")[0] == 200   # alive, not ready
+        assert _get(srv, "/healthz")[0] == 200  # alive, not ready
     finally:
         gate.open()
     wait_for(lambda: _get(srv, "/readyz")[0] == 200, timeout=10)
@@ -53,13 +54,20 @@ def test_readyz_is_503_until_tiers_are_recovered(make_server, monkeypatch, tmp_p
 def test_client_disconnected_mid_body_aborts_the_reservation(server, client):
     client.put_namespace("kv", PAGE)
     sock = engine_connection(server)
-    sock.sendall((f"PUT /v1/namespaces/kv/pages/cut HTTP/1.1\r\nHost: x\r\nContent-Length: {PAGE}\r\n"
-                  "Content-Type: application/octet-stream\r\n\r\n").encode() + data("cut")[:100])
-    assert client.health()["status"] == "ok"   # the head was read (the loop answered after it)
+    sock.sendall(
+        (
+            f"PUT /v1/namespaces/kv/pages/cut HTTP/1.1\r\nHost: x\r\nContent-Length: {PAGE}\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + data("cut")[:100]
+    )
+    assert client.health()["status"] == "ok"  # the head was read (the loop answered after it)
     sock.close()
-    line = ('kv_sidecar_requests_total{method="PUT",route="/v1/namespaces/{name}/pages/{key}",'
-            'status="400"} 1.0')
-    wait_for(lambda: line in client.metrics(), timeout=10)   # answered client_disconnected
+    line = (
+        'kv_sidecar_requests_total{method="PUT",route="/v1/namespaces/{name}/pages/{key}",'
+        'status="400"} 1.0'
+    )
+    wait_for(lambda: line in client.metrics(), timeout=10)  # answered client_disconnected
     assert client.exists("kv", ["cut"]) == 0
     server.invariants()
     assert client.put_page("kv", "cut", data("cut")) is True  # nothing left reserved under it
@@ -73,6 +81,7 @@ def test_prefetch_ticket_reports_a_failed_promotion(server, client, monkeypatch)
 
     async def broken(*args):
         raise OSError("the tier went away")
+
     monkeypatch.setattr(tiering, "promote", broken)  # a fault injected on purpose
     ticket = client.request("POST", "/v1/namespaces/kv/prefetch", {"keys": ["a"]})[1]
     assert ticket["pages"] == 1
@@ -80,7 +89,7 @@ def test_prefetch_ticket_reports_a_failed_promotion(server, client, monkeypatch)
     wait_for(lambda: client.request("GET", path)[1]["state"] != "running", timeout=10)
     state = client.request("GET", path)[1]
     assert state["state"] == "failed" and "the tier went away" in state["error"]
-    assert client.get_page("kv", "a") == data("a")   # the sidecar keeps serving
+    assert client.get_page("kv", "a") == data("a")  # the sidecar keeps serving
 
 
 def test_prefetch_tickets_expire_oldest_first(server, client):
@@ -91,6 +100,7 @@ def test_prefetch_tickets_expire_oldest_first(server, client):
     async def many():
         ref = server.ns("kv").ref
         return [(await store.prefetch(ref, []))["ticket"] for _ in range(4097)]
+
     tickets = asyncio.run_coroutine_threadsafe(many(), server.ctx.loop).result(30)
     with pytest.raises(SidecarError) as exc:
         client.request("GET", f"/v1/prefetch/{tickets[0]}")
@@ -103,8 +113,9 @@ def test_write_back_keeps_pages_a_full_queue_cannot_take(make_server, tmp_path):
     """write_back with the queue full (one page, its write held): an eviction that cannot
     queue its page keeps it, the PUT that needs the slot waits (back-pressure), and the
     `dropped` counter stays 0; once the write ends every acknowledged page is kept."""
-    srv = make_server(file_tier=True, data_dir=str(tmp_path / "d"), write_policy="write_back",
-                      write_queue_pages=1)
+    srv = make_server(
+        file_tier=True, data_dir=str(tmp_path / "d"), write_policy="write_back", write_queue_pages=1
+    )
     c = srv.client(timeout=60)
     wait_for(c.ready)
     gate = Gate(srv.ctx.store.tiering.tiers[0], "write_batch")
@@ -112,10 +123,13 @@ def test_write_back_keeps_pages_a_full_queue_cannot_take(make_server, tmp_path):
     try:
         c.put_namespace("small", PAGE, host_capacity_bytes=2 * PAGE)
         for k in "abc":
-            c.put_page("small", k, data(k))   # c evicts a: queued, its write held
+            c.put_page("small", k, data(k))  # c evicts a: queued, its write held
         assert gate.entered.wait(10)
-        writer = threading.Thread(target=lambda: done.append(
-            [srv.client(timeout=60).put_page("small", k, data(k)) for k in "de"]))
+        writer = threading.Thread(
+            target=lambda: done.append(
+                [srv.client(timeout=60).put_page("small", k, data(k)) for k in "de"]
+            )
+        )
         writer.start()
         # d needs a slot: b and c are in no tier and the queue is full, so d waits
         wait_for(lambda: srv.on_loop(lambda: srv.ctx.store.tiering.writer.full))
@@ -139,22 +153,33 @@ def test_hf3fs_and_shm_flags_from_the_command_line(spawn, make_server, tmp_path)
     published (no request asks for them), --shm-dir decides where path buffers may live."""
     shared, shm = tmp_path / "3fs", tmp_path / "shm"
     shm.mkdir()
-    p = spawn("--host-pool", "32MiB", "--no-file-tier", "--hf3fs-dir", str(shared),
-              "--hf3fs-size", "64KiB", "--hf3fs-rescan", "0.2", "--shm-dir", str(shm)).wait_ready()
+    p = spawn(
+        "--host-pool",
+        "32MiB",
+        "--no-file-tier",
+        "--hf3fs-dir",
+        str(shared),
+        "--hf3fs-size",
+        "64KiB",
+        "--hf3fs-rescan",
+        "0.2",
+        "--shm-dir",
+        str(shm),
+    ).wait_ready()
     c = SidecarClient(p.socket_url)
     c.put_namespace("kv", PAGE, model="m")
     tier = lambda: c.stats()["tiers"]["hf3fs"]  # noqa: E731
     assert tier()["capacity"] == 64 * 1024 and tier()["pages"] == 0
-    other = make_server(hf3fs_dir=str(shared), file_tier=False)   # another node
+    other = make_server(hf3fs_dir=str(shared), file_tier=False)  # another node
     oc = other.client()
     oc.put_namespace("kv", PAGE, model="m")
     oc.put_page("kv", "from-b", data("from-b"))
     oc.request("POST", "/v1/flush")
-    wait_for(lambda: tier()["pages"] == 1, timeout=10)           # found by the rescan
+    wait_for(lambda: tier()["pages"] == 1, timeout=10)  # found by the rescan
     for i in range(30):
         c.put_page("kv", f"p{i}", data(f"p{i}"))
     c.request("POST", "/v1/flush")
-    assert tier()["evictions"] > 0 and tier()["pages"] < 31   # the cap acts (see the next test)
+    assert tier()["evictions"] > 0 and tier()["pages"] < 31  # the cap acts (see the next test)
     # a path buffer: inside --shm-dir it maps, /dev/shm is no longer allowed
     inside = shm / "buf"
     inside.write_bytes(bytes(2 * PAGE))
@@ -180,5 +205,5 @@ def test_hf3fs_size_is_a_hard_cap_under_rescans(make_server, tmp_path):
     tier = c.stats()["tiers"]["hf3fs"]
     assert tier["bytes"] <= 64 * 1024, tier
     on_disk = sum(f.stat().st_size for f in (tmp_path / "3fs").rglob("*") if f.is_file())
-    assert 0 < on_disk <= 64 * 1024, on_disk     # the files, not only the index
+    assert 0 < on_disk <= 64 * 1024, on_disk  # the files, not only the index
     srv.invariants()

@@ -199,7 +199,7 @@ def test_selection_errors_are_400s_and_a_huge_chain_413(make_server):
 def _tenant_b(url: str) -> dict:
     """What tenant B gets on A's namespaces: 'kv' (private: absent) and 'team' (shared)."""
     c = SidecarClient(url, token=TOKEN)
-    c.put_namespace("team", PAGE, share_gid=B)   # a member joins the shared one
+    c.put_namespace("team", PAGE, share_gid=B)  # a member joins the shared one
     out = {}
     for ns in ("kv", "team"):
         for verb in ("pin", "unpin", "evict", "warm"):
@@ -216,8 +216,12 @@ def test_a_tenant_cannot_pin_evict_or_warm_another_owners_namespace(make_server,
     os.chmod(os.path.dirname(srv.config.socket), 0o755)
     a = srv.client()
     a.put_namespace("kv", PAGE)
-    as_user(lambda url: SidecarClient(url, token=TOKEN).put_namespace("team", PAGE, share_gid=B),
-            srv.socket_url, uid=0, groups=[0, B])   # root in B's group: a member may share
+    as_user(
+        lambda url: SidecarClient(url, token=TOKEN).put_namespace("team", PAGE, share_gid=B),
+        srv.socket_url,
+        uid=0,
+        groups=[0, B],
+    )  # root in B's group: a member may share
     put(a, "kv", ["k"])
     put(a, "team", ["k"])
     post(a, "/v1/namespaces/kv/pin", {"keys": ["k"]})

@@ -2,6 +2,7 @@
 
 Tier writes are held in flight by an event (a wrapper around the real file tier's
 `write_batch`), never by sleeps."""
+
 import errno
 import hashlib
 import logging
@@ -37,7 +38,8 @@ def put(client, ns, keys):
 
 # -- 1. acknowledged means kept -------------------------------------------------------
 def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowledged_page(
-        make_server, tmp_path):
+    make_server, tmp_path
+):
     """64 keys through 8 slots and a 4-page write queue while no tier write can finish: the
     sets wait for the writer (back-pressure) instead of dropping evicted pages."""
     srv = tiered(make_server, tmp_path, write_policy="write_back", write_queue_pages=4)
@@ -58,6 +60,7 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
             got = c.set("kv", keys, bid, list(range(8)))
             answers.extend(got)
             acked.extend(k for k, ok in zip(keys, got, strict=False) if ok)
+
     t = threading.Thread(target=engine)
     t.start()
     wait_for(lambda: gate.entered.is_set() and writer.full)
@@ -66,8 +69,9 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
         pool = srv.ns("kv").pool
         pool.invariants()
         return [k for k in list(acked) if not (pool.contains(k) or writer.queued(ident, k))]
+
     assert srv.on_loop(kept) == []
-    assert t.is_alive()         # 8 slots + 4 queued cannot hold 64 keys: the engine waits
+    assert t.is_alive()  # 8 slots + 4 queued cannot hold 64 keys: the engine waits
     gate.open()
     t.join(30)
     assert answers == [True] * 64
@@ -80,8 +84,14 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
 
 
 def test_sigterm_writes_every_dirty_write_back_page(spawn, tmp_path):
-    args = ("--host-pool", "32MiB", "--data-dir", str(tmp_path / "data"),
-            "--write-policy", "write_back")
+    args = (
+        "--host-pool",
+        "32MiB",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--write-policy",
+        "write_back",
+    )
     p = spawn(*args).wait_ready()
     c = SidecarClient(p.socket_url, timeout=30)
     c.put_namespace("kv", PAGE, host_capacity_bytes=64 * PAGE)
@@ -114,7 +124,7 @@ def test_a_shutdown_timeout_too_short_logs_how_many_pages_were_not_written(make_
     srv = tiered(make_server, tmp_path, write_policy="write_back", shutdown_timeout=0.3)
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE)
-    put(c, "kv", [f"k{i}" for i in range(8)])   # dirty: in the host pool only
+    put(c, "kv", [f"k{i}" for i in range(8)])  # dirty: in the host pool only
     gate = Gate(file_tier(srv), "write_batch")
     lines = Lines("pages not written")
     logging.getLogger("kv_sidecar").addHandler(lines)
@@ -136,15 +146,18 @@ def test_a_delete_during_a_held_write_sticks_across_flush_and_restart(make_serve
     c = srv.client(timeout=30)
     c.put_namespace("kv", PAGE)
     gate = Gate(file_tier(srv), "write_batch")
-    put(c, "kv", ["a", "b", "c", "keep"])        # "a" is in flight, the rest queued behind it
+    put(c, "kv", ["a", "b", "c", "keep"])  # "a" is in flight, the rest queued behind it
     assert gate.entered.wait(10)
     answers = []
-    deleter = threading.Thread(target=lambda: answers.append(
-        c.request("POST", "/v1/namespaces/kv/delete", {"keys": ["a", "b", "c"]})[1]))
+    deleter = threading.Thread(
+        target=lambda: answers.append(
+            c.request("POST", "/v1/namespaces/kv/delete", {"keys": ["a", "b", "c"]})[1]
+        )
+    )
     deleter.start()
     pool = srv.ns("kv").pool
-    wait_for(lambda: not pool.contains("a"))      # the delete is past its cancel, awaiting "a"
-    assert not answers                             # it waits for the write in flight
+    wait_for(lambda: not pool.contains("a"))  # the delete is past its cancel, awaiting "a"
+    assert not answers  # it waits for the write in flight
     gate.open()
     deleter.join(30)
     assert answers == [{"deleted": 3, "failed": 0}]
@@ -165,11 +178,12 @@ def test_a_deleted_namespace_leaves_nothing_for_one_created_again(make_server, t
     c.request("POST", "/v1/flush")
     gate = Gate(file_tier(srv), "write_batch")
     keys = [f"k{i}" for i in range(32)]
-    put(c, "kv", keys)                             # one batch in flight, the rest queued
+    put(c, "kv", keys)  # one batch in flight, the rest queued
     assert gate.entered.wait(10)
     answers = []
-    deleter = threading.Thread(target=lambda: answers.append(
-        c.request("DELETE", "/v1/namespaces/kv")[1]))
+    deleter = threading.Thread(
+        target=lambda: answers.append(c.request("DELETE", "/v1/namespaces/kv")[1])
+    )
     deleter.start()
     wait_for(lambda: "kv" not in srv.ctx.store.dir.by_name)
     gate.open()
@@ -193,15 +207,18 @@ def test_a_delete_the_tier_refuses_is_answered_as_failed(make_server, tmp_path, 
 
     def refuse(path):
         raise OSError(errno.EROFS, "Read-only file system")
+
     monkeypatch.setattr(pagefile, "remove", refuse)
-    assert c.request("POST", "/v1/namespaces/kv/delete", {"keys": ["a"]})[1] == \
-        {"deleted": 1, "failed": 1}
-    assert c.exists_each("kv", ["a"]) == [True]   # still in the tier, as the answer said
+    assert c.request("POST", "/v1/namespaces/kv/delete", {"keys": ["a"]})[1] == {
+        "deleted": 1,
+        "failed": 1,
+    }
+    assert c.exists_each("kv", ["a"]) == [True]  # still in the tier, as the answer said
     assert c.stats()["tiers"]["file"]["delete_errors"] == 1
     assert c.request("DELETE", "/v1/namespaces/kv")[1] == {"deleted": "kv", "failed": 2}
     monkeypatch.undo()
     c.put_namespace("kv", PAGE)
-    assert c.exists("kv", ["a", "b"]) == 2        # nothing came back silently "deleted"
+    assert c.exists("kv", ["a", "b"]) == 2  # nothing came back silently "deleted"
 
 
 def test_a_namespace_created_again_while_its_pages_go_keeps_its_new_pages(make_server, tmp_path):
@@ -210,15 +227,16 @@ def test_a_namespace_created_again_while_its_pages_go_keeps_its_new_pages(make_s
     c.put_namespace("kv", PAGE)
     gate = Gate(file_tier(srv), "write_batch")
     put(c, "kv", ["old"])
-    assert gate.entered.wait(10)                   # the old page's write is held
+    assert gate.entered.wait(10)  # the old page's write is held
     threads, answers = [], []
 
     def run(fn):
         threads.append(threading.Thread(target=lambda: answers.append(fn())))
         threads[-1].start()
+
     run(lambda: c.request("DELETE", "/v1/namespaces/kv")[1])
     wait_for(lambda: "kv" not in srv.ctx.store.dir.by_name)
-    c.put_namespace("kv", PAGE)                     # the same spec, so the same identity
+    c.put_namespace("kv", PAGE)  # the same spec, so the same identity
     run(lambda: c.put_page("kv", "new", data("new")))
     # the new page is reserved and waits for the old pages to go before it is published
     wait_for(lambda: "new" in srv.ns("kv").pool.entries)

@@ -1,4 +1,5 @@
 """Every endpoint of API.md through a real uvicorn server on loopback."""
+
 import hashlib
 import os
 
@@ -31,17 +32,30 @@ def test_health_ready_metrics_stats(client, server, ns):
     assert stats["namespaces"]["kv"]["bytes_in"] == PAGE
     text = client.metrics()
     assert 'kv_sidecar_pages{namespace="kv",tier="host"} 1.0' in text
-    assert 'kv_sidecar_requests_total{method="PUT",route="/v1/namespaces/{name}/pages/{key}",status="201"}' in text
+    assert (
+        'kv_sidecar_requests_total{method="PUT",route="/v1/namespaces/{name}/pages/{key}",status="201"}'
+        in text
+    )
     server.invariants()
 
 
 def test_namespace_lifecycle(client, server):
-    spec = {"pool": "kv", "model": "Qwen/Qwen3-8B", "layout": "page_first", "dtype": "bfloat16",
-            "page_tokens": 64, "rank": {"tp": 1, "tp_size": 2}}
+    spec = {
+        "pool": "kv",
+        "model": "Qwen/Qwen3-8B",
+        "layout": "page_first",
+        "dtype": "bfloat16",
+        "page_tokens": 64,
+        "rank": {"tp": 1, "tp_size": 2},
+    }
     status, body = client.request("PUT", "/v1/namespaces/q", {"page_bytes": PAGE, **spec})
     assert status == 201 and body["spec"]["rank"]["tp"] == 1
     # the same spec again, fields in another order: 200
-    again = {"rank": {"tp_size": 2, "tp": 1}, **dict(reversed(list(spec.items()))), "page_bytes": PAGE}
+    again = {
+        "rank": {"tp_size": 2, "tp": 1},
+        **dict(reversed(list(spec.items()))),
+        "page_bytes": PAGE,
+    }
     assert client.request("PUT", "/v1/namespaces/q", again)[0] == 200
     with pytest.raises(SidecarError) as exc:
         client.put_namespace("q", PAGE * 2, **spec)
@@ -92,7 +106,9 @@ def test_set_get_through_shm_buffer(client, server, ns):
         assert dst.view(j * PAGE, PAGE) == pattern(k)
     assert client.set(ns, keys[:3], bsrc, [5, 6, 7]) == [True] * 3  # present: no copy
     assert client.get_page(ns, "p0") == pattern("p0")  # bytes unchanged
-    names = [b["buffer_id"] for b in client.request("GET", f"/v1/namespaces/{ns}/buffers")[1]["buffers"]]
+    names = [
+        b["buffer_id"] for b in client.request("GET", f"/v1/namespaces/{ns}/buffers")[1]["buffers"]
+    ]
     assert sorted(names) == sorted([bsrc, bdst])
     client.release_buffer(ns, bsrc)
     with pytest.raises(SidecarError) as exc:
@@ -105,7 +121,7 @@ def test_set_get_through_shm_buffer(client, server, ns):
 def test_multi_chunk_layouts_round_trip(client, server):
     """K/V split (2 chunks) and layer_first (2 x layers chunks) of unequal sizes."""
     layers, slots = 3, 8
-    sizes = [96, 160, 256]   # unequal per-layer bytes, like Mamba temporal + conv
+    sizes = [96, 160, 256]  # unequal per-layer bytes, like Mamba temporal + conv
     page = 2 * sum(sizes)
     client.put_namespace("lf", page, layout="layer_first")
     buf = SharedBuffer(2 * slots * sum(sizes))
@@ -164,11 +180,20 @@ def test_small_shm_get_refreshes_its_pages_and_pins_nothing(client, server):
     out = SharedBuffer(4 * PAGE)
     try:
         bid = out.register(client, "small", 4, page_first_chunks(PAGE))
-        assert client.get("small", ["b", "x", "a", "b"], bid, [0, 1, 2, 3]) == [True, False, True, True]
-        assert [bytes(out.view(i * PAGE, PAGE)) for i in (0, 2, 3)] == [pattern("b"), pattern("a"), pattern("b")]
+        assert client.get("small", ["b", "x", "a", "b"], bid, [0, 1, 2, 3]) == [
+            True,
+            False,
+            True,
+            True,
+        ]
+        assert [bytes(out.view(i * PAGE, PAGE)) for i in (0, 2, 3)] == [
+            pattern("b"),
+            pattern("a"),
+            pattern("b"),
+        ]
         pool = server.ns("small").pool
         assert server.on_loop(lambda: pool.busy) == 0
-        client.put_page("small", "d", pattern("d"))   # c is least recent now, then a, then b
+        client.put_page("small", "d", pattern("d"))  # c is least recent now, then a, then b
         assert client.exists_each("small", list("abcd")) == [True, True, False, True]
         client.put_page("small", "e", pattern("e"))
         assert client.exists_each("small", list("abde")) == [False, True, True, True]

@@ -1,4 +1,5 @@
 """Engine processes sharing pages through the sidecar, dead engines, many concurrent clients."""
+
 import hashlib
 import subprocess
 import sys
@@ -15,8 +16,22 @@ PAGE = 8192
 
 
 def engine(server, op, *keys, ns="kv"):
-    out = subprocess.run([sys.executable, "-m", "tests.api.engine_proc", server.socket_url, ns, op,
-                          str(PAGE), *keys], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.api.engine_proc",
+            server.socket_url,
+            ns,
+            op,
+            str(PAGE),
+            *keys,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return orjson.loads(out.stdout.splitlines()[-1])
 
@@ -36,8 +51,21 @@ def test_two_engine_processes_share_pages(server, client):
 @pytest.mark.slow
 def test_dead_engine_buffer_is_released(server, client):
     client.put_namespace("kv", PAGE)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.api.engine_proc", server.socket_url, "kv", "hold",
-                             str(PAGE), "a"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.api.engine_proc",
+            server.socket_url,
+            "kv",
+            "hold",
+            str(PAGE),
+            "a",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     bid = orjson.loads(proc.stdout.readline())["buffer_id"]
     assert client.stats()["namespaces"]["kv"]["buffers"] == 1
     proc.kill()
@@ -69,7 +97,9 @@ def test_many_concurrent_clients_never_mix_pages(server):
                 c.set("kv", keys, bid, list(range(8)))
                 loaded = c.get("kv", keys, bid, list(range(8, 16)))
                 for i, (k, ok) in enumerate(zip(keys, loaded, strict=False)):
-                    if ok and buf.view((8 + i) * PAGE, PAGE) != hashlib.shake_256(k.encode()).digest(PAGE):
+                    if ok and buf.view((8 + i) * PAGE, PAGE) != hashlib.shake_256(
+                        k.encode()
+                    ).digest(PAGE):
                         errors.append(f"worker {w} round {r}: {k} came back with wrong bytes")
                 page = c.get_page("kv", keys[0])
                 if page is not None and page != hashlib.shake_256(keys[0].encode()).digest(PAGE):

@@ -35,17 +35,25 @@ def bodies(bid):
     keys = ["a", "b", "c"]
     move = {"keys": keys, "buffer_id": bid, "slots": [0, 1, 2]}
     return [
-        ("/v1/namespaces/kv/set", move), ("/v1/namespaces/kv/get", move),
+        ("/v1/namespaces/kv/set", move),
+        ("/v1/namespaces/kv/get", move),
         ("/v1/namespaces/kv/exists", {"keys": keys}),
-        ("/v1/batch/exists", {"keys": keys, "kv": "kv", "extra": [{"namespace": "mamba"}], "restorable": True}),
+        (
+            "/v1/batch/exists",
+            {"keys": keys, "kv": "kv", "extra": [{"namespace": "mamba"}], "restorable": True},
+        ),
         # errors: every status and code of these routes comes from the same handlers
-        ("/v1/namespaces/kv/exists", {"keys": ["bad key"]}), ("/v1/namespaces/nope/exists", {"keys": keys}),
-        ("/v1/namespaces/kv/set", {**move, "durable": 1}), ("/v1/namespaces/kv/get", {**move, "slots": [0, 9, 1]}),
+        ("/v1/namespaces/kv/exists", {"keys": ["bad key"]}),
+        ("/v1/namespaces/nope/exists", {"keys": keys}),
+        ("/v1/namespaces/kv/set", {**move, "durable": 1}),
+        ("/v1/namespaces/kv/get", {**move, "slots": [0, 9, 1]}),
         ("/v1/namespaces/kv/get", {**move, "slots": [0, True, 1]}),
         ("/v1/namespaces/kv/get", {**move, "slots": [0, -1, 1]}),
-        ("/v1/namespaces/kv/set", {**move, "buffer_id": "nope"}), ("/v1/batch/exists", {"keys": keys}),
+        ("/v1/namespaces/kv/set", {**move, "buffer_id": "nope"}),
+        ("/v1/batch/exists", {"keys": keys}),
         ("/v1/batch/exists", {"keys": keys, "kv": "kv", "restorable": "yes"}),
-        ("/v1/namespaces/kv/exists", [1]), ("/v1/namespaces/kv/exists", b"{"),
+        ("/v1/namespaces/kv/exists", [1]),
+        ("/v1/namespaces/kv/exists", b"{"),
     ]
 
 
@@ -54,7 +62,10 @@ def test_fast_path_and_fastapi_answer_the_same_bytes(server, buffer):
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         fast, slow = post(server, path, raw), post(server, path + "?each=0", raw)
         assert fast == slow, (path, body)
-    statuses = {post(server, p, b if isinstance(b, bytes) else orjson.dumps(b))[0] for p, b in bodies(buffer)}
+    statuses = {
+        post(server, p, b if isinstance(b, bytes) else orjson.dumps(b))[0]
+        for p, b in bodies(buffer)
+    }
     assert statuses == {200, 400, 404, 422}
 
 
@@ -63,7 +74,9 @@ def test_fast_path_sits_inside_the_guard(make_server):
     auth = {"Authorization": "Bearer s3cret"}
     status, _, body = post(server, "/v1/namespaces/kv/exists", b'{"keys": []}')
     assert status == 401 and orjson.loads(body)["error"]["code"] == "unauthorized"
-    status, _, body = post(server, "/v1/namespaces/kv/exists", b'{"keys": ["' + b"a" * 2000 + b'"]}', auth)
+    status, _, body = post(
+        server, "/v1/namespaces/kv/exists", b'{"keys": ["' + b"a" * 2000 + b'"]}', auth
+    )
     assert status == 413 and orjson.loads(body)["error"]["code"] == "payload_too_large"
     client = server.client()
     client.put_namespace("kv", PAGE)

@@ -1,4 +1,5 @@
 """docs/grafana-dashboard.json asks only for metrics, and labels, a live sidecar exports."""
+
 import json
 import os
 import re
@@ -60,5 +61,8 @@ def test_every_metric_the_dashboard_names_is_exported(make_server, tmp_path):
     for name, labels in named.items():
         unknown = labels - exported[name] - FUNCS_AND_KEYWORDS
         assert not unknown, f"{name}: labels {unknown} are not exported ({exported[name]})"
-    assert {"kv_sidecar_tier_bytes_total", "kv_sidecar_write_queue_pages",
-            "kv_sidecar_request_seconds_bucket"} <= set(named)
+    assert {
+        "kv_sidecar_tier_bytes_total",
+        "kv_sidecar_write_queue_pages",
+        "kv_sidecar_request_seconds_bucket",
+    } <= set(named)

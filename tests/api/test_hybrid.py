@@ -1,5 +1,6 @@
 """Hybrid models through the API: every pool kind, KV + Mamba + indexer + draft round trips,
 KV-first gating, rank isolation, replicated dedupe, one pool out of room."""
+
 import hashlib
 
 import pytest
@@ -31,10 +32,17 @@ class Engine:
         for s in sizes:
             self.t.append(self.buf.tensor((SLOTS, s), offset=off))
             off += SLOTS * s
-        groups = {"kv": self.t[0:2], "mamba": self.t[2:5], "indexer": self.t[5:6], "draft": self.t[6:7]}
+        groups = {
+            "kv": self.t[0:2],
+            "mamba": self.t[2:5],
+            "indexer": self.t[5:6],
+            "draft": self.t[6:7],
+        }
         self.groups = groups
-        self.ids = {pool: self.buf.register(client, names[pool], SLOTS, tensor_chunks(self.buf, ts))
-                    for pool, ts in groups.items()}
+        self.ids = {
+            pool: self.buf.register(client, names[pool], SLOTS, tensor_chunks(self.buf, ts))
+            for pool, ts in groups.items()
+        }
 
     def fill(self, keys):
         for slot, k in enumerate(keys):
@@ -43,32 +51,52 @@ class Engine:
                 off = 0
                 for t in ts:
                     n = t[0].numel()
-                    self.buf.view(t[slot].data_ptr() - self.buf.address, n)[:] = page[off:off + n]
+                    self.buf.view(t[slot].data_ptr() - self.buf.address, n)[:] = page[off : off + n]
                     off += n
 
     def page(self, pool, slot):
         return b"".join(self.buf.tensor_bytes(t[slot]) for t in self.groups[pool])
 
     def items(self, keys, pools=("kv", "mamba", "indexer", "draft")):
-        return [{"namespace": self.names[p], "keys": keys, "buffer_id": self.ids[p],
-                 "slots": list(range(len(keys)))} for p in pools]
+        return [
+            {
+                "namespace": self.names[p],
+                "keys": keys,
+                "buffer_id": self.ids[p],
+                "slots": list(range(len(keys))),
+            }
+            for p in pools
+        ]
 
 
 def create(client, tp=0, tp_size=1, mamba_capacity=None):
     rank = {"tp": tp, "tp_size": tp_size}
     names = {"kv": "m-kv", "mamba": f"m-mamba-tp{tp}", "indexer": "m-indexer", "draft": "m-draft"}
     client.put_namespace("m-kv", KV_PAGE, pool="kv", model="m", rank=rank, replicated=True)
-    client.put_namespace(names["mamba"], sum(MAMBA), pool="mamba", model="m", rank=rank,
-                         **({"host_capacity_bytes": mamba_capacity * sum(MAMBA)} if mamba_capacity else {}))
-    client.put_namespace("m-indexer", INDEXER, pool="indexer", model="m", rank=rank, replicated=True)
+    client.put_namespace(
+        names["mamba"],
+        sum(MAMBA),
+        pool="mamba",
+        model="m",
+        rank=rank,
+        **({"host_capacity_bytes": mamba_capacity * sum(MAMBA)} if mamba_capacity else {}),
+    )
+    client.put_namespace(
+        "m-indexer", INDEXER, pool="indexer", model="m", rank=rank, replicated=True
+    )
     client.put_namespace("m-draft", DRAFT, pool="draft", model="m", rank=rank, replicated=True)
     return names
 
 
 def test_every_pool_kind_is_a_namespace(client):
     for i, kind in enumerate(POOL_KINDS):
-        spec = client.put_namespace(f"ns-{kind}", 512, pool=kind, replicated=i % 2 == 0,
-                                    rank={"tp": 1, "tp_size": 2, "pp": 0, "pp_size": 1})["spec"]
+        spec = client.put_namespace(
+            f"ns-{kind}",
+            512,
+            pool=kind,
+            replicated=i % 2 == 0,
+            rank={"tp": 1, "tp_size": 2, "pp": 0, "pp_size": 1},
+        )["spec"]
         assert spec["pool"] == kind and spec["replicated"] == (i % 2 == 0)
         assert spec["rank"]["tp"] == (0 if i % 2 == 0 else 1)  # replicated: one copy for all ranks
     assert len(client.list_namespaces()) == len(POOL_KINDS) >= 13
@@ -81,11 +109,16 @@ def test_round_trip_kv_mamba_indexer_draft(client, server):
     writer.fill(keys)
     stored = client.batch_set(writer.items(keys))
     assert stored == {names[p]: [True] * 6 for p in ("kv", "mamba", "indexer", "draft")}
-    extra = [{"namespace": names["mamba"], "policy": "trailing_pages", "window": 1},
-             {"namespace": "m-indexer", "policy": "all_pages"},
-             {"namespace": "m-draft", "policy": "all_pages"}]
+    extra = [
+        {"namespace": names["mamba"], "policy": "trailing_pages", "window": 1},
+        {"namespace": "m-indexer", "policy": "all_pages"},
+        {"namespace": "m-draft", "policy": "all_pages"},
+    ]
     assert client.batch_exists(keys + ["f" * 64], "m-kv", extra) == {
-        "hit": 6, "kv": 6, "pools": {names["mamba"]: 6, "m-indexer": 6, "m-draft": 6}}
+        "hit": 6,
+        "kv": 6,
+        "pools": {names["mamba"]: 6, "m-indexer": 6, "m-draft": 6},
+    }
     loaded = client.batch_get(reader.items(keys))
     assert all(all(v) for v in loaded.values())
     for slot, _k in enumerate(keys):
@@ -100,23 +133,36 @@ def test_hit_rules_on_partial_pools(client):
     keys = [f"{i:064x}" for i in range(6)]
     e.fill(keys)
     client.batch_set(e.items(keys[:5], ("kv",)))
-    client.batch_set(e.items([keys[2], keys[4]], ("mamba",)))   # Mamba state at pages 3 and 5
+    client.batch_set(e.items([keys[2], keys[4]], ("mamba",)))  # Mamba state at pages 3 and 5
     client.batch_set(e.items(keys[:2] + keys[3:5], ("indexer",)))
     mamba = {"namespace": names["mamba"], "policy": "trailing_pages", "window": 1}
-    assert client.batch_exists(keys, "m-kv", [mamba]) == {"hit": 5, "kv": 5, "pools": {names["mamba"]: 5}}
+    assert client.batch_exists(keys, "m-kv", [mamba]) == {
+        "hit": 5,
+        "kv": 5,
+        "pools": {names["mamba"]: 5},
+    }
     idx = {"namespace": "m-indexer", "policy": "all_pages"}
     # Mamba restores endpoints {3, 5}, the indexer {1, 2}: none in common (min would say 2)
     got = client.batch_exists(keys, "m-kv", [mamba, idx], restorable=True)
-    assert got == {"hit": 0, "kv": 5, "pools": {names["mamba"]: 5, "m-indexer": 2}, "restorable": []}
+    assert got == {
+        "hit": 0,
+        "kv": 5,
+        "pools": {names["mamba"]: 5, "m-indexer": 2},
+        "restorable": [],
+    }
     client.batch_set(e.items([keys[2]], ("indexer",)))  # the indexer now restores 1..5
     got = client.batch_exists(keys, "m-kv", [mamba, idx], restorable=True)
     assert (got["hit"], got["restorable"]) == (5, [3, 5])
     missing = {"namespace": "nope", "policy": "all_pages"}
     got = client.batch_exists(keys, "m-kv", [missing, mamba])
     assert got["hit"] == 0 and got["pools"] == {"nope": 0, names["mamba"]: 5}
-    for _ in range(2):   # a window of 2**64 - 1 pages is the whole prefix (the joint's masks too)
+    for _ in range(2):  # a window of 2**64 - 1 pages is the whole prefix (the joint's masks too)
         huge = {"namespace": names["mamba"], "policy": "trailing_pages", "window": 2**64 - 1}
-        assert client.batch_exists(keys, "m-kv", [huge]) == {"hit": 0, "kv": 5, "pools": {names["mamba"]: 0}}
+        assert client.batch_exists(keys, "m-kv", [huge]) == {
+            "hit": 0,
+            "kv": 5,
+            "pools": {names["mamba"]: 0},
+        }
 
 
 def test_batch_get_of_the_hit_loads_exactly_its_pages(client, server):
@@ -125,10 +171,17 @@ def test_batch_get_of_the_hit_loads_exactly_its_pages(client, server):
     keys = [f"{i:064x}" for i in range(6)]
     w.fill(keys)
     client.batch_set(w.items(keys[:5], ("kv",)) + w.items(keys[:4], ("indexer",)))
-    mamba = {"namespace": names["mamba"], "keys": keys[2:3], "buffer_id": w.ids["mamba"], "slots": [2]}
-    client.batch_set([mamba])   # Mamba state for endpoint 3 only
-    extra = [{"namespace": names["mamba"], "policy": "trailing_pages", "window": 1},
-             {"namespace": "m-indexer", "policy": "all_pages"}]
+    mamba = {
+        "namespace": names["mamba"],
+        "keys": keys[2:3],
+        "buffer_id": w.ids["mamba"],
+        "slots": [2],
+    }
+    client.batch_set([mamba])  # Mamba state for endpoint 3 only
+    extra = [
+        {"namespace": names["mamba"], "policy": "trailing_pages", "window": 1},
+        {"namespace": "m-indexer", "policy": "all_pages"},
+    ]
     got = client.batch_exists(keys, "m-kv", extra, restorable=True)
     assert (got["hit"], got["restorable"]) == (3, [3])
     before = {ns: v["hits"] for ns, v in client.stats()["namespaces"].items()}
@@ -136,7 +189,11 @@ def test_batch_get_of_the_hit_loads_exactly_its_pages(client, server):
     loaded = client.batch_get(items)
     assert loaded == {"m-kv": [True] * 3, "m-indexer": [True] * 3, names["mamba"]: [True]}
     after = client.stats()["namespaces"]
-    assert {ns: after[ns]["hits"] - before[ns] for ns in loaded} == {"m-kv": 3, "m-indexer": 3, names["mamba"]: 1}
+    assert {ns: after[ns]["hits"] - before[ns] for ns in loaded} == {
+        "m-kv": 3,
+        "m-indexer": 3,
+        names["mamba"]: 1,
+    }
     for pool in ("kv", "indexer", "mamba"):
         assert r.page(pool, 2) == w.page(pool, 2)
     server.invariants()
@@ -172,7 +229,9 @@ def test_rank_isolation_and_replicated_dedupe(client, server):
     # but rank 1 never reads rank 0's Mamba shard
     assert client.exists(n1["mamba"], keys) == 0 and client.exists(n0["mamba"], keys) == 3
     with pytest.raises(SidecarError) as exc:  # a rank-1 spec under rank 0's name
-        client.put_namespace(n0["mamba"], sum(MAMBA), pool="mamba", model="m", rank={"tp": 1, "tp_size": 2})
+        client.put_namespace(
+            n0["mamba"], sum(MAMBA), pool="mamba", model="m", rank={"tp": 1, "tp_size": 2}
+        )
     assert exc.value.status == 409
     server.invariants()
 
@@ -193,8 +252,14 @@ def test_batch_errors_move_nothing(client, server):
     e = Engine(client, names)
     keys = ["a", "b"]
     e.fill(keys)
-    bad = e.items(keys, ("kv",)) + [{"namespace": names["mamba"], "keys": keys,
-                                     "buffer_id": e.ids["mamba"], "slots": [0, SLOTS]}]
+    bad = e.items(keys, ("kv",)) + [
+        {
+            "namespace": names["mamba"],
+            "keys": keys,
+            "buffer_id": e.ids["mamba"],
+            "slots": [0, SLOTS],
+        }
+    ]
     with pytest.raises(SidecarError) as exc:
         client.batch_set(bad)
     assert exc.value.status == 422 and client.exists("m-kv", keys) == 0  # nothing stored
@@ -206,8 +271,12 @@ def test_batch_errors_move_nothing(client, server):
         with pytest.raises(SidecarError) as exc:
             client.request("POST", "/v1/batch/set", body)
         assert exc.value.status == status
-    for extra in ([{"namespace": "x", "policy": "some"}], [{"namespace": "x", "window": 0}],
-                  [{"policy": "all_pages"}], "x"):
+    for extra in (
+        [{"namespace": "x", "policy": "some"}],
+        [{"namespace": "x", "window": 0}],
+        [{"policy": "all_pages"}],
+        "x",
+    ):
         with pytest.raises(SidecarError) as exc:
             client.batch_exists(keys, "m-kv", extra)
         assert exc.value.status == 400
@@ -240,6 +309,7 @@ def test_every_batch_item_is_validated_before_any_page_moves(client, server, mon
     def spy(name, *args, **kw):
         calls.append(name)
         return real(name, *args, **kw)
+
     monkeypatch.setattr(store, op, spy)
     for bad in ({"slots": [0, SLOTS]}, {"keys": ["a", "b/"]}, {"buffer_id": "b-none"}):
         items = e.items(keys, ("kv", "indexer", "mamba"))

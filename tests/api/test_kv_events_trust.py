@@ -2,6 +2,7 @@
 take their own mode and group, not the engine socket's; token ids go out only when the
 operator opts in; what a set may make an event carry is bounded in bytes; the collector
 forgets the identities of deleted namespaces."""
+
 from __future__ import annotations
 
 import errno
@@ -22,7 +23,7 @@ from tests.conftest import replay_frames, wait_for
 from tests.deploy.as_uid import run_as
 
 zmq = pytest.importorskip("zmq")
-NOBODY, ENGINES, ROUTERS = 65534, 4, 100    # uid nobody; groups adm and users
+NOBODY, ENGINES, ROUTERS = 65534, 4, 100  # uid nobody; groups adm and users
 
 
 def _connect(path: str) -> str:
@@ -42,10 +43,16 @@ def _topics(endpoint: str) -> list:
 
 def _ipc(make_server, scratch, **extra):
     d = scratch(prefix="kvs-")
-    os.chmod(d, 0o755)            # others may enter: only the sockets' mode keeps them out
+    os.chmod(d, 0o755)  # others may enter: only the sockets' mode keeps them out
     pub, rep = os.path.join(d, "pub"), os.path.join(d, "replay")
-    srv = make_server(kv_events=f"ipc://{pub}", kv_events_replay=f"ipc://{rep}", kv_events_topic="t",
-                      socket_mode=0o660, socket_group="adm", **extra)
+    srv = make_server(
+        kv_events=f"ipc://{pub}",
+        kv_events_replay=f"ipc://{rep}",
+        kv_events_topic="t",
+        socket_mode=0o660,
+        socket_group="adm",
+        **extra,
+    )
     wait_for(lambda: srv.ctx.ready)
     c = srv.client()
     c.put_namespace("kv", PAGE, key_format="vllm")
@@ -90,31 +97,43 @@ def _set_with_tokens(srv, page_tokens: int, tokens: list) -> tuple:
 
 
 def _stored(payloads: list) -> list:
-    return [e for p in payloads for e in msgspec.msgpack.decode(p)[1]
-            if e["type"] == "BlockStored" and e["medium"] == "CPU_PINNED"]
+    return [
+        e
+        for p in payloads
+        for e in msgspec.msgpack.decode(p)[1]
+        if e["type"] == "BlockStored" and e["medium"] == "CPU_PINNED"
+    ]
 
 
 def test_token_ids_go_out_only_when_the_operator_opts_in(make_server):
     """Default: a set's tokens are checked but its BlockStored carries none (an empty
     list, which vLLM's BlockStored takes), on the PUB and in the replay."""
     port, replay = endpoints()
-    srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                      kv_events_topic="t")
+    srv = make_server(
+        kv_events=f"tcp://127.0.0.1:{port}",
+        kv_events_replay=f"tcp://127.0.0.1:{replay}",
+        kv_events_topic="t",
+    )
     wait_for(lambda: srv.ctx.ready)
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     seen = []
     real = srv.ctx.events.publisher.send
-    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append(bytes(payload)), real(topic, payload))[1]
+    srv.ctx.events.publisher.send = lambda topic, payload: (
+        seen.append(bytes(payload)),
+        real(topic, payload),
+    )[1]
     try:
         c, keys, body = _set_with_tokens(srv, 2, [[11, 12], [13, 14]])
-        assert c.request("POST", "/v1/namespaces/kv/set", {**body, "parent": "99" * 32})[1] == \
-            {"stored": [True, True]}
+        assert c.request("POST", "/v1/namespaces/kv/set", {**body, "parent": "99" * 32})[1] == {
+            "stored": [True, True]
+        }
         settled(srv, sub)
     finally:
         sub.close()
     for got in (seen, [p for _, _, p in replay_frames(f"tcp://127.0.0.1:{replay}")]):
-        assert [(e["block_hashes"], e["token_ids"], e["block_size"]) for e in _stored(got)] == \
-            [([bytes.fromhex(k) for k in keys], [], 2)]
+        assert [(e["block_hashes"], e["token_ids"], e["block_size"]) for e in _stored(got)] == [
+            ([bytes.fromhex(k) for k in keys], [], 2)
+        ]
 
 
 def test_tokens_a_key_are_capped_at_the_namespaces_page_tokens(make_server):
@@ -126,27 +145,41 @@ def test_tokens_a_key_are_capped_at_the_namespaces_page_tokens(make_server):
     assert status == 400 and "page_tokens" in orjson.loads(out)["error"]["message"]
     item = {"namespace": "kv", **body}
     assert c.request("POST", "/v1/batch/set", {"items": [item]}, ok=(400,))[0] == 400
-    assert c.request("POST", "/v1/namespaces/kv/set", {**body, "tokens": [[1, 2, 3, 4], [5]]})[1] == \
-        {"stored": [True, True]}
+    assert c.request("POST", "/v1/namespaces/kv/set", {**body, "tokens": [[1, 2, 3, 4], [5]]})[
+        1
+    ] == {"stored": [True, True]}
     c.put_namespace("free", PAGE)
     buf = SharedBuffer(PAGE)
     bid = buf.register(c, "free", 1, page_first_chunks(PAGE))
     one = {"keys": ["k"], "buffer_id": bid, "slots": [0]}
-    assert c.request("POST", "/v1/namespaces/free/set", {**one, "tokens": [[0] * 4097]}, ok=(400,))[0] == 400
-    assert c.request("POST", "/v1/namespaces/free/set", {**one, "tokens": [[0] * 4096]})[1] == {"stored": [True]}
+    assert (
+        c.request("POST", "/v1/namespaces/free/set", {**one, "tokens": [[0] * 4097]}, ok=(400,))[0]
+        == 400
+    )
+    assert c.request("POST", "/v1/namespaces/free/set", {**one, "tokens": [[0] * 4096]})[1] == {
+        "stored": [True]
+    }
 
 
 def test_a_large_set_goes_out_in_batches_of_batch_bytes(make_server):
     """1,024 keys of 16 token ids of the largest width: every batch within
     `--kv-events-batch-bytes`; together they name every key, in order, with its tokens."""
     port, replay = endpoints()
-    srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                      kv_events_topic="t", kv_events_token_ids=True, kv_events_batch_bytes=2**16)
+    srv = make_server(
+        kv_events=f"tcp://127.0.0.1:{port}",
+        kv_events_replay=f"tcp://127.0.0.1:{replay}",
+        kv_events_topic="t",
+        kv_events_token_ids=True,
+        kv_events_batch_bytes=2**16,
+    )
     wait_for(lambda: srv.ctx.ready)
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     seen = []
     real = srv.ctx.events.publisher.send
-    srv.ctx.events.publisher.send = lambda topic, payload: (seen.append(bytes(payload)), real(topic, payload))[1]
+    srv.ctx.events.publisher.send = lambda topic, payload: (
+        seen.append(bytes(payload)),
+        real(topic, payload),
+    )[1]
     try:
         tokens = [[2**63 - 1 - i] * 16 for i in range(1024)]
         c, keys, body = _set_with_tokens(srv, 16, tokens)
@@ -158,24 +191,34 @@ def test_a_large_set_goes_out_in_batches_of_batch_bytes(make_server):
     stored = _stored(seen)
     assert [h for e in stored for h in e["block_hashes"]] == [bytes.fromhex(k) for k in keys]
     assert [t for e in stored for t in e["token_ids"]] == [t for ts in tokens for t in ts]
-    assert [e["parent_block_hash"] for e in stored[1:]] == \
-        [stored[i]["block_hashes"][-1] for i in range(len(stored) - 1)]
+    assert [e["parent_block_hash"] for e in stored[1:]] == [
+        stored[i]["block_hashes"][-1] for i in range(len(stored) - 1)
+    ]
 
 
 def test_the_pub_queue_is_bounded_in_bytes(make_server):
     """The PUB's high-water mark: `--kv-events-queue-bytes` / `--kv-events-batch-bytes`
     batches (never under 32, never over `--kv-events-hwm`)."""
     port, replay = endpoints()
-    srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                      kv_events_queue_bytes=2**23, kv_events_batch_bytes=2**17)
+    srv = make_server(
+        kv_events=f"tcp://127.0.0.1:{port}",
+        kv_events_replay=f"tcp://127.0.0.1:{replay}",
+        kv_events_queue_bytes=2**23,
+        kv_events_batch_bytes=2**17,
+    )
     wait_for(lambda: srv.ctx.ready)
     assert srv.ctx.events.publisher.pub.getsockopt(zmq.SNDHWM) == 64
     assert srv.ctx.events.batch_bytes == 2**17
     assert events_mod.queue_hwm(Config()) == 64 * 2**20 // (256 * 2**10)
-    assert events_mod.queue_hwm(Config(kv_events_queue_bytes=2**20, kv_events_batch_bytes=2**16)) == 32
+    assert (
+        events_mod.queue_hwm(Config(kv_events_queue_bytes=2**20, kv_events_batch_bytes=2**16)) == 32
+    )
     assert events_mod.queue_hwm(Config(kv_events_queue_bytes=2**40)) == 1000
-    for bad in ({"kv_events_batch_bytes": 2**15}, {"kv_events_queue_bytes": 2**17},
-                {"kv_events_mode": 0o1777}):
+    for bad in (
+        {"kv_events_batch_bytes": 2**15},
+        {"kv_events_queue_bytes": 2**17},
+        {"kv_events_mode": 0o1777},
+    ):
         with pytest.raises(ValueError):
             Config(**bad)
 
@@ -183,8 +226,11 @@ def test_the_pub_queue_is_bounded_in_bytes(make_server):
 def test_a_tcp_endpoint_is_announced_as_open_to_every_user(make_server, caplog):
     port, replay = endpoints()
     with caplog.at_level(logging.WARNING, logger="kv_sidecar.events"):
-        srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}",
-                          kv_events_token_ids=True)
+        srv = make_server(
+            kv_events=f"tcp://127.0.0.1:{port}",
+            kv_events_replay=f"tcp://127.0.0.1:{replay}",
+            kv_events_token_ids=True,
+        )
         wait_for(lambda: srv.ctx.ready)
     said = [r.getMessage() for r in caplog.records if "open to every user" in r.getMessage()]
     assert len(said) == 2 and all("token ids (the prompts)" in m for m in said)
@@ -195,7 +241,9 @@ def test_identities_of_deleted_namespaces_are_forgotten(make_server):
     """A create-delete loop of namespaces of distinct identities: the collector's
     bookkeeping holds the live ones only."""
     port, replay = endpoints()
-    srv = make_server(kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}")
+    srv = make_server(
+        kv_events=f"tcp://127.0.0.1:{port}", kv_events_replay=f"tcp://127.0.0.1:{replay}"
+    )
     wait_for(lambda: srv.ctx.ready)
     c = srv.client()
     c.put_namespace("stays", PAGE)
@@ -207,4 +255,5 @@ def test_identities_of_deleted_namespaces_are_forgotten(make_server):
     def sizes() -> tuple:
         ev.flush()
         return len(ev.identities), len(ev.announced), len(ev.by_pool)
+
     assert srv.on_loop(sizes) == (1, 1, 1)

@@ -4,6 +4,7 @@
 A blocking syscall is forced with an event (a spy that holds a close, a check or a copy
 until the test lets it go) and the loop is shown to answer meanwhile; where another
 tenant matters it is a child process as uid `nobody` (tests/api/test_trust.py)."""
+
 from __future__ import annotations
 
 import array
@@ -54,6 +55,7 @@ class Nobody:
                 self.q.put(("ok", fn(*args)))
             except BaseException as exc:  # report, never hang the parent
                 self.q.put(("error", repr(exc)))
+
         self.p = ctx.Process(target=child)
         self.p.start()
 
@@ -113,12 +115,12 @@ class CloseSpy:
 def _lend_a_lingering_socket(path: str, inode_box, armed, ours_closed, go) -> bytes:
     lst, cli = lingering_tcp()
     inode_box.put(os.fstat(cli.fileno()).st_ino)
-    assert armed.wait(30)      # the test's spy knows which close to watch
+    assert armed.wait(30)  # the test's spy knows which close to watch
     s = lend_frame(path, cli.fileno())
-    cli.close()                # the sidecar's copy is the last: its close lingers
+    cli.close()  # the sidecar's copy is the last: its close lingers
     ours_closed.set()
     answer = s.recv(4096)
-    assert go.wait(60)         # the listener stays until the test is done: the close blocks
+    assert go.wait(60)  # the listener stays until the test is done: the close blocks
     lst.close()
     return answer
 
@@ -131,18 +133,19 @@ def test_a_lingering_tcp_socket_is_closed_off_the_loop(open_server, monkeypatch)
     ctx = mp.get_context("fork")
     inode_box, armed, ours_closed, go = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
     spy = CloseSpy(monkeypatch, -1, hold=ours_closed)
-    attack = Nobody(_lend_a_lingering_socket, open_server.config.socket, inode_box, armed,
-                    ours_closed, go)
+    attack = Nobody(
+        _lend_a_lingering_socket, open_server.config.socket, inode_box, armed, ours_closed, go
+    )
     try:
         spy.inode = inode_box.get(timeout=30)
         armed.set()
         assert spy.entered.wait(30)
-        c = open_server.client(timeout=5)        # the old loop was stuck in the close
+        c = open_server.client(timeout=5)  # the old loop was stuck in the close
         assert c.health()["status"] == "ok"
         buf = SharedBuffer(PAGE)
         bid = buf.register(c, "kv", 1, page_first_chunks(PAGE))
         assert c.set("kv", ["a"], bid, [0]) == [True] and c.get("kv", ["a"], bid, [0]) == [True]
-        assert not spy.done.is_set()             # all that while the close was blocked
+        assert not spy.done.is_set()  # all that while the close was blocked
     finally:
         go.set()
     answer = attack.result(60)
@@ -160,7 +163,7 @@ def test_a_connections_frames_are_checked_off_the_loop_in_order(open_server, mon
     try:
         assert gate.entered.wait(10)
         assert open_server.client(timeout=5).health()["status"] == "ok"
-        assert select.select([s], [], [], 0)[0] == []   # nothing answered while the first is held
+        assert select.select([s], [], [], 0)[0] == []  # nothing answered while the first is held
     finally:
         gate.open()
     first, second = s.recv(4096), s.recv(4096)
@@ -183,7 +186,7 @@ def test_a_frame_whose_check_overruns_is_answered_and_its_fd_closed(open_server,
     assert spy.done.wait(10) and loop_thread(open_server) not in spy.threads
     assert open_server.on_loop(lambda: len(open_server.ctx.store.sources.leases.leases)) == 0
     s.sendmsg([leases.FRAME], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-    assert b'"lease"' in s.recv(4096)          # the connection goes on
+    assert b'"lease"' in s.recv(4096)  # the connection goes on
     s.close()
 
 
@@ -214,12 +217,13 @@ def test_lent_and_registered_fds_are_closed_off_the_loop(open_server, monkeypatc
     spy = CloseSpy(monkeypatch, os.fstat(buf.fd).st_ino)
     unmapped = []
     real_close = shm.ShmMapping.close
-    monkeypatch.setattr(shm.ShmMapping, "close",
-                        lambda m: (unmapped.append(threading.get_ident()), real_close(m)))
+    monkeypatch.setattr(
+        shm.ShmMapping, "close", lambda m: (unmapped.append(threading.get_ident()), real_close(m))
+    )
     bid = buf.register(c, "kv", 1, page_first_chunks(PAGE))
-    c.release_buffer("kv", bid)                   # its dup, and the mapping
+    c.release_buffer("kv", bid)  # its dup, and the mapping
     wait_for(lambda: len(spy.threads) == 1 and len(unmapped) == 1, 10)
-    c.close_leases()                              # the lease's own fd
+    c.close_leases()  # the lease's own fd
     wait_for(lambda: len(spy.threads) == 2, 10)
     assert loop_thread(open_server) not in spy.threads + unmapped
 
@@ -231,13 +235,16 @@ def test_no_copy_runs_on_the_loop(open_server, monkeypatch):
     threads = []
     for name in ("run_plan", "_fd_plan"):
         real = getattr(shm, name)
-        monkeypatch.setattr(shm, name, lambda *a, real=real: (threads.append(threading.get_ident()),
-                                                                real(*a))[1])
+        monkeypatch.setattr(
+            shm, name, lambda *a, real=real: (threads.append(threading.get_ident()), real(*a))[1]
+        )
     c = open_server.client()
     sealed = SharedBuffer(PAGE)
     plain = memfd(PAGE, sealable=False)
-    for bid in (sealed.register(c, "kv", 1, page_first_chunks(PAGE)),
-                c.register_buffer("kv", PAGE, 1, page_first_chunks(PAGE), fd=plain)):
+    for bid in (
+        sealed.register(c, "kv", 1, page_first_chunks(PAGE)),
+        c.register_buffer("kv", PAGE, 1, page_first_chunks(PAGE), fd=plain),
+    ):
         assert c.set("kv", [bid], bid, [0]) == [True] and c.get("kv", [bid], bid, [0]) == [True]
     assert len(threads) == 4 and loop_thread(open_server) not in threads
 
@@ -246,7 +253,12 @@ class HeldMapping:
     """Wraps a buffer's mapping: its copies wait on their thread until `release` is set."""
 
     def __init__(self, inner):
-        self.inner, self.entered, self.release, self.calls = inner, threading.Event(), threading.Event(), 0
+        self.inner, self.entered, self.release, self.calls = (
+            inner,
+            threading.Event(),
+            threading.Event(),
+            0,
+        )
         self.addresses, self.sealed = inner.addresses, inner.sealed
 
     def run_plan(self, plan, into_engine):
@@ -295,7 +307,9 @@ def test_a_stuck_copy_costs_only_its_caller(make_server):
     steps.send("go")
     try:
         assert held.mapping.entered.wait(10)
-        assert c.set("mine", ["x"], my_bid, [0]) == [True] and c.get("mine", ["x"], my_bid, [0]) == [True]
+        assert c.set("mine", ["x"], my_bid, [0]) == [True] and c.get(
+            "mine", ["x"], my_bid, [0]
+        ) == [True]
         assert steps.poll(30)
         seen = steps.recv()
         pins = srv.on_loop(lambda: srv.ns("att").pool.entries["k"].pins)
@@ -321,8 +335,9 @@ def test_registration_runs_off_the_loop_and_a_locked_memfd_answers_409(open_serv
     c = open_server.client()
     buf = SharedBuffer(PAGE)
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(status_of, lambda: buf.register(open_server.client(), "kv", 1,
-                                                          page_first_chunks(PAGE)))
+        fut = pool.submit(
+            status_of, lambda: buf.register(open_server.client(), "kv", 1, page_first_chunks(PAGE))
+        )
         assert gate.entered.wait(10)
         assert c.health()["status"] == "ok"
         assert fut.result(30) == 409
@@ -340,8 +355,9 @@ def test_a_namespace_deleted_while_a_buffer_is_mapped(open_server, monkeypatch):
     c = open_server.client()
     buf = SharedBuffer(PAGE)
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(status_of, lambda: buf.register(open_server.client(), "kv", 1,
-                                                          page_first_chunks(PAGE)))
+        fut = pool.submit(
+            status_of, lambda: buf.register(open_server.client(), "kv", 1, page_first_chunks(PAGE))
+        )
         assert gate.entered.wait(10)
         c.delete_namespace("kv")
         gate.open()
@@ -369,8 +385,10 @@ def _register_mapped(url: str, pages: list[int]) -> list[int]:
     """As another uid: a namespace of its own, then one sealed buffer of each size."""
     c = SidecarClient(url)
     c.put_namespace("own", PAGE)
-    return [status_of(lambda n=n: SharedBuffer(n * PAGE).register(c, "own", n, page_first_chunks(PAGE)))
-            for n in pages]
+    return [
+        status_of(lambda n=n: SharedBuffer(n * PAGE).register(c, "own", n, page_first_chunks(PAGE)))
+        for n in pages
+    ]
 
 
 @root_only
@@ -381,10 +399,12 @@ def test_mapped_bytes_are_bounded_per_uid_and_in_all(make_server):
     c.put_namespace("kv", PAGE)
     mine = SharedBuffer(16 * PAGE)
     bid = mine.register(c, "kv", 16, page_first_chunks(PAGE))
-    assert status_of(lambda: SharedBuffer(PAGE).register(c, "kv", 1, page_first_chunks(PAGE))) == 429
-    fd_mode = memfd(PAGE, sealable=False)            # maps nothing: not counted
+    assert (
+        status_of(lambda: SharedBuffer(PAGE).register(c, "kv", 1, page_first_chunks(PAGE))) == 429
+    )
+    fd_mode = memfd(PAGE, sealable=False)  # maps nothing: not counted
     assert c.register_buffer("kv", PAGE, 1, page_first_chunks(PAGE), fd=fd_mode)
-    assert as_nobody(_register_mapped, srv.socket_url, [8, 1]) == [200, 429]   # its share; then all
+    assert as_nobody(_register_mapped, srv.socket_url, [8, 1]) == [200, 429]  # its share; then all
     c.release_buffer("kv", bid)
     assert SharedBuffer(PAGE).register(c, "kv", 1, page_first_chunks(PAGE))
 
@@ -392,6 +412,7 @@ def test_mapped_bytes_are_bounded_per_uid_and_in_all(make_server):
 def test_a_failed_mmap_is_the_callers_4xx(open_server, monkeypatch):
     def out_of_address_space(*args, **kwargs):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
     buf = SharedBuffer(PAGE)
     monkeypatch.setattr(shm.mmap, "mmap", out_of_address_space)
     c = open_server.client()
@@ -419,7 +440,7 @@ def test_buffers_leave_room_for_other_uids(open_server, monkeypatch):
     for _ in range(3):
         buf.register(c, "kv", 1, page_first_chunks(PAGE))
     assert status_of(lambda: buf.register(c, "kv", 1, page_first_chunks(PAGE))) == 429
-    assert as_nobody(_register_n, open_server.socket_url, 3) == [200, 200, 429]   # then all 5
+    assert as_nobody(_register_n, open_server.socket_url, 3) == [200, 200, 429]  # then all 5
 
 
 def lend_code(c: SidecarClient) -> str:
@@ -442,7 +463,7 @@ def _lend_n(url: str, n: int) -> list[str]:
 def test_leases_leave_room_for_other_uids(open_server, monkeypatch):
     monkeypatch.setattr(leases, "MAX_LEASES_PER_UID", 2)
     monkeypatch.setattr(leases, "MAX_LEASES", 3)
-    c = open_server.client()          # its leases last as long as its fd connection
+    c = open_server.client()  # its leases last as long as its fd connection
     assert [lend_code(c) for _ in range(3)] == ["l-", "l-", "too_many_buffers"]
     assert as_nobody(_lend_n, open_server.socket_url, 2) == ["l-", "too_many_buffers"]
 
@@ -469,7 +490,7 @@ def test_fd_connections_leave_room_for_other_uids(make_server, monkeypatch):
         s.settimeout(5)
         s.connect(path)
         held.append(s)
-    assert closed_by_server(held[2])                       # over this uid's share
+    assert closed_by_server(held[2])  # over this uid's share
     assert as_nobody(_lend_n, open_server.socket_url, 1) == ["l-"]
 
 
@@ -480,6 +501,8 @@ def test_idle_fd_connections_are_closed_and_lenders_stay(make_server):
     idle.connect(srv.config.socket + ".fds")
     lender = lend_frame(srv.config.socket, memfd(PAGE))
     assert b'"lease"' in lender.recv(4096)
-    assert closed_by_server(idle)                          # never, before
-    lender.sendmsg([leases.FRAME], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd(PAGE)]))])
-    assert b'"lease"' in lender.recv(4096)                 # holding leases: it stays
+    assert closed_by_server(idle)  # never, before
+    lender.sendmsg(
+        [leases.FRAME], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd(PAGE)]))]
+    )
+    assert b'"lease"' in lender.recv(4096)  # holding leases: it stays

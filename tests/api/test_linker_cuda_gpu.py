@@ -5,6 +5,7 @@ registered once by CUDA IPC; the sidecar copies pages on its streams only after 
 event completed; pages of one engine process restored byte-exact into other pages of
 another's. Not covered here: SidecarLinker's queues and SGLang's layer counter (the SGLang
 suite runs those on CPU pools, through staging)."""
+
 import os
 import subprocess
 import sys
@@ -19,8 +20,14 @@ ENV = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
 
 
 def engine(url: str, ns: str, op: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "tests.api.linker_cuda_proc", url, ns, op],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.api.linker_cuda_proc", url, ns, op],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return orjson.loads(out.stdout.strip().splitlines()[-1])
 
@@ -28,11 +35,11 @@ def engine(url: str, ns: str, op: str) -> dict:
 def test_device_pool_offloaded_after_its_event_and_loaded_into_another_engine(spawn):
     p = spawn("--host-pool", "1GiB", "--no-file-tier").wait_ready()
     wrote = engine(p.socket_url, "linker-kv", "offload")
-    assert wrote["stored"] == [True, True, True] and wrote["buffers"] == 1   # one registration
+    assert wrote["stored"] == [True, True, True] and wrote["buffers"] == 1  # one registration
     assert len(set(wrote["pages"])) == 3
     read = engine(p.socket_url, "linker-kv", "load")
     assert read["loaded"] == [True, True, True] and read["buffers"] == 1
-    assert read["pages"] == wrote["pages"]   # pages 2, 5, 7 of engine 1 in 0, 3, 4 of engine 2
+    assert read["pages"] == wrote["pages"]  # pages 2, 5, 7 of engine 1 in 0, 3, 4 of engine 2
     assert read["untouched_zero"]
 
 
@@ -46,6 +53,8 @@ def test_without_the_gate_the_copy_races_the_forward_pass(spawn):
     if read["pages"] == wrote["pages"]:
         # seen on an H200 (2026-11-28) with a 50 ms sleep: the sidecar's copy ran only after
         # the engine's kernel, as if the two processes' contexts took turns on the GPU
-        pytest.skip("the device ran the sidecar's copy after the engine's ~2 s kernel: the race "
-                    "the gate prevents cannot be shown on it (contexts serialized)")
+        pytest.skip(
+            "the device ran the sidecar's copy after the engine's ~2 s kernel: the race "
+            "the gate prevents cannot be shown on it (contexts serialized)"
+        )
     assert read["pages"] != wrote["pages"]

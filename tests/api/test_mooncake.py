@@ -1,6 +1,7 @@
 """Sidecars sharing pages through a real Mooncake cluster (mooncake_master + a store node on
 loopback): two sidecars with their own host pools, a restart with an empty host pool, the
 master down at start and restarted mid-run."""
+
 import hashlib
 
 import pytest
@@ -20,8 +21,16 @@ def data(key: str) -> bytes:
 
 def sidecar(spawn, master, *extra):
     """A sidecar with the Mooncake tier only (no file tier), lending no memory itself."""
-    p = spawn("--host-pool", "16MiB", "--no-file-tier", "--mooncake-master", master.address,
-              "--mooncake-segment-size", "0", *extra).wait_ready()
+    p = spawn(
+        "--host-pool",
+        "16MiB",
+        "--no-file-tier",
+        "--mooncake-master",
+        master.address,
+        "--mooncake-segment-size",
+        "0",
+        *extra,
+    ).wait_ready()
     c = SidecarClient(p.socket_url, timeout=30)
     c.put_namespace("kv", PAGE, model="m")
     return p, c
@@ -57,16 +66,16 @@ def test_two_sidecars_share_pages_and_a_restart_finds_them(spawn, cluster):
     keys = [f"k{i}" for i in range(N)]
     _, bid = buffer(ca, keys)
     assert durable_set(ca, keys, bid) == [True] * N
-    assert cb.exists("kv", keys + ["nope"]) == N             # one batched look-up on B
+    assert cb.exists("kv", keys + ["nope"]) == N  # one batched look-up on B
     loaded, out = read_all(cb, keys)
     assert loaded == [True] * N
     assert all(out.view(i * PAGE, PAGE) == data(k) for i, k in enumerate(keys))
     assert cb.stats()["namespaces"]["kv"]["tier_hits"] == N
-    cb.put_namespace("other", PAGE, model="m2")               # another spec: other pages
+    cb.put_namespace("other", PAGE, model="m2")  # another spec: other pages
     assert cb.exists("other", keys) == 0
     assert a.terminate()[0] == 0
 
-    a2, ca2 = sidecar(spawn, master)                          # empty host pool
+    a2, ca2 = sidecar(spawn, master)  # empty host pool
     wait_for(lambda: mooncake_connected(ca2))
     assert ca2.stats()["namespaces"]["kv"]["pages"]["host"] == 0
     assert ca2.exists("kv", keys) == N
@@ -88,17 +97,18 @@ def until_durable(c, tag: str) -> list[str]:
         attempt.append(keys)
         _, bid = buffer(c, keys)
         return durable_set(c, keys, bid) == [True] * 4
+
     wait_for(once)
     return attempt[-1]
 
 
 @pytest.mark.slow
 def test_master_down_at_start_then_killed_and_restarted_mid_run(spawn):
-    master = Master()                                         # not running yet
-    a, ca = sidecar(spawn, master)                            # starts and serves regardless
+    master = Master()  # not running yet
+    a, ca = sidecar(spawn, master)  # starts and serves regardless
     keys = [f"k{i}" for i in range(N)]
     _, bid = buffer(ca, keys)
-    assert durable_set(ca, keys, bid) == [False] * N          # kept in the host pool only
+    assert durable_set(ca, keys, bid) == [False] * N  # kept in the host pool only
     assert ca.get_page("kv", "k1") == data("k1")
     assert ca.stats()["tiers"]["mooncake"]["unavailable"] >= N
     master.start()
@@ -109,7 +119,7 @@ def test_master_down_at_start_then_killed_and_restarted_mid_run(spawn):
         first = until_durable(ca, "a")
         assert cb.exists("kv", first) == 4
 
-        master.kill()                                         # mid-run: misses, never a 5xx
+        master.kill()  # mid-run: misses, never a 5xx
         assert cb.exists("kv", first) == 0
         loaded, _ = read_all(cb, first)
         assert loaded == [False] * 4
@@ -117,10 +127,10 @@ def test_master_down_at_start_then_killed_and_restarted_mid_run(spawn):
         assert stats["unavailable"] >= 1 and stats["degraded"]
         assert 'event="unavailable",tier="mooncake"' in cb.metrics()
 
-        master.start()                                        # same port, no objects
-        second = until_durable(ca, "b")                       # the clients remount
+        master.start()  # same port, no objects
+        second = until_durable(ca, "b")  # the clients remount
         loaded, out = read_all(cb, first + second)
-        assert loaded == [False] * 4 + [True] * 4             # the restart lost the first
+        assert loaded == [False] * 4 + [True] * 4  # the restart lost the first
         assert all(out.view((4 + i) * PAGE, PAGE) == data(k) for i, k in enumerate(second))
         assert not cb.stats()["tiers"]["mooncake"]["degraded"]
     finally:

@@ -4,6 +4,7 @@ thousands; the bytes of a pipelined request count against its head from its firs
 a pipelining client that reads gets every answer, in order. Real sockets against a live
 server, on both listeners; waits are on the server's own events (a spy on `pause_writing`)
 or on the socket being closed, never on a sleep."""
+
 from __future__ import annotations
 
 import socket
@@ -50,15 +51,24 @@ def read_answers(f: BinaryIO, n: int) -> list[tuple[int, bytes]]:
 
 def put(ns: str, key: str, body: bytes) -> bytes:
     return b"PUT /v1/namespaces/%s/pages/%s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
-        ns.encode(), key.encode(), len(body), body)
+        ns.encode(),
+        key.encode(),
+        len(body),
+        body,
+    )
 
 
 def get(ns: str, key: str) -> bytes:
-    return b"GET /v1/namespaces/%s/pages/%s HTTP/1.1\r\nHost: x\r\n\r\n" % (ns.encode(), key.encode())
+    return b"GET /v1/namespaces/%s/pages/%s HTTP/1.1\r\nHost: x\r\n\r\n" % (
+        ns.encode(),
+        key.encode(),
+    )
 
 
-EXISTS_CHUNKED = (b"POST /v1/namespaces/kv/exists HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                  + chunked(b'{"keys": ["k0"]}', 5))
+EXISTS_CHUNKED = (
+    b"POST /v1/namespaces/kv/exists HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + chunked(b'{"keys": ["k0"]}', 5)
+)
 
 
 @pytest.fixture
@@ -79,6 +89,7 @@ def depth(monkeypatch):
     def on_response_complete(self):
         count[id(self)] -= 1
         answered(self)
+
     monkeypatch.setattr(PeerHttpProtocol, "on_headers_complete", on_headers_complete)
     monkeypatch.setattr(PeerHttpProtocol, "on_response_complete", on_response_complete)
     return seen, protos
@@ -95,6 +106,7 @@ def paused(monkeypatch) -> threading.Event:
         def spy(self, *args, real=real):
             real(self, *args)
             event.set()
+
         monkeypatch.setattr(PeerHttpProtocol, name, spy)
     return event
 
@@ -116,14 +128,16 @@ def test_pipelined_requests_are_answered_in_order(server, listener):
     c = server.client() if listener == "engine" else server.tcp_client()
     c.put_namespace("kv", PAGE)
     pages = [bytes([i]) * PAGE for i in range(8)]
-    burst = b"".join(put("kv", f"k{i}", p) + GET + get("kv", f"k{i}") + get("kv", "none")
-                     for i, p in enumerate(pages))
-    burst += EXISTS_CHUNKED + GET * 5 + b"\r\n" + GET      # a chunked body, then requests in its piece
+    burst = b"".join(
+        put("kv", f"k{i}", p) + GET + get("kv", f"k{i}") + get("kv", "none")
+        for i, p in enumerate(pages)
+    )
+    burst += EXISTS_CHUNKED + GET * 5 + b"\r\n" + GET  # a chunked body, then requests in its piece
     s = connect(server, listener)
     s.sendall(burst)
     got = read_answers(s.makefile("rb"), 4 * len(pages) + 7)
     for i, p in enumerate(pages):
-        assert [status for status, _ in got[4 * i:4 * i + 4]] == [201, 200, 200, 404]
+        assert [status for status, _ in got[4 * i : 4 * i + 4]] == [201, 200, 200, 404]
         assert got[4 * i + 2][1] == p
     assert got[-7] == (200, b'{"prefix":1}')
     assert got[-6:] == [(200, b'{"status":"ok"}')] * 6
@@ -131,20 +145,22 @@ def test_pipelined_requests_are_answered_in_order(server, listener):
 
 
 @pytest.mark.parametrize("listener", ["engine", "tcp"])
-def test_a_client_that_never_reads_has_one_request_parsed_ahead(make_server, depth, paused, listener):
+def test_a_client_that_never_reads_has_one_request_parsed_ahead(
+    make_server, depth, paused, listener
+):
     srv = make_server(segment_size=BIG)
     c = srv.client() if listener == "engine" else srv.tcp_client()
     c.put_namespace("big", BIG)
     c.put_page("big", "k", b"b" * BIG)
     seen, protos = depth
-    flood = get("big", "k") * 6000                    # one write of 6,000 requests for 1 MiB each
+    flood = get("big", "k") * 6000  # one write of 6,000 requests for 1 MiB each
     with connect(srv, listener, rcvbuf=4096) as s:
         assert send_what_fits(s, flood) > 64 * 1024
-        assert paused.wait(30)                        # its answers back up: the server waits
+        assert paused.wait(30)  # its answers back up: the server waits
         (mine,) = [k for k, p in protos.items() if p.flow.write_paused]
-        assert max(seen[mine]) <= 2                   # parsed ahead of their answers
+        assert max(seen[mine]) <= 2  # parsed ahead of their answers
         assert len(seen[mine]) < 100
-        for other in ("engine", "tcp"):               # meanwhile, other connections are served
+        for other in ("engine", "tcp"):  # meanwhile, other connections are served
             with connect(srv, other) as o:
                 o.sendall(GET)
                 assert read_answers(o.makefile("rb"), 1) == [(200, b'{"status":"ok"}')]
@@ -160,7 +176,7 @@ def test_small_answers_nobody_reads_wait_here_one_at_a_time(server, depth, pause
         assert paused.wait(30)
         (mine,) = [k for k, p in protos.items() if p.flow.write_paused]
         waiting = server.on_loop(lambda: protos[mine].transport.get_write_buffer_size())
-        assert 0 < waiting <= 256                     # part of the one answer it did not read
+        assert 0 < waiting <= 256  # part of the one answer it did not read
         assert max(seen[mine]) <= 2
 
 
@@ -205,7 +221,7 @@ def test_blank_lines_after_an_answer_do_not_keep_a_connection(make_server):
     s = tcp(srv)
     s.sendall(GET)
     assert read_answers(s.makefile("rb"), 1)[0][0] == 200
-    s.sendall(b"\r\n" * 8)                            # cancels keep-alive's timer, begins nothing
+    s.sendall(b"\r\n" * 8)  # cancels keep-alive's timer, begins nothing
     assert closed_by_server(s)
     assert registry(srv).tally.counts["read_stalled"] == 1
 
@@ -216,4 +232,4 @@ def test_requests_behind_a_401_are_not_served(make_server):
     s.sendall(GET + b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n\r\n" + GET * 50)
     f = s.makefile("rb")
     assert [status for status, _ in read_answers(f, 2)] == [200, 401]
-    assert f.read() == b""                             # then closed: nothing else answered
+    assert f.read() == b""  # then closed: nothing else answered

@@ -2,6 +2,7 @@
 scrapes a live sidecar under traffic through the job in deploy/prometheus-scrape.yml, then
 every PromQL expression of docs/grafana-dashboard.json is asked through its HTTP API and
 must return data. Skipped without the binary."""
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,11 @@ from tests.conftest import ROOT
 PROMETHEUS = shutil.which("prometheus")
 TOKEN = "pr0m-t0ken"
 PAGE = 4096
-RATE = "10s"          # $__rate_interval: at least 4 scrapes of 1 s, as Grafana picks it
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (make prometheus)")]
+RATE = "10s"  # $__rate_interval: at least 4 scrapes of 1 s, as Grafana picks it
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (make prometheus)"),
+]
 
 
 def scrape_config(port: int, token_file: str) -> dict:
@@ -37,11 +40,17 @@ def scrape_config(port: int, token_file: str) -> dict:
     with open(os.path.join(ROOT, "deploy", "kv-sidecar.yaml")) as f:
         ds = next(d for d in yaml.safe_load_all(f) if d["kind"] == "DaemonSet")
     notes = ds["spec"]["template"]["metadata"]["annotations"]
-    labels = {"__meta_kubernetes_pod_annotation_" + k.replace(".", "_").replace("/", "_"): v
-              for k, v in notes.items()}
-    labels.update({"__meta_kubernetes_pod_annotation_prometheus_io_port": str(port),
-                   "__meta_kubernetes_pod_ip": "127.0.0.1",
-                   "__meta_kubernetes_pod_node_name": "node-a"})
+    labels = {
+        "__meta_kubernetes_pod_annotation_" + k.replace(".", "_").replace("/", "_"): v
+        for k, v in notes.items()
+    }
+    labels.update(
+        {
+            "__meta_kubernetes_pod_annotation_prometheus_io_port": str(port),
+            "__meta_kubernetes_pod_ip": "127.0.0.1",
+            "__meta_kubernetes_pod_node_name": "node-a",
+        }
+    )
     job = config["scrape_configs"][0]
     del job["kubernetes_sd_configs"]
     job["static_configs"] = [{"targets": ["pod.invalid:1"], "labels": labels}]
@@ -67,7 +76,7 @@ def traffic(url: str, stop: threading.Event) -> None:
         while not stop.wait(0.02):
             keys = [f"k{i}-{j}" for j in range(8)]
             client.set("kv", keys, bid, list(range(8)))
-            asked = keys[:8 - i % 5] + [f"absent{i}-{j}" for j in range(i % 7)]
+            asked = keys[: 8 - i % 5] + [f"absent{i}-{j}" for j in range(i % 7)]
             client.get("kv", asked, bid, list(range(len(asked))))
             i += 1
     finally:
@@ -77,8 +86,9 @@ def traffic(url: str, stop: threading.Event) -> None:
 @pytest.fixture
 def prometheus(tmp_path, spawn):
     """(the Prometheus API's base URL, the sidecar) with traffic running."""
-    srv = spawn("--host-pool", "64MiB", "--data-dir", str(tmp_path / "tier"),
-                env={"SIDECAR_TOKEN": TOKEN}).wait_ready(TOKEN)
+    srv = spawn(
+        "--host-pool", "64MiB", "--data-dir", str(tmp_path / "tier"), env={"SIDECAR_TOKEN": TOKEN}
+    ).wait_ready(TOKEN)
     SidecarClient(srv.socket_url, token=TOKEN).put_namespace("kv", PAGE, model="m")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -86,9 +96,17 @@ def prometheus(tmp_path, spawn):
     config.write_text(yaml.safe_dump(scrape_config(srv.port, str(token_file))))
     port = free_port()
     log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (Prometheus writes it until it exits)
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     stop = threading.Event()
     t = threading.Thread(target=traffic, args=(srv.socket_url, stop), daemon=True)
     t.start()
@@ -108,9 +126,13 @@ def wait_for_samples(base: str, timeout: float = 60) -> None:
     while time.time() < deadline:
         try:
             ready = requests.get(base + "/-/ready", timeout=5).status_code == 200
-        except requests.ConnectionError:   # not listening yet
+        except requests.ConnectionError:  # not listening yet
             ready = False
-        if ready and query(base, want) and query(base, f"increase(kv_sidecar_hits_total[{RATE}]) > 0"):
+        if (
+            ready
+            and query(base, want)
+            and query(base, f"increase(kv_sidecar_hits_total[{RATE}]) > 0")
+        ):
             return
         time.sleep(0.2)
     raise AssertionError(f"no samples: {query(base, 'up')}")
@@ -121,9 +143,12 @@ def test_every_dashboard_query_returns_data(prometheus):
     wait_for_samples(base)
     # the deploy job's relabelling: the pod IP and port annotation, the node label
     assert query(base, 'up{job="kv-sidecar", node="node-a", instance=~"127.0.0.1:.*"} == 1')
-    r = requests.get(base + "/api/v1/label/job/values",
-                     params={"match[]": "kv_sidecar_requests_total"}, timeout=10).json()
-    assert "kv-sidecar" in r["data"]          # the dashboard's $job variable
+    r = requests.get(
+        base + "/api/v1/label/job/values",
+        params={"match[]": "kv_sidecar_requests_total"},
+        timeout=10,
+    ).json()
+    assert "kv-sidecar" in r["data"]  # the dashboard's $job variable
     empty, nan = [], []
     for e in exprs():
         promql = e.replace("$__rate_interval", RATE).replace('=~"$job"', '=~".*"')
@@ -143,13 +168,22 @@ def test_labelled_metrics_exist_before_any_event(prometheus):
     read 0 rather than "no data". (No request fails here: those stay 0.)"""
     base, _ = prometheus
     wait_for_samples(base)
-    for promql in ("kv_sidecar_tier_errors_total", "kv_sidecar_write_queue_lost_total",
-                   "kv_sidecar_no_room_total", 'kv_sidecar_requests_total{status=~"5.."}'):
+    for promql in (
+        "kv_sidecar_tier_errors_total",
+        "kv_sidecar_write_queue_lost_total",
+        "kv_sidecar_no_room_total",
+        'kv_sidecar_requests_total{status=~"5.."}',
+    ):
         assert query(base, promql), promql
     # (/readyz answers 503 until the tiers are recovered: the start-up polls)
     fives = query(base, 'kv_sidecar_requests_total{status=~"5..", route!="/readyz"} > 0')
-    assert fives == [], [(s["metric"]["method"], s["metric"]["route"], s["metric"]["status"]) for s in fives]
+    assert fives == [], [
+        (s["metric"]["method"], s["metric"]["route"], s["metric"]["status"]) for s in fives
+    ]
     routes = {s["metric"]["route"] for s in query(base, 'kv_sidecar_requests_total{status="500"}')}
     assert {"/metrics", "/v1/namespaces/{name}/set", "/v1/namespaces/{name}/get"} <= routes, routes
-    tiers = {(s["metric"]["tier"], s["metric"]["kind"]) for s in query(base, "kv_sidecar_tier_errors_total")}
+    tiers = {
+        (s["metric"]["tier"], s["metric"]["kind"])
+        for s in query(base, "kv_sidecar_tier_errors_total")
+    }
     assert {("file", "write"), ("file", "read"), ("file", "corrupt")} <= tiers, tiers

@@ -1,6 +1,7 @@
 """Deleting a buffer or a namespace in the middle of moves (issue 11): the affected work
 answers 404 or false, never a 500, never a copy into released memory. Each race is forced
 with events: the move is held at its await point while the delete runs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ def gate_promote(srv):
         entered.set()
         await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
         return await original(*args)
+
     tiering.promote = held
     return entered, release
 
@@ -61,13 +63,13 @@ def outcome(call):
 @pytest.fixture
 def tiered(make_server, tmp_path):
     srv = make_server(file_tier=True, data_dir=str(tmp_path))
-    c = srv.client(timeout=60)   # a flush waits for fsync, slow on a busy disk
+    c = srv.client(timeout=60)  # a flush waits for fsync, slow on a busy disk
     c.put_namespace("kv", PAGE)
     for k in ("a", "b"):
         c.put_page("kv", k, bytes([ord(k)]) * PAGE)
     c.request("POST", "/v1/flush", {})
     srv.on_loop(lambda: [srv.ns("kv").pool.delete(k) for k in ("a", "b")])
-    assert c.exists("kv", ["a", "b"]) == 2   # in the file tier only: a get must promote
+    assert c.exists("kv", ["a", "b"]) == 2  # in the file tier only: a get must promote
     yield srv, c
 
 
@@ -88,7 +90,7 @@ def test_delete_while_a_get_waits_for_promotion(tiered, what):
         release.set()
         got = fut.result(30)
     assert got == [False, False]
-    assert bytes(buf.view(0, 2 * PAGE)) == bytes(2 * PAGE)   # nothing was copied into it
+    assert bytes(buf.view(0, 2 * PAGE)) == bytes(2 * PAGE)  # nothing was copied into it
     assert c.health()["status"] == "ok"
     srv.invariants()
 
@@ -125,6 +127,7 @@ def test_delete_while_a_set_copies(make_server, what):
 
 def test_registrations_are_bounded(server, client, monkeypatch):
     from sidecar import store
+
     monkeypatch.setattr(store, "MAX_BUFFERS_PER_NAMESPACE", 3)
     client.put_namespace("kv", PAGE)
     buf = SharedBuffer(PAGE)
@@ -133,7 +136,7 @@ def test_registrations_are_bounded(server, client, monkeypatch):
         buf.register(client, "kv", 1, page_first_chunks(PAGE))
     assert (e.value.status, e.value.code) == (429, "too_many_buffers")
     client.release_buffer("kv", bids[0])
-    buf.register(client, "kv", 1, page_first_chunks(PAGE))   # room again
+    buf.register(client, "kv", 1, page_first_chunks(PAGE))  # room again
 
 
 def test_a_set_meeting_an_upload_in_flight_is_false_until_it_commits(server, client):
@@ -141,8 +144,10 @@ def test_a_set_meeting_an_upload_in_flight_is_false_until_it_commits(server, cli
     buf = SharedBuffer(2 * PAGE)
     bid = buf.register(client, "kv", 2, page_first_chunks(PAGE))
     s = engine_connection(server)
-    s.sendall(b"PUT /v1/namespaces/kv/pages/up HTTP/1.1\r\nHost: x\r\n"
-              b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * (PAGE // 2))
+    s.sendall(
+        b"PUT /v1/namespaces/kv/pages/up HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * (PAGE // 2)
+    )
     wait_for(lambda: "up" in server.on_loop(lambda: server.ns("kv").pool.entries), 10)
     # the key is reserved by the stalled upload: not stored yet, so not "true"
     assert client.set("kv", ["up", "other", "other"], bid, [0, 1, 1]) == [False, True, True]
@@ -167,19 +172,21 @@ def closed_by_server(s) -> bool:
 def test_stalled_clients_are_cut_off_and_capped(make_server):
     srv = make_server(read_timeout=0.5, max_connections=6)
     c = srv.client()
-    c.put_namespace("kv", PAGE)           # the client's own connection: 1 of 6
+    c.put_namespace("kv", PAGE)  # the client's own connection: 1 of 6
     heads = []
-    for _ in range(4):     # half-sent heads hold connections...
+    for _ in range(4):  # half-sent heads hold connections...
         s = engine_connection(srv)
         s.sendall(b"POST /v1/namespaces/kv/exists HTTP/1.1\r\nHost: x\r\n")
         heads.append(s)
     upload = engine_connection(srv)
-    upload.sendall(b"PUT /v1/namespaces/kv/pages/u HTTP/1.1\r\nHost: x\r\n"
-                   b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * 100)
+    upload.sendall(
+        b"PUT /v1/namespaces/kv/pages/u HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: %d\r\n\r\n" % PAGE + b"u" * 100
+    )
     heads.append(upload)
     extra = engine_connection(srv)
-    assert closed_by_server(extra)         # the 7th connection is refused at once
-    for s in heads:        # ...until the read timeout closes each of them
+    assert closed_by_server(extra)  # the 7th connection is refused at once
+    for s in heads:  # ...until the read timeout closes each of them
         assert closed_by_server(s)
     # the stalled upload's reservation is aborted with its connection
     wait_for(lambda: "u" not in srv.on_loop(lambda: srv.ns("kv").pool.entries), 10)

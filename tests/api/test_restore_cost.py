@@ -1,6 +1,7 @@
 """Never slower than recomputing (issue 44): the engine-side estimator
 (api/engine/restore_cost.py), where the sidecar says a prefix lies (`exists` with
 `where`), and the skipped restores an engine reports (`POST .../skipped`)."""
+
 import hashlib
 import os
 
@@ -25,44 +26,44 @@ class Clock:
 # -- the estimator ----------------------------------------------------------------------
 def test_cold_start_loads_and_learns_a_slow_tier():
     est = RestoreCost(alpha=1.0)
-    assert est.worth(1000, {LOCAL: 8 * MiB})            # nothing measured: optimistic
-    est.observe_prefill(1000, 0.1)                      # 10,000 tokens/s
-    assert est.worth(1000, {LOCAL: 8 * MiB})            # the tier is still unmeasured
-    est.observe_restore({LOCAL: 8 * MiB}, 0.8)          # 10 MiB/s: 0.8 s against 0.1 s
+    assert est.worth(1000, {LOCAL: 8 * MiB})  # nothing measured: optimistic
+    est.observe_prefill(1000, 0.1)  # 10,000 tokens/s
+    assert est.worth(1000, {LOCAL: 8 * MiB})  # the tier is still unmeasured
+    est.observe_restore({LOCAL: 8 * MiB}, 0.8)  # 10 MiB/s: 0.8 s against 0.1 s
     assert not est.worth(1000, {LOCAL: 8 * MiB})
-    assert est.worth(1000, {HOST: 8 * MiB})             # another tier: its own estimate
-    est.observe_restore({HOST: 8 * MiB}, 0.004)         # 2 GiB/s
+    assert est.worth(1000, {HOST: 8 * MiB})  # another tier: its own estimate
+    est.observe_restore({HOST: 8 * MiB}, 0.004)  # 2 GiB/s
     assert est.worth(1000, {HOST: 8 * MiB})
-    assert not est.worth(10, {HOST: 8 * MiB})           # 1 ms of prefill: not worth 4 ms
+    assert not est.worth(10, {HOST: 8 * MiB})  # 1 ms of prefill: not worth 4 ms
 
 
 def test_the_round_trip_counts_against_a_restore():
     est = RestoreCost(alpha=1.0)
-    est.observe_prefill(1000, 0.1)                      # 10,000 tokens/s: 100 us a token
+    est.observe_prefill(1000, 0.1)  # 10,000 tokens/s: 100 us a token
     est.observe_rtt(0.005)
-    est.observe_restore({HOST: 100 * MiB}, 0.105)       # 0.1 s beyond the round trip: 1 GiB/s
+    est.observe_restore({HOST: 100 * MiB}, 0.105)  # 0.1 s beyond the round trip: 1 GiB/s
     assert est.snapshot()["bytes_per_s"][HOST] == pytest.approx(1000 * MiB)
-    assert not est.worth(40, {HOST: 1024})              # 4 ms of prefill < 5 ms of round trip
+    assert not est.worth(40, {HOST: 1024})  # 4 ms of prefill < 5 ms of round trip
     assert est.worth(60, {HOST: 1024})
 
 
 def test_a_mixed_load_charges_its_slowest_tier():
     est = RestoreCost(alpha=1.0)
-    est.observe_restore({HOST: 100 * MiB}, 0.1)         # host: 1,000 MiB/s
+    est.observe_restore({HOST: 100 * MiB}, 0.1)  # host: 1,000 MiB/s
     est.observe_restore({HOST: 100 * MiB, REMOTE: 10 * MiB}, 1.1)
     rates = est.snapshot()["bytes_per_s"]
     assert rates[HOST] == pytest.approx(1000 * MiB)
-    assert rates[REMOTE] == pytest.approx(10 * MiB)     # 1.0 s of the 1.1 s was the remote's
+    assert rates[REMOTE] == pytest.approx(10 * MiB)  # 1.0 s of the 1.1 s was the remote's
 
 
 def test_choose_prefers_the_longest_prefix_worth_loading():
     est = RestoreCost(alpha=1.0)
-    est.observe_prefill(10_000, 1.0)                    # 100 us a token
+    est.observe_prefill(10_000, 1.0)  # 100 us a token
     est.observe_restore({HOST: 64 * MiB}, 0.01)
     est.observe_restore({LOCAL: 64 * MiB}, 10.0)
-    full = (800, by_tier(50, 25, 50, MiB))               # 25 host pages, 25 on the file tier
+    full = (800, by_tier(50, 25, 50, MiB))  # 25 host pages, 25 on the file tier
     host_part = (400, by_tier(25, 25, 50, MiB))
-    assert est.choose([full, host_part]) == 400          # the host run loads, the rest computes
+    assert est.choose([full, host_part]) == 400  # the host run loads, the rest computes
     assert est.choose([full]) == 0
 
 
@@ -75,14 +76,14 @@ def test_a_tier_judged_slow_is_probed_again():
     clock.now = 59
     assert not est.worth(100, {LOCAL: MiB})
     clock.now = 61
-    assert est.worth(100, {LOCAL: MiB})                  # one probe
-    assert not est.worth(100, {LOCAL: MiB})              # then judged again
-    est.observe_restore({LOCAL: MiB}, 1.0)               # still slow: the next probe waits twice as long
+    assert est.worth(100, {LOCAL: MiB})  # one probe
+    assert not est.worth(100, {LOCAL: MiB})  # then judged again
+    est.observe_restore({LOCAL: MiB}, 1.0)  # still slow: the next probe waits twice as long
     clock.now = 61 + 119
     assert not est.worth(100, {LOCAL: MiB})
     clock.now = 61 + 121
     assert est.worth(100, {LOCAL: MiB})
-    est.observe_restore({LOCAL: MiB}, 0.001)             # the probe was fast: it recovered
+    est.observe_restore({LOCAL: MiB}, 0.001)  # the probe was fast: it recovered
     assert est.worth(100, {LOCAL: MiB})
 
 
@@ -92,8 +93,11 @@ def test_noise_and_nonsense_are_ignored():
     est.observe_prefill(100, 0.0)
     est.observe_restore({"tape": MiB}, 1.0)
     est.observe_restore({HOST: 0}, 1.0)
-    assert est.snapshot() == {"prefill_tokens_per_s": None, "rtt_s": None,
-                              "bytes_per_s": {HOST: None, LOCAL: None, REMOTE: None}}
+    assert est.snapshot() == {
+        "prefill_tokens_per_s": None,
+        "rtt_s": None,
+        "bytes_per_s": {HOST: None, LOCAL: None, REMOTE: None},
+    }
 
 
 def test_by_tier_splits_a_prefix():
@@ -118,16 +122,16 @@ def test_exists_where_tells_host_pool_from_file_tier(make_server, tmp_path):
         c.put_page("kv", k, page(k))
     assert c.request("POST", "/v1/flush")[1]["pending"] == 0
     srv.stop()
-    srv = make_server(file_tier=True, data_dir=data)     # the same data dir: pages on the tier only
+    srv = make_server(file_tier=True, data_dir=data)  # the same data dir: pages on the tier only
     c = srv.client()
     c.put_namespace("kv", PAGE)
     assert c.exists_where("kv", keys) == (4, 0, 4)
-    assert c.get_page("kv", "k0") == page("k0")           # promoted into the host pool
+    assert c.get_page("kv", "k0") == page("k0")  # promoted into the host pool
     assert c.exists_where("kv", keys) == (4, 1, 4)
     c.put_page("kv", "k4", page("k4"))
     assert c.exists_where("kv", ["k4", "k5"]) == (1, 1, 1)
     assert c.exists_where("kv", keys) == (5, 1, 5)
-    assert c.exists("kv", keys) == 5                      # without `where`: the prefix only
+    assert c.exists("kv", keys) == 5  # without `where`: the prefix only
 
 
 def test_skipped_restores_are_counted(server):
@@ -161,7 +165,7 @@ def _make_kv(url: str) -> None:
 
 def _count(url: str) -> dict:
     c = SidecarClient(url)
-    c.put_namespace("team", PAGE, share_gid=B)   # B, a member, joins it (A's: A made it first)
+    c.put_namespace("team", PAGE, share_gid=B)  # B, a member, joins it (A's: A made it first)
     out = {}
     for ns in ("kv", "team"):
         try:

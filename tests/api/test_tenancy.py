@@ -6,6 +6,7 @@ namespaces, and those shared with one of its groups; to it every other namespace
 exist (404 on every route, absent from listings and stats), and a name another tenant took
 first is still its own to create.
 """
+
 import hashlib
 import os
 
@@ -16,7 +17,7 @@ from loadtest.redteam import as_user
 from tests.conftest import wait_for
 
 PAGE = 4096
-A, B = 65534, 65532          # two tenants' uids (gid = uid, no other groups)
+A, B = 65534, 65532  # two tenants' uids (gid = uid, no other groups)
 TOKEN = "op-t0ken"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="tenants of other uids need root")
 
@@ -84,33 +85,49 @@ def _tenant_b_probes(url: str) -> dict:
     out["own_exists_of_a_key"] = c.exists("kv", ["k"])
     c.put_page("kv", "k", page("b"))
     out["own_page"] = c.get_page("kv", "k") == page("b")
-    c.put_page("team", "k", page("team-k"))      # a member writes into the shared namespace
-    out["batch_hit"] = c.batch_exists(["k", "t"], "kv", [{"namespace": "team", "policy": "all_pages"}])
+    c.put_page("team", "k", page("team-k"))  # a member writes into the shared namespace
+    out["batch_hit"] = c.batch_exists(
+        ["k", "t"], "kv", [{"namespace": "team", "policy": "all_pages"}]
+    )
     return out
 
 
 @root_only
 def test_a_namespace_belongs_to_its_maker(node):
     url = node.socket_url
-    a_sees = as_user(_tenant_a, url, uid=A, groups=[B])   # A is in B's group: it may share
+    a_sees = as_user(_tenant_a, url, uid=A, groups=[B])  # A is in B's group: it may share
     assert a_sees["kv"]["owner"] == A and a_sees["team"]["owner"] == A
     b = as_user(_tenant_b_probes, url, uid=B)
     assert {k: v for k, v in b.items() if type(v) is int and k != "own_exists_of_a_key"} == {
-        "get_ns": 404, "exists": 404, "exists_each": 404, "get_page": 404, "put_page": 404,
-        "delete_keys": 404, "prefetch": 404, "buffers": 404, "batch_exists": 404,
-        "delete_ns": 404, "team_delete": 403, "team_join": A}
-    assert b["listed"] == ["team"] and b["stats"] == ["team"]   # A's kv is invisible to B
+        "get_ns": 404,
+        "exists": 404,
+        "exists_each": 404,
+        "get_page": 404,
+        "put_page": 404,
+        "delete_keys": 404,
+        "prefetch": 404,
+        "buffers": 404,
+        "batch_exists": 404,
+        "delete_ns": 404,
+        "team_delete": 403,
+        "team_join": A,
+    }
+    assert b["listed"] == ["team"] and b["stats"] == ["team"]  # A's kv is invisible to B
     assert b["team_page"] is True
     assert b["own_kv"][0] == B and b["own_kv"][1] != a_sees["kv"]["identity"]
     assert b["own_exists_of_a_key"] == 0 and b["own_page"] is True
-    assert b["batch_hit"] == {"hit": 1, "kv": 1, "pools": {"team": 1}}   # B's kv holds "k" only
+    assert b["batch_hit"] == {"hit": 1, "kv": 1, "pools": {"team": 1}}  # B's kv holds "k" only
     # A's page is untouched, and A never sees B's namespace
-    again = as_user(lambda u: SidecarClient(u, token=TOKEN).get_page("kv", "k") == page("a"), url, uid=A)
+    again = as_user(
+        lambda u: SidecarClient(u, token=TOKEN).get_page("kv", "k") == page("a"), url, uid=A
+    )
     assert again is True
     # the operator sees both, by name where one owner has it, by ref where two do
     op = node.tcp_client()
     names = sorted(ns["name"] for ns in op.list_namespaces())
-    assert names == [f"kv@{B}", f"kv@{A}", "team"] or names == sorted([f"kv@{A}", f"kv@{B}", "team"])
+    assert names == [f"kv@{B}", f"kv@{A}", "team"] or names == sorted(
+        [f"kv@{A}", f"kv@{B}", "team"]
+    )
     with pytest.raises(SidecarError) as e:
         op.get_page("kv", "k")
     assert e.value.status == 409
@@ -127,13 +144,13 @@ def test_anonymous_tcp_reaches_only_namespaces_made_on_tcp(make_server):
     assert status(lambda: read(tcp, "engine", "k")) == 404
     assert status(lambda: tcp.delete_namespace("engine")) == 404
     assert [ns["name"] for ns in tcp.list_namespaces()] == []
-    tcp.put_namespace("tool", PAGE)            # a namespace made on TCP: anonymous TCP's
+    tcp.put_namespace("tool", PAGE)  # a namespace made on TCP: anonymous TCP's
     tcp.put_page("tool", "k", page("t"))
     assert tcp.get_page("tool", "k") == page("t")
     assert [ns["name"] for ns in tcp.list_namespaces()] == ["tool"]
-    assert status(lambda: read(c, "tool", "k")) == 404     # not shared with the socket
-    assert sorted(tcp.stats()["namespaces"]) == ["tool"]    # its own (issue 43, item 5)
-    assert sorted(c.stats()["namespaces"]) == ["engine"]             # a peer: its own
+    assert status(lambda: read(c, "tool", "k")) == 404  # not shared with the socket
+    assert sorted(tcp.stats()["namespaces"]) == ["tool"]  # its own (issue 43, item 5)
+    assert sorted(c.stats()["namespaces"]) == ["engine"]  # a peer: its own
 
 
 def test_tier_identity_keeps_owners_apart(make_server, tmp_path):
@@ -144,7 +161,7 @@ def test_tier_identity_keeps_owners_apart(make_server, tmp_path):
     c, tcp = srv.client(), srv.tcp_client()
     mine = c.put_namespace("kv", PAGE)["identity"]
     ops = tcp.put_namespace("kv", PAGE)["identity"]
-    shared = c.put_namespace("team", PAGE, share_gid=os.getgid())["identity"]   # a member
+    shared = c.put_namespace("team", PAGE, share_gid=os.getgid())["identity"]  # a member
     assert len({mine, ops, shared}) == 3
     c.put_page("kv", "k", page("mine"))
     assert c.request("POST", "/v1/flush")[1]["pending"] == 0

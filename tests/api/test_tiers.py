@@ -1,5 +1,6 @@
 """Durable tiers end to end: restart, promotion, prefetch, flush, policies, faults, SIGKILL,
 and two sidecars sharing one 3FS directory."""
+
 import hashlib
 import threading
 import time
@@ -17,8 +18,9 @@ def data(key: str) -> bytes:
 
 
 def start(spawn, tmp_path, *extra, pool="32MiB"):
-    return spawn("--host-pool", pool, "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
-                 *extra).wait_ready()
+    return spawn(
+        "--host-pool", pool, "--data-dir", str(tmp_path / "data"), "--log-level", "warning", *extra
+    ).wait_ready()
 
 
 def client_for(proc):
@@ -44,7 +46,7 @@ def test_restart_serves_flushed_pages_and_promotes_them(spawn, tmp_path):
     c2 = client_for(p2)
     c2.put_namespace("kv", PAGE, model="m")
     assert c2.stats()["namespaces"]["kv"]["pages"] == {"host": 0, "file": 16}
-    assert c2.exists("kv", keys + ["nope"]) == 16          # answered from the tier's index
+    assert c2.exists("kv", keys + ["nope"]) == 16  # answered from the tier's index
     out = SharedBuffer(16 * PAGE)
     oid = out.register(c2, "kv", 16, page_first_chunks(PAGE))
     assert c2.get("kv", keys, oid, list(range(16))) == [True] * 16
@@ -84,7 +86,7 @@ def test_prefetch_delete_and_namespace_drop(spawn, tmp_path):
     assert c2.exists_each("kv", ["a", "b", "c"]) == [False, True, False]
     c2.delete_namespace("kv")
     c2.put_namespace("kv", PAGE)
-    assert c2.exists("kv", ["b"]) == 0   # a deleted namespace's pages are gone from every tier
+    assert c2.exists("kv", ["b"]) == 0  # a deleted namespace's pages are gone from every tier
 
 
 @pytest.mark.slow
@@ -96,8 +98,8 @@ def test_write_back_writes_evicted_pages_and_none_writes_nothing(spawn, tmp_path
         c.put_page("kv", f"k{i}", data(f"k{i}"))
     c.request("POST", "/v1/flush")
     tiers = c.stats()["namespaces"]["kv"]["pages"]
-    assert tiers["host"] == 4 and tiers["file"] == 10   # six evicted, four written by the flush
-    assert c.exists("kv", [f"k{i}" for i in range(10)]) == 10    # every page, some tier
+    assert tiers["host"] == 4 and tiers["file"] == 10  # six evicted, four written by the flush
+    assert c.exists("kv", [f"k{i}" for i in range(10)]) == 10  # every page, some tier
     assert c.get_page("kv", "k0") == data("k0")
     p.terminate()
     q = start(spawn, tmp_path / "other", "--write-policy", "none")
@@ -122,12 +124,12 @@ def test_tier_failure_answers_false_for_durable_sets_and_keeps_serving(spawn, tm
     bid = buf.register(c, "kv", 2, page_first_chunks(PAGE))
     body = {"keys": ["a"], "buffer_id": bid, "slots": [0], "durable": True}
     assert c.request("POST", "/v1/namespaces/kv/set", body)[1] == {"stored": [False]}
-    assert c.get_page("kv", "a") == data("a")         # still served from the host pool
+    assert c.get_page("kv", "a") == data("a")  # still served from the host pool
     stats = c.stats()
     assert stats["tiers"]["file"]["write_errors"] >= 1 and stats["tiers"]["file"]["degraded"]
     assert stats["write_queue"]["failed"] >= 1
     assert "kv_sidecar" in c.metrics()
-    blocker.unlink()                                   # the disk comes back
+    blocker.unlink()  # the disk comes back
     buf.view(PAGE, PAGE)[:] = data("b")
     body = {"keys": ["b"], "buffer_id": bid, "slots": [1], "durable": True}
     assert c.request("POST", "/v1/namespaces/kv/set", body)[1] == {"stored": [True]}
@@ -164,8 +166,8 @@ def test_sigkill_during_write_through_loses_nothing_flushed(spawn, tmp_path):
         with lock:
             before = list(written)
         if fc.request("POST", "/v1/flush", ok=(504,))[0] == 200:
-            acked.update(before)   # every page stored before the flush call is durable
-    p.kill()                       # SIGKILL in the middle of heavy write-through
+            acked.update(before)  # every page stored before the flush call is durable
+    p.kill()  # SIGKILL in the middle of heavy write-through
     stop.set()
     for t in threads:
         t.join(10)
@@ -176,9 +178,9 @@ def test_sigkill_during_write_through_loses_nothing_flushed(spawn, tmp_path):
     c2.put_namespace("kv", PAGE)
     acked_list = sorted(acked)
     for i in range(0, len(acked_list), 512):
-        chunk = acked_list[i:i + 512]
+        chunk = acked_list[i : i + 512]
         assert all(c2.exists_each("kv", chunk)), "a flushed page was lost"
-    for key in written:            # flushed or not: a page that comes back is byte-exact
+    for key in written:  # flushed or not: a page that comes back is byte-exact
         page = c2.get_page("kv", key)
         assert page is None or page == data(key), f"{key} came back with wrong bytes"
         if key in acked:
@@ -197,14 +199,14 @@ def test_two_sidecars_share_one_hf3fs_directory(spawn, tmp_path):
     ca.put_page("kv", "k", data("k"))
     ca.put_page("kv2", "k", data("other"))
     ca.request("POST", "/v1/flush")
-    assert cb.exists("kv", ["k"]) == 1                       # written on node A, a hit on B
+    assert cb.exists("kv", ["k"]) == 1  # written on node A, a hit on B
     assert cb.get_page("kv", "k") == data("k")
-    assert cb.get_page("kv2", "k") == data("other")          # specs never collide
+    assert cb.get_page("kv2", "k") == data("other")  # specs never collide
     b.terminate()
     b2 = spawn("--host-pool", "32MiB", "--no-file-tier", "--hf3fs-dir", shared).wait_ready()
     cb2 = client_for(b2)
     cb2.put_namespace("kv", PAGE, model="m")
-    assert cb2.get_page("kv", "k") == data("k")              # after B restarts
+    assert cb2.get_page("kv", "k") == data("k")  # after B restarts
     cb2.put_page("kv", "j", data("j"))
     cb2.request("POST", "/v1/flush")
     a.terminate()

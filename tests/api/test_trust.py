@@ -4,6 +4,7 @@ The sidecar runs as root (in this process); each attack runs in a child that dro
 `nobody` and talks to the engine socket (made 0666 for these tests). Every attack must fail
 with a 4xx and leave the target's bytes untouched; races are forced in a bounded loop.
 """
+
 from __future__ import annotations
 
 import array
@@ -47,6 +48,7 @@ def as_nobody(fn, *args, timeout: float = 60):
             q.put(("ok", fn(*args)))
         except BaseException as exc:  # report, never hang the parent
             q.put(("error", repr(exc)))
+
     p = ctx.Process(target=child)
     p.start()
     kind, value = q.get(timeout=timeout)
@@ -66,11 +68,17 @@ def open_server(make_server):
     # shared with the attacker's group: it reaches the namespace, so what it tries is
     # refused by the buffer and lease rules themselves (tests/api/test_tenancy.py: not shared);
     # made by root in nobody's group (only a member may share: tests/api/test_trust_round4.py)
-    as_user(lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
-            srv.socket_url, uid=0, groups=[0, NOBODY])
+    as_user(
+        lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
+        srv.socket_url,
+        uid=0,
+        groups=[0, NOBODY],
+    )
     # and nobody joins it (a name means a shared namespace only to whom PUT its spec)
-    as_nobody(lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
-              srv.socket_url)
+    as_nobody(
+        lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
+        srv.socket_url,
+    )
     c.put_page("victim", "secret", pattern("secret"))
     yield srv
     c.close()
@@ -95,28 +103,40 @@ def victim_file(tmpdir: str, mode: int = 0o600) -> str:
 # -- registration needs the socket and proof of possession ---------------------------
 def test_tcp_callers_cannot_register_memory(open_server):
     tcp = open_server.tcp_client()
-    tcp.put_namespace("victim", PAGE)   # the operator's own (TCP) namespace of that name
+    tcp.put_namespace("victim", PAGE)  # the operator's own (TCP) namespace of that name
     buf = SharedBuffer(PAGE)
     body = dict(size=PAGE, slots=1, chunks=page_first_chunks(PAGE))
     with pytest.raises(SidecarError) as e:
         tcp.register_buffer("victim", path="/dev/shm/x", **body)
     assert e.value.status == 403 and e.value.code == "forbidden"
-    with pytest.raises(SidecarError) as e:   # the client cannot lend an fd without the socket
+    with pytest.raises(SidecarError) as e:  # the client cannot lend an fd without the socket
         buf.register(tcp, "victim", 1, page_first_chunks(PAGE))
     assert e.value.code == "socket_required"
-    status, _ = tcp.request("POST", "/v1/namespaces/victim/buffers",
-                            {"transport": "shm", "pid": os.getpid(), "fd": buf.fd, **body},
-                            ok=(400, 403))
+    status, _ = tcp.request(
+        "POST",
+        "/v1/namespaces/victim/buffers",
+        {"transport": "shm", "pid": os.getpid(), "fd": buf.fd, **body},
+        ok=(400, 403),
+    )
     assert status == 403
 
 
 def test_pid_fd_form_is_gone_and_echoes_nothing(open_server, scratch):
     c = open_server.client()
     with open(os.path.join(scratch(), "app.log"), "w") as log:
-        status, raw = c.request("POST", "/v1/namespaces/victim/buffers",
-                                {"transport": "shm", "pid": os.getpid(), "fd": log.fileno(),
-                                 "size": PAGE, "slots": 1, "chunks": page_first_chunks(PAGE)},
-                                ok=(400,))
+        status, raw = c.request(
+            "POST",
+            "/v1/namespaces/victim/buffers",
+            {
+                "transport": "shm",
+                "pid": os.getpid(),
+                "fd": log.fileno(),
+                "size": PAGE,
+                "slots": 1,
+                "chunks": page_first_chunks(PAGE),
+            },
+            ok=(400,),
+        )
     assert status == 400 and b"lease" in raw
     assert log.name.encode() not in raw and b"/proc" not in raw
 
@@ -128,8 +148,11 @@ def test_sidecar_memory_cannot_be_registered(open_server):
         with pytest.raises(SidecarError) as e:
             c.lend_fd(fd)
         assert e.value.code == "forbidden"
-    status = status_of(lambda: c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE),
-                                                 path=f"/proc/{os.getpid()}/fd/{arena.fd}"))
+    status = status_of(
+        lambda: c.register_buffer(
+            "victim", PAGE, 1, page_first_chunks(PAGE), path=f"/proc/{os.getpid()}/fd/{arena.fd}"
+        )
+    )
     assert status == 400
 
 
@@ -142,12 +165,14 @@ def test_lend_frames_are_checked(open_server):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(open_server.config.socket + ".fds")
     buf = SharedBuffer(PAGE)
-    s.sendmsg([b"LEND\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [buf.fd, buf.fd]))])
+    s.sendmsg(
+        [b"LEND\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [buf.fd, buf.fd]))]
+    )
     assert b"bad_request" in s.recv(4096)
     s.sendmsg([b"GIVE ME\n"])
     assert b"bad_request" in s.recv(4096)
     s.sendmsg([b"LEND\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [buf.fd]))])
-    assert b'"lease"' in s.recv(4096)   # the connection survived its bad frames
+    assert b'"lease"' in s.recv(4096)  # the connection survived its bad frames
     s.close()
     assert c.health()["status"] == "ok"
 
@@ -155,7 +180,9 @@ def test_lend_frames_are_checked(open_server):
 # -- attacks from another user -------------------------------------------------------
 def _register_path(url: str, path: str) -> int:
     c = SidecarClient(url)
-    return status_of(lambda: c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE), path=path))
+    return status_of(
+        lambda: c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE), path=path)
+    )
 
 
 @root_only
@@ -170,9 +197,11 @@ def test_other_users_file_cannot_be_registered(open_server, scratch):
 
 def _other_users_buffer(url: str, buffer_id: str) -> dict:
     c = SidecarClient(url)
-    out = {"get": status_of(lambda: c.get("victim", ["secret"], buffer_id, [0])),
-           "set": status_of(lambda: c.set("victim", ["x"], buffer_id, [0])),
-           "release": status_of(lambda: c.release_buffer("victim", buffer_id))}
+    out = {
+        "get": status_of(lambda: c.get("victim", ["secret"], buffer_id, [0])),
+        "set": status_of(lambda: c.set("victim", ["x"], buffer_id, [0])),
+        "release": status_of(lambda: c.release_buffer("victim", buffer_id)),
+    }
     out["listed"] = any(b["buffer_id"] == buffer_id for b in c.get_namespace("victim")["buffers"])
     return out
 
@@ -188,7 +217,7 @@ def test_another_users_buffer_is_unknown(open_server):
     assert bytes(buf.view(0, PAGE)) == b"E" * PAGE
     tcp = open_server.tcp_client()
     assert status_of(lambda: tcp.get("victim", ["secret"], bid, [0])) == 404
-    assert c.get("victim", ["secret"], bid, [0]) == [True]   # its owner still can
+    assert c.get("victim", ["secret"], bid, [0]) == [True]  # its owner still can
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -209,16 +238,18 @@ def _symlink_race(url: str, outside: str, seconds: float) -> dict:
         while not stop.is_set():
             _libc.renameat2(-100, real.encode(), -100, link.encode(), RENAME_EXCHANGE)
             swaps[0] += 1
+
     t = threading.Thread(target=swapper)
     t.start()
     c, codes = SidecarClient(url), {}
     deadline = time.time() + seconds
     while time.time() < deadline:
         try:
-            bid = c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE),
-                                    path=os.path.join(real, "target"))
+            bid = c.register_buffer(
+                "victim", PAGE, 1, page_first_chunks(PAGE), path=os.path.join(real, "target")
+            )
             codes["ok"] = codes.get("ok", 0) + 1
-            c.get("victim", ["secret"], bid, [0])   # writes the page into what it mapped
+            c.get("victim", ["secret"], bid, [0])  # writes the page into what it mapped
             c.release_buffer("victim", bid)
         except SidecarError as exc:
             codes[exc.status] = codes.get(exc.status, 0) + 1
@@ -236,7 +267,7 @@ def test_symlink_swap_race_never_leaves_the_shm_dir(open_server, scratch):
     got = as_nobody(_symlink_race, open_server.socket_url, outside, 3.0)
     assert got["swaps"] > 100 and sum(got["codes"].values()) > 20
     assert set(got["codes"]) <= {"ok", 400}, got
-    assert 400 in got["codes"], got   # the swapped-in symlink was met, and refused
+    assert 400 in got["codes"], got  # the swapped-in symlink was met, and refused
     with open(target, "rb") as f:
         assert f.read() == b"R" * PAGE
 
@@ -250,10 +281,13 @@ def _shrink_then_move(c: SidecarClient, fd: int, bid: str) -> tuple[list, list]:
 
 def test_unsealable_memfd_truncated_answers_false(open_server):
     c = open_server.client()
-    fd = os.memfd_create("sglang-like", os.MFD_CLOEXEC)   # no MFD_ALLOW_SEALING, as SGLang's
+    fd = os.memfd_create("sglang-like", os.MFD_CLOEXEC)  # no MFD_ALLOW_SEALING, as SGLang's
     os.ftruncate(fd, PAGE)
     bid = c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE), fd=fd)
-    assert next(b for b in c.get_namespace("victim")["buffers"] if b["buffer_id"] == bid)["mode"] == "fd"
+    assert (
+        next(b for b in c.get_namespace("victim")["buffers"] if b["buffer_id"] == bid)["mode"]
+        == "fd"
+    )
     stored, _ = _shrink_then_move(c, fd, bid)
     assert stored == [False]
     assert c.health()["status"] == "ok" and c.exists("victim", ["after-truncate"]) == 0
@@ -275,9 +309,12 @@ def test_sealable_memfd_is_sealed_and_mapped(open_server):
     c = open_server.client()
     buf = SharedBuffer(PAGE)
     bid = buf.register(c, "victim", 1, page_first_chunks(PAGE))
-    assert next(b for b in c.get_namespace("victim")["buffers"] if b["buffer_id"] == bid)["mode"] == "mmap"
+    assert (
+        next(b for b in c.get_namespace("victim")["buffers"] if b["buffer_id"] == bid)["mode"]
+        == "mmap"
+    )
     with pytest.raises(PermissionError):
-        os.ftruncate(buf.fd, 0)          # sealed against shrinking by the sidecar
+        os.ftruncate(buf.fd, 0)  # sealed against shrinking by the sidecar
     assert c.get("victim", ["secret"], bid, [0]) == [True]
     assert bytes(buf.view(0, PAGE)) == pattern("secret")
 
@@ -287,7 +324,7 @@ def _engine_registers_and_exits(url: str, conn) -> None:
     c = SidecarClient(url)
     buf = SharedBuffer(PAGE)
     conn.send(buf.register(c, "victim", 1, page_first_chunks(PAGE)))
-    conn.recv()          # wait until told to die, then die without releasing anything
+    conn.recv()  # wait until told to die, then die without releasing anything
     os._exit(0)
 
 
@@ -301,8 +338,7 @@ def test_dead_engine_buffers_are_released(open_server):
     assert bid in open_server.on_loop(lambda: open_server.ns("victim").buffers)
     parent.send("die")
     p.join(30)
-    wait_for(lambda: bid not in open_server.on_loop(
-        lambda: open_server.ns("victim").buffers), 10)
+    wait_for(lambda: bid not in open_server.on_loop(lambda: open_server.ns("victim").buffers), 10)
     assert not open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases)
     assert c.health()["status"] == "ok"
 
@@ -331,7 +367,9 @@ def test_page_files_are_private(make_server, tmp_path):
     c.put_page("p", "k", pattern("k"))
     c.request("POST", "/v1/flush", {})
     modes = {str(p.relative_to(data)): stat.S_IMODE(p.stat().st_mode) for p in data.rglob("*")}
-    assert modes and all(m == (0o700 if (data / p).is_dir() else 0o600) for p, m in modes.items()), modes
+    assert modes and all(
+        m == (0o700 if (data / p).is_dir() else 0o600) for p, m in modes.items()
+    ), modes
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
 
 
@@ -341,12 +379,13 @@ def test_sockets_have_the_configured_mode_and_refuse_a_second_sidecar(make_serve
         st = os.stat(path)
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
     from sidecar.peer import bind_unix
+
     with pytest.raises(RuntimeError, match="listening"):
         bind_unix(srv.config.socket, 0o660)
     stale = os.path.join(scratch(prefix="kvs-"), "stale.sock")
     s = socket.socket(socket.AF_UNIX)
     s.bind(stale)
-    s.close()                      # a socket file nobody listens on: replaced
+    s.close()  # a socket file nobody listens on: replaced
     bind_unix(stale, 0o600).close()
     plain = os.path.join(os.path.dirname(stale), "plain")
     open(plain, "w").close()
@@ -368,6 +407,7 @@ def test_lent_fds_must_be_read_write_and_not_append(open_server, scratch):
 
 def test_leases_per_user_are_capped(open_server, monkeypatch):
     from sidecar import leases
+
     monkeypatch.setattr(leases, "MAX_LEASES_PER_UID", 2)
     c = open_server.client()
     buf = SharedBuffer(PAGE)
@@ -376,8 +416,10 @@ def test_leases_per_user_are_capped(open_server, monkeypatch):
     with pytest.raises(SidecarError) as e:
         c.lend_fd(buf.fd)
     assert e.value.code == "too_many_buffers"
-    c.close_leases()            # the leases end with their connection: room again
-    wait_for(lambda: not open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases), 10)
+    c.close_leases()  # the leases end with their connection: room again
+    wait_for(
+        lambda: not open_server.on_loop(lambda: open_server.ctx.store.sources.leases.leases), 10
+    )
     c.lend_fd(buf.fd)
 
 
@@ -392,6 +434,7 @@ def test_a_dead_engines_path_buffer_is_reaped(open_server, scratch):
         child.send(c.register_buffer("victim", PAGE, 1, page_first_chunks(PAGE), path=path))
         child.recv()
         os._exit(0)
+
     p = ctx.Process(target=engine)
     p.start()
     bid = parent.recv()
@@ -400,4 +443,5 @@ def test_a_dead_engines_path_buffer_is_reaped(open_server, scratch):
 
     def buffers() -> set:
         return open_server.on_loop(lambda: set(open_server.ns("victim").buffers))
-    wait_for(lambda: bid not in buffers(), 10)   # the reaper released the dead engine's buffer
+
+    wait_for(lambda: bid not in buffers(), 10)  # the reaper released the dead engine's buffer

@@ -18,7 +18,7 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="a tenant of another ui
 
 def _sharer_lists(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN)
-    c.put_namespace("team", PAGE, share_gid=B)   # joins it
+    c.put_namespace("team", PAGE, share_gid=B)  # joins it
     return c.request("GET", "/v1/namespaces/team/pins")[1]
 
 
@@ -30,8 +30,12 @@ def test_a_sharer_listing_pins_learns_nothing_of_the_owners_other_namespaces(mak
     os.chmod(os.path.dirname(srv.config.socket), 0o755)
     a = srv.client()
     a.put_namespace("secret", PAGE)
-    as_user(lambda url: SidecarClient(url, token=TOKEN).put_namespace("team", PAGE, share_gid=B),
-            srv.socket_url, uid=0, groups=[0, B])
+    as_user(
+        lambda url: SidecarClient(url, token=TOKEN).put_namespace("team", PAGE, share_gid=B),
+        srv.socket_url,
+        uid=0,
+        groups=[0, B],
+    )
     put(a, "secret", ["s1", "s2", "s3"])
     put(a, "team", ["t"])
     post(a, "/v1/namespaces/secret/pin", {"keys": ["s1", "s2", "s3"]})
@@ -40,13 +44,13 @@ def test_a_sharer_listing_pins_learns_nothing_of_the_owners_other_namespaces(mak
     assert [p["key"] for p in got["pins"]] == ["t"] and got["pages"] == 1
     assert not {"pinned_pages", "held_bytes", "bound_bytes"} & set(got), got
     own = a.request("GET", "/v1/namespaces/team/pins")[1]
-    assert own["pinned_pages"] == 4   # the owner still sees its whole usage
+    assert own["pinned_pages"] == 4  # the owner still sees its whole usage
     assert srv.tcp_client().request("GET", "/v1/namespaces/team/pins")[1]["pinned_pages"] == 4
 
 
 def _warm_until_done(c: SidecarClient, ns: str, key: str) -> str:
     job = post(c, f"/v1/namespaces/{ns}/warm", {"keys": [key]}, ok=(429,))
-    while job[0] == 429:   # one of the owner's 4 running: the next turn ends it
+    while job[0] == 429:  # one of the owner's 4 running: the next turn ends it
         job = post(c, f"/v1/namespaces/{ns}/warm", {"keys": [key]}, ok=(429,))
     return job[1]["job"]
 
@@ -80,29 +84,31 @@ def test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys(make_
     assert all(j.keys == [] for j in jobs if j.state != "running")
 
 
-S = 4242   # a group every tenant of the socket is in (the socket's group, "users")
+S = 4242  # a group every tenant of the socket is in (the socket's group, "users")
 
 
 def _squat(url: str) -> bool:
     c = SidecarClient(url, token=TOKEN)
-    c.put_namespace("kv", PAGE, share_gid=S)   # a member: allowed
+    c.put_namespace("kv", PAGE, share_gid=S)  # a member: allowed
     return c.put_page("kv", "p", b"M" * PAGE)
 
 
 def _victim_before_its_put(url: str) -> dict:
     """The victim's engine after a sidecar restart (or a delete), before it PUTs its own."""
     c = SidecarClient(url, token=TOKEN)
-    got = {"exists": c.request("POST", "/v1/namespaces/kv/exists", {"keys": ["p"]}, ok=(404,))[0],
-           "page": c.request("GET", "/v1/namespaces/kv/pages/p", raw=True, ok=(404,))[0],
-           "set": c.request("PUT", "/v1/namespaces/kv/pages/q", b"V" * PAGE, ok=(404,))[0]}
-    c.put_namespace("kv", PAGE)   # its own, private: from now on "kv" means it
+    got = {
+        "exists": c.request("POST", "/v1/namespaces/kv/exists", {"keys": ["p"]}, ok=(404,))[0],
+        "page": c.request("GET", "/v1/namespaces/kv/pages/p", raw=True, ok=(404,))[0],
+        "set": c.request("PUT", "/v1/namespaces/kv/pages/q", b"V" * PAGE, ok=(404,))[0],
+    }
+    c.put_namespace("kv", PAGE)  # its own, private: from now on "kv" means it
     got["after"] = c.exists_each("kv", ["p"])
     return got
 
 
 def _joiner(url: str) -> list:
     c = SidecarClient(url, token=TOKEN)
-    c.put_namespace("kv", PAGE, share_gid=S)   # joins the shared one on purpose
+    c.put_namespace("kv", PAGE, share_gid=S)  # joins the shared one on purpose
     return c.exists_each("kv", ["p"])
 
 

@@ -2,6 +2,7 @@
 every chart drew. Skipped where no browser is installed (`make test` installs one with apt).
 
 Set UI_SCREENSHOT=docs/ui.png to keep the screenshot the test took."""
+
 import os
 import re
 import shutil
@@ -15,17 +16,30 @@ import requests
 from tests.api.test_ui import traffic
 
 CHARTS = ("fill", "pages", "hit_rate", "gbps", "write_queue", "errors")
-BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+BROWSER = next(
+    filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None
+)
 # a longer run for the README's picture than for the check
 WANT_SAMPLES = 40 if os.environ.get("UI_SCREENSHOT") else 3
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no headless chromium installed")
 
 
 def chromium(url: str, profile, *args: str) -> subprocess.CompletedProcess:
-    cmd = [BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--no-first-run", "--disable-extensions", "--disable-background-networking",
-           f"--user-data-dir={profile}", "--virtual-time-budget=6000", "--window-size=1200,460",
-           *args, url]
+    cmd = [
+        BROWSER,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=6000",
+        "--window-size=1200,460",
+        *args,
+        url,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -48,7 +62,9 @@ def busy_sidecar(make_server, tmp_path):
     client.put_namespace("kv", 4096, model="m")
     client.put_namespace("draft", 4096, model="m-draft", host_capacity_bytes=64 * 4096)
     stop = threading.Event()
-    threads = [threading.Thread(target=traffic, args=(srv.client(), stop, ns)) for ns in ("kv", "draft")]
+    threads = [
+        threading.Thread(target=traffic, args=(srv.client(), stop, ns)) for ns in ("kv", "draft")
+    ]
     for t in threads:
         t.start()
     try:
@@ -74,12 +90,15 @@ def test_status_page_draws_every_chart(busy_sidecar, tmp_path):
     assert set(drawn) == set(CHARTS), drawn
     assert all(n >= 3 for n in drawn.values()), drawn  # several samples on every chart
     assert re.search(r'<div id="status"[^>]*>\d+ samples, one every', out.stdout)  # no error shown
-    assert re.search(r'<div id="cost"[^>]*>[\d,]+ pages, [\d,]+ tokens cached\. Per page: host pool', out.stdout)
+    assert re.search(
+        r'<div id="cost"[^>]*>[\d,]+ pages, [\d,]+ tokens cached\. Per page: host pool', out.stdout
+    )
     fill = re.search(r'<svg\b[^>]*data-chart="fill"[^>]*>.*?</svg>', out.stdout, re.S).group(0)
     assert 'data-series="kv"' in fill and 'data-series="draft"' in fill  # one line per namespace
     shot = os.environ.get("UI_SCREENSHOT") or str(tmp_path / "ui.png")
-    out = chromium(url, tmp_path / "profile-shot", f"--screenshot={os.path.abspath(shot)}",
-                   "--hide-scrollbars")
+    out = chromium(
+        url, tmp_path / "profile-shot", f"--screenshot={os.path.abspath(shot)}", "--hide-scrollbars"
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert_drawn(shot)
 
@@ -116,7 +135,9 @@ def test_a_browser_logs_in_with_the_token(make_server, tmp_path):
     assert "data-chart" not in refused.stdout  # headless: no login dialog, the load fails
     out = chromium(f"http://sidecar:s3cret@{host}/ui", tmp_path / "profile-login", "--dump-dom")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert re.search(r'<div id="status"[^>]*>\d+ samples, one every', out.stdout), out.stdout[-1500:]
+    assert re.search(r'<div id="status"[^>]*>\d+ samples, one every', out.stdout), out.stdout[
+        -1500:
+    ]
     assert set(charts(out.stdout)) == set(CHARTS)
     docs = chromium(f"http://sidecar:s3cret@{host}/docs", tmp_path / "profile-docs", "--dump-dom")
     assert docs.stdout.count('class="opblock ') >= 10

@@ -1,6 +1,7 @@
 """The vLLM connector's engine-side parts against a real sidecar, without vLLM: page layout
 and copies, namespaces, the worker's staging memfd, the scheduler's single exists call.
 The whole connector inside a real vLLM engine is tests/engines/vllm (`make test-vllm`)."""
+
 import hashlib
 import subprocess
 import sys
@@ -29,12 +30,21 @@ N, BS = 16, 32
 def cpu_caches(layers=2, heads=2, head=32, seed=0):
     """CPU_ATTN's shape: [blocks, kv_heads, block_size, 2 * head_size] per layer."""
     g = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{i}.attn": torch.randn(N, heads, BS, 2 * head, generator=g) for i in range(layers)}
+    return {
+        f"model.layers.{i}.attn": torch.randn(N, heads, BS, 2 * head, generator=g)
+        for i in range(layers)
+    }
 
 
 def spec_for(layout, **over):
-    kw = dict(model="tiny", dtype="torch.float32/auto", block_size=BS, backend="CPU_ATTN.vec",
-              hashing="sha256/32", rank={"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "cp": 0, "cp_size": 1})
+    kw = dict(
+        model="tiny",
+        dtype="torch.float32/auto",
+        block_size=BS,
+        backend="CPU_ATTN.vec",
+        hashing="sha256/32",
+        rank={"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "cp": 0, "cp_size": 1},
+    )
     kw.update(over)
     return namespace_spec(EngineScope(**kw), layout)
 
@@ -46,8 +56,11 @@ def hkeys(n, salt="k"):
 @pytest.mark.parametrize("split", [False, True])
 def test_blocks_round_trip_through_staging(split):
     # split: FlashAttention's [2, blocks, block_size, heads, head]: K and V views
-    src = ({"l0": torch.randn(2, N, BS, 2, 16), "l1": torch.randn(2, N, BS, 2, 16)} if split
-           else cpu_caches())
+    src = (
+        {"l0": torch.randn(2, N, BS, 2, 16), "l1": torch.randn(2, N, BS, 2, 16)}
+        if split
+        else cpu_caches()
+    )
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     a, b = PageLayout.of(src, N), PageLayout.of(dst, N)
     assert a.page_bytes == sum(v.numel() * 4 for v in src.values()) // N
@@ -70,15 +83,30 @@ def test_unsupported_layout_is_refused():
 def test_namespaces_are_deterministic_and_separate():
     layout = PageLayout.of(cpu_caches(), N)
     name = namespace_name(spec_for(layout))
-    code = ("import torch; from tests.api.test_vllm_connector_parts import *; "
-            "print(namespace_name(spec_for(PageLayout.of(cpu_caches(seed=5), N))))")
-    other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": "123", "PATH": ""}, check=True).stdout.strip()
+    code = (
+        "import torch; from tests.api.test_vllm_connector_parts import *; "
+        "print(namespace_name(spec_for(PageLayout.of(cpu_caches(seed=5), N))))"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+        check=True,
+    ).stdout.strip()
     assert other == name  # another process, another hash seed, other cache contents
-    variants = [spec_for(layout, dtype="torch.bfloat16/auto"), spec_for(layout, block_size=64),
-                spec_for(layout, backend="CPU_ATTN.amx"), spec_for(layout, hashing="xxhash/32"),
-                spec_for(layout, model="other"), spec_for(PageLayout.of(cpu_caches(heads=4), N)),
-                spec_for(layout, rank={"tp": 1, "tp_size": 2, "pp": 0, "pp_size": 1, "cp": 0, "cp_size": 1})]
+    variants = [
+        spec_for(layout, dtype="torch.bfloat16/auto"),
+        spec_for(layout, block_size=64),
+        spec_for(layout, backend="CPU_ATTN.amx"),
+        spec_for(layout, hashing="xxhash/32"),
+        spec_for(layout, model="other"),
+        spec_for(PageLayout.of(cpu_caches(heads=4), N)),
+        spec_for(
+            layout, rank={"tp": 1, "tp_size": 2, "pp": 0, "pp_size": 1, "cp": 0, "cp_size": 1}
+        ),
+    ]
     names = {namespace_name(s) for s in variants}
     assert len(names) == len(variants) and name not in names
 
@@ -135,8 +163,12 @@ def test_worker_saves_and_loads_by_slot_and_reports(make_server):
 def test_a_load_failure_keeps_that_requests_saves_out():
     """Blocks computed on top of a block that did not load are never stored."""
     # nothing listens on the port: the load fails at once
-    w = WorkerSide(SidecarClient(f"http://127.0.0.1:{free_port()}", timeout=0.5),
-                   PageLayout.of(cpu_caches(), N), {"page_bytes": 1, "model": "m"}, 2)
+    w = WorkerSide(
+        SidecarClient(f"http://127.0.0.1:{free_port()}", timeout=0.5),
+        PageLayout.of(cpu_caches(), N),
+        {"page_bytes": 1, "model": "m"},
+        2,
+    )
     w.load([Transfer("r", hkeys(1), [1])])
     assert w.take_load_errors() == {1}
     w.save([Transfer("r", hkeys(1, "after"), [2])])
@@ -145,7 +177,9 @@ def test_a_load_failure_keeps_that_requests_saves_out():
 
 
 def request(rid, n_tokens, hashes):
-    return SimpleNamespace(request_id=rid, num_tokens=n_tokens, num_computed_tokens=0, block_hashes=hashes)
+    return SimpleNamespace(
+        request_id=rid, num_tokens=n_tokens, num_computed_tokens=0, block_hashes=hashes
+    )
 
 
 def test_scheduler_one_exists_call_late_answer_and_last_token(server):
@@ -166,12 +200,12 @@ def test_scheduler_one_exists_call_late_answer_and_last_token(server):
     s.pool.submit(lambda: (held.set(), gate.wait(10)))
     held.wait(5)
     s.lookup_wait = 0.0
-    req = request("r", 4 * BS, hashes)     # 4 full blocks, but the last token is never claimed
+    req = request("r", 4 * BS, hashes)  # 4 full blocks, but the last token is never claimed
     assert s.matched(req, 0) is None
     gate.set()
     s.lookup_wait = 5.0
     assert s.matched(req, 0) == 3 * BS
-    assert s.matched(req, 2 * BS) == BS    # beyond what vLLM's own cache holds
+    assert s.matched(req, 2 * BS) == BS  # beyond what vLLM's own cache holds
     s.allocated(req, [10, 11, 12, 13, 14], 3 * BS - 2 * BS)
     (load,) = s.take_loads()
     assert load.block_ids == [12] and load.keys == [hashes[2].hex()]
@@ -200,7 +234,7 @@ def test_scheduler_registers_again_after_a_restart(server):
     spec = spec_for(layout)
     ns = namespace_name(spec)
     s = SchedulerSide(client, BS, lookup_wait=5.0)
-    s.specs = {ns: spec}   # the namespace does not exist on this sidecar (yet)
+    s.specs = {ns: spec}  # the namespace does not exist on this sidecar (yet)
     hashes = [hashlib.sha256(f"z{i}".encode()).digest() for i in range(3)]
     assert s.matched(request("q", 3 * BS + 1, hashes), 0) == 0
     assert client.get_namespace(ns)["spec"]["page_bytes"] == layout.page_bytes

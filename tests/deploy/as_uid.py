@@ -1,5 +1,6 @@
 """The DaemonSet's sidecar as another uid, in a forked child (the interpreter under /root
 is not executable by other uids, so no exec), and engine calls from other uids."""
+
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,7 @@ def run_as(uid: int, groups: list[int], fn: Callable[..., Any], *args: Any) -> A
             q.put(("ok", fn(*args)))
         except BaseException as exc:  # report, never hang the parent
             q.put(("error", repr(exc)))
+
     p = ctx.Process(target=child, daemon=True)
     p.start()
     kind, value = q.get(timeout=60)
@@ -65,7 +67,7 @@ class Sidecar:
             return "--host-pool=64MiB"
         for mount, local in paths.items():
             if value == mount or value.startswith(mount + "/"):
-                return f"{name}={local}{value[len(mount):]}"
+                return f"{name}={local}{value[len(mount) :]}"
         return arg
 
     def reference_modules(self) -> list[str]:
@@ -74,19 +76,29 @@ class Sidecar:
         as a uid that cannot read this interpreter's library under /root could not later."""
         with tempfile.TemporaryDirectory() as d:
             out, port = os.path.join(d, "modules"), free_port()
-            args = [a for a in self.args if not a.startswith(("--port=", "--socket=", "--data-dir="))]
+            args = [
+                a for a in self.args if not a.startswith(("--port=", "--socket=", "--data-dir="))
+            ]
             args += [f"--port={port}", f"--socket={d}/s.sock", f"--data-dir={d}/data"]
-            code = (f"import atexit, sys; atexit.register(lambda: open({out!r}, 'w').write("
-                    f"' '.join(sys.modules))); from sidecar.cli import main; sys.exit(main({args!r}))")
-            proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "SIDECAR_TOKEN": self.token},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            code = (
+                f"import atexit, sys; atexit.register(lambda: open({out!r}, 'w').write("
+                f"' '.join(sys.modules))); from sidecar.cli import main; sys.exit(main({args!r}))"
+            )
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                env={**os.environ, "SIDECAR_TOKEN": self.token},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             try:
                 ref = Sidecar.__new__(Sidecar)
                 ref.socket, ref.token = f"{d}/s.sock", self.token
                 client = SidecarClient(f"http://127.0.0.1:{port}", token=self.token, timeout=2)
                 deadline = time.time() + 60
                 while not self._ready(client):
-                    assert time.time() < deadline and proc.poll() is None, "the reference sidecar did not start"
+                    assert time.time() < deadline and proc.poll() is None, (
+                        "the reference sidecar did not start"
+                    )
                     time.sleep(0.05)
                 ref.engine_put(self.token)
             finally:
@@ -98,31 +110,36 @@ class Sidecar:
     def __enter__(self) -> Sidecar:
         modules = self.reference_modules()
         self.pid = os.fork()
-        if self.pid == 0:   # the child: drop to the pod's user, then the CLI
+        if self.pid == 0:  # the child: drop to the pod's user, then the CLI
             code = 1
             try:
                 os.dup2(self.out.fileno(), 1)
                 os.dup2(self.out.fileno(), 2)
                 sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's
-                logging.root.handlers.clear()   # (pytest's capture: serve's basicConfig then logs here)
+                logging.root.handlers.clear()  # (pytest's capture: serve's basicConfig then logs here)
                 for name in modules:
-                    with contextlib.suppress(Exception):   # (__main__ and the like)
+                    with contextlib.suppress(Exception):  # (__main__ and the like)
                         importlib.import_module(name)
                 os.setgroups([])
                 os.setgid(self.gid)
                 os.setuid(self.uid)
                 os.environ["SIDECAR_TOKEN"] = self.token
                 from sidecar.cli import main
+
                 code = main(self.args)
             except BaseException:
                 traceback.print_exc()
             finally:
                 sys.stderr.flush()
                 os._exit(code)
-        client, deadline = SidecarClient(f"http://127.0.0.1:{self.port}", token=self.token, timeout=2), time.time() + 60
+        client, deadline = (
+            SidecarClient(f"http://127.0.0.1:{self.port}", token=self.token, timeout=2),
+            time.time() + 60,
+        )
         while not self._ready(client):
-            assert time.time() < deadline and self._alive(), \
+            assert time.time() < deadline and self._alive(), (
                 f"the sidecar did not start ({self.returncode}): {self.log()}"
+            )
             time.sleep(0.05)
         return self
 

@@ -2,6 +2,7 @@
 (kubernetes-validate, strict: an unknown field fails), agree with the sidecar's flags and
 each other, and the DaemonSet's init script leaves directories the sidecar, as uid 10001,
 starts on and engines in its group (only they) connect through."""
+
 from __future__ import annotations
 
 import copy
@@ -80,14 +81,18 @@ def test_daemonset_agrees_with_the_sidecar_and_the_engines():
     side = spec["containers"][0]
     args = side["args"]
     assert args[0] == "serve"
-    parsed = vars(parser().parse_args(args))   # every flag is the sidecar's own
-    config = load(None, overrides={k: v for k, v in parsed.items() if k not in ("command", "config")})
+    parsed = vars(parser().parse_args(args))  # every flag is the sidecar's own
+    config = load(
+        None, overrides={k: v for k, v in parsed.items() if k not in ("command", "config")}
+    )
     f = flags(args)
     assert config.port == int(f["port"]) == side["ports"][0]["containerPort"]
     meta = daemonset()["spec"]["template"]["metadata"]["annotations"]
     assert meta["prometheus.io/port"] == f["port"] and meta["prometheus.io/path"] == "/metrics"
     # the pool fits the memory limit; the socket and data dir are the hostPath volumes
-    assert config.host_pool + 2**30 <= parse_size(side["resources"]["limits"]["memory"].replace("Gi", "GiB"))
+    assert config.host_pool + 2**30 <= parse_size(
+        side["resources"]["limits"]["memory"].replace("Gi", "GiB")
+    )
     sock_dir = os.path.dirname(config.socket)
     run = volume(spec, side, sock_dir)["hostPath"]
     assert volume(spec, side, config.data_dir)["hostPath"]["type"] == "DirectoryOrCreate"
@@ -108,7 +113,9 @@ def test_daemonset_agrees_with_the_sidecar_and_the_engines():
         assert env["PYTHONPATH"]["value"] in {m["mountPath"] for m in eng["volumeMounts"]}
 
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="runs the sidecar as uid 10001: needs root")
+root_only = pytest.mark.skipif(
+    os.geteuid() != 0, reason="runs the sidecar as uid 10001: needs root"
+)
 
 
 @root_only
@@ -118,6 +125,7 @@ def test_init_container_dirs_start_the_sidecar_and_admit_only_its_group():
     probe's command passes, an engine uid in group 10001 sets a page over the socket and
     one outside the group cannot connect."""
     from tests.deploy.as_uid import Sidecar, run_as
+
     spec = daemonset()["spec"]["template"]["spec"]
     init, side = spec["initContainers"][0], spec["containers"][0]
     uid, gid = spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]
@@ -135,8 +143,12 @@ def test_init_container_dirs_start_the_sidecar_and_admit_only_its_group():
             env = {**os.environ, "SIDECAR_TOKEN": "t0ken"}
             assert subprocess.run([sys.executable, "-c", code], env=env, timeout=30).returncode == 0
             env["SIDECAR_TOKEN"] = "wrong"
-            assert subprocess.run([sys.executable, "-c", code], env=env, timeout=30,
-                                  capture_output=True).returncode != 0
+            assert (
+                subprocess.run(
+                    [sys.executable, "-c", code], env=env, timeout=30, capture_output=True
+                ).returncode
+                != 0
+            )
             assert run_as(20001, [gid], srv.engine_put, "t0ken") == b"p" * 4096
             assert run_as(20002, [], srv.engine_connect) == "PermissionError"
         assert srv.returncode == 0, srv.log()

@@ -1,6 +1,7 @@
 """`make bench-serve`'s arithmetic (loadtest/bench_serve_lib.py): the trace's conversations
 made into token prompts, the `vllm serve` command kept in step with deploy/engine-vllm.yaml,
 and the report's figures and targets."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,9 @@ def test_turns_grow_by_the_traces_new_tokens():
     prompt, answer = [], []
     for k, turn in enumerate(first.turns):
         nxt = sl.next_prompt(prompt, answer, first, k)
-        assert nxt[:len(prompt) + len(answer)] == prompt + answer, "turn k extends turn k-1 and its answer"
+        assert nxt[: len(prompt) + len(answer)] == prompt + answer, (
+            "turn k extends turn k-1 and its answer"
+        )
         assert len(nxt) == len(prompt) + len(answer) + turn.new_tokens
         prompt, answer = nxt, [5] * turn.max_tokens
     assert all(2 <= t < 1024 for t in prompt)
@@ -41,7 +44,7 @@ def test_user_tokens_are_deterministic_and_distinct():
 
 def test_conversations_are_cut_at_the_length_limit():
     convs = sl.conversations(ROWS, scale=16, max_prompt=120)
-    assert [len(c.turns) for c in convs] == [2, 2]    # conversation 0 cut after 2 of its 3 turns
+    assert [len(c.turns) for c in convs] == [2, 2]  # conversation 0 cut after 2 of its 3 turns
     assert sum(t.new_tokens + t.max_tokens for t in convs[0].turns) <= 120
 
 
@@ -65,8 +68,12 @@ def test_serve_args_keep_the_manifests_flags():
         assert name in names, f"the bench's vllm serve lacks the manifest's {name}"
         if name not in ("--host", "--port", "--kv-transfer-config"):
             assert a in args
-    cfg = json.loads(next(a for a in args if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
-    want = json.loads(next(a for a in manifest if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+    cfg = json.loads(
+        next(a for a in args if a.startswith("--kv-transfer-config=")).split("=", 1)[1]
+    )
+    want = json.loads(
+        next(a for a in manifest if a.startswith("--kv-transfer-config=")).split("=", 1)[1]
+    )
     want["kv_connector_extra_config"]["sidecar_url"] = "unix:///tmp/x.sock"
     assert cfg == want
     assert args[:3] == ["/m", "--host=127.0.0.1", "--port=9000"]
@@ -75,41 +82,64 @@ def test_serve_args_keep_the_manifests_flags():
 
 
 def rec(start: float, ttft: float, e2e: float, out: int = 4, error: str = "") -> dict:
-    return {"start": start, "end": start + e2e, "ttft": ttft, "e2e": e2e, "out_tokens": out,
-            "prompt_tokens": 100, "cached_tokens": 50, **({"error": error} if error else {})}
+    return {
+        "start": start,
+        "end": start + e2e,
+        "ttft": ttft,
+        "e2e": e2e,
+        "out_tokens": out,
+        "prompt_tokens": 100,
+        "cached_tokens": 50,
+        **({"error": error} if error else {}),
+    }
 
 
 def test_level_summary_drops_the_warm_up_and_counts_errors():
-    recs = [rec(0, 9.0, 9.0)] + [rec(10 + i, 0.1 * (i + 1), 1.0) for i in range(10)] + [rec(20, 0, 1, error="500")]
+    recs = (
+        [rec(0, 9.0, 9.0)]
+        + [rec(10 + i, 0.1 * (i + 1), 1.0) for i in range(10)]
+        + [rec(20, 0, 1, error="500")]
+    )
     s = sl.level_summary(recs, warmup=1)
     assert s["requests"] == 11 and s["errors"] == 1
-    assert s["ttft_p50_s"] == 0.5 and s["ttft_p99_s"] == 1.0       # the 9 s warm-up is gone
-    assert abs(s["req_s"] - 10 / 11) < 1e-9                          # 10 ok over 10.0 .. 21.0
+    assert s["ttft_p50_s"] == 0.5 and s["ttft_p99_s"] == 1.0  # the 9 s warm-up is gone
+    assert abs(s["req_s"] - 10 / 11) < 1e-9  # 10 ok over 10.0 .. 21.0
     assert abs(s["out_tok_s"] - 40 / 11) < 1e-9
     assert s["cached_tokens"] == 500
 
 
 def test_counters_agree_within_a_page_a_load():
-    assert sl.counters_agree(4, 127, loads=1, block=32)       # 3 blocks and a 31-token tail
-    assert not sl.counters_agree(3, 127, loads=1, block=32)   # fewer pages than tokens
-    assert not sl.counters_agree(6, 127, loads=1, block=32)   # pages nobody counted
+    assert sl.counters_agree(4, 127, loads=1, block=32)  # 3 blocks and a 31-token tail
+    assert not sl.counters_agree(3, 127, loads=1, block=32)  # fewer pages than tokens
+    assert not sl.counters_agree(6, 127, loads=1, block=32)  # pages nobody counted
     assert sl.counters_agree(0, 0, loads=0, block=32)
 
 
 def row(arm: str, level: int, p50: float, p99: float, rps: float) -> dict:
-    return {"arm": arm, "policy": "rr", "users_per_engine": level, "ttft_p50_s": p50, "ttft_p99_s": p99,
-            "req_s": rps}
+    return {
+        "arm": arm,
+        "policy": "rr",
+        "users_per_engine": level,
+        "ttft_p50_s": p50,
+        "ttft_p99_s": p99,
+        "req_s": rps,
+    }
 
 
 def test_targets_ratios_and_verdicts():
-    rows = [row("shared", 4, 0.4, 1.0, 10), row("lmcache", 4, 0.6, 1.0, 9), row("none", 4, 1.0, 1.1, 5),
-            row("shared", 1, 0.2, 0.9, 3), row("none", 1, 0.3, 0.8, 2)]
+    rows = [
+        row("shared", 4, 0.4, 1.0, 10),
+        row("lmcache", 4, 0.6, 1.0, 9),
+        row("none", 4, 1.0, 1.1, 5),
+        row("shared", 1, 0.2, 0.9, 3),
+        row("none", 1, 0.3, 0.8, 2),
+    ]
     ts = {t["target"]: t for t in sl.targets(rows)}
     lm = ts["shared p50 TTFT / LMCache's at 4 users/engine"]
     assert abs(lm["ratio"] - 0.4 / 0.6) < 1e-9 and lm["met"] is True
-    assert ts["shared p50 TTFT / no connector's at 4 users/engine"]["met"] is True     # 0.4 <= 0.5
+    assert ts["shared p50 TTFT / no connector's at 4 users/engine"]["met"] is True  # 0.4 <= 0.5
     assert ts["shared req/s / LMCache's at 4 users/engine"]["met"] is True
-    assert ts["shared p99 TTFT / no connector's at 1 users/engine"]["met"] is False    # 0.9 > 0.8
+    assert ts["shared p99 TTFT / no connector's at 1 users/engine"]["met"] is False  # 0.9 > 0.8
     assert ts["shared p99 TTFT / no connector's at 4 users/engine"]["met"] is True
     missing = sl.targets([row("shared", 4, 0.4, 1.0, 10)])
     assert missing[0]["met"] is None and "no figure" in sl.targets_text(missing)

@@ -1,4 +1,5 @@
 """The benchmark command runs end to end (tiny sizes; the figures are not checked here)."""
+
 import subprocess
 import sys
 
@@ -10,16 +11,29 @@ from tests.conftest import ROOT
 
 @pytest.mark.slow
 def test_bench_quick_json():
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "loadtest.bench", "--quick", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "loadtest.bench", "--quick", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = orjson.loads(out.stdout.strip().splitlines()[-1])
     assert res["exists"]["sidecar_rps"] > 0 and res["exists"]["bare_rps"] > 0
     assert res["shm"]["set_gbps"] > 0 and res["shm"]["copy_gbps"] > 0
     assert res["batch_exists"]["ratio"] > 0 and res["batch_partial"]["cpu_ratio"] > 0
     assert res["inline"]["get_gbps"] > 0
-    assert res["exists"]["cpu_us"] > 0 and res["exists"]["bare_cpu_us"] >= 0 and res["client"]["ratio"] > 0
-    assert "exists 1000 keys" in out.stdout and "us CPU/request" in out.stdout and "vs torch copy" in out.stdout
+    assert (
+        res["exists"]["cpu_us"] > 0
+        and res["exists"]["bare_cpu_us"] >= 0
+        and res["client"]["ratio"] > 0
+    )
+    assert (
+        "exists 1000 keys" in out.stdout
+        and "us CPU/request" in out.stdout
+        and "vs torch copy" in out.stdout
+    )
 
 
 @pytest.mark.slow
@@ -27,6 +41,7 @@ def test_bench_socket_reaches_the_engine_sockets_namespaces_over_tcp():
     """`make bench`'s second half: TCP reads and writes the namespaces made on the engine
     socket, which takes the token since namespaces have owners (docs/security.md)."""
     from loadtest import bench_socket
+
     res = bench_socket.run(1, 10)
     assert res["exists"]["tcp"]["req_s"] > 0 and res["exists"]["uds"]["req_s"] > 0
     assert res["small_moves"]["tcp_inline_get"]["gb_s"] > 0
@@ -36,14 +51,16 @@ def test_bench_socket_reaches_the_engine_sockets_namespaces_over_tcp():
 @pytest.mark.slow
 def test_bench_events_runs_both_sidecars():
     from loadtest import bench_events
-    res = bench_events.run(1, 20, 4096, ring=1 << 20)   # the fill: until a 1 MiB ring wraps
+
+    res = bench_events.run(1, 20, 4096, ring=1 << 20)  # the fill: until a 1 MiB ring wraps
     assert res["set"]["on_rps"] > 0 and res["set"]["off_rps"] > 0
-    assert res["exists"]["on_rps"] > 0 and res["exists"]["rps_ratio"] > 0   # CPU: 10 ms ticks
+    assert res["exists"]["on_rps"] > 0 and res["exists"]["rps_ratio"] > 0  # CPU: 10 ms ticks
 
 
 def test_bench_stalls_runs_each_scenario_against_its_limit():
     """`python -m loadtest.bench_stalls` end to end at a small size (figures unchecked)."""
     from loadtest import bench_stalls
+
     res = bench_stalls.run(pages=4096, keys=256)
     assert set(res) == {"full_pool", "neighbour", "drop"}
     assert all(r["ms"] > 0 and r["limit_ms"] > 0 and r["ratio"] > 0 for r in res.values())

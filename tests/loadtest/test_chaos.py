@@ -5,6 +5,7 @@ sidecars of its own. Every violation it reports must be 0 (issue 11's write-back
 SIGTERM and on a full queue, deletes that came back and temporaries left behind were seen
 here before their fixes; they now fail this test like any other violation).
 """
+
 import json
 import os
 import subprocess
@@ -16,14 +17,33 @@ from loadtest.chaos_ledger import Ledger, Node
 from tests.conftest import ROOT
 
 KINDS = ("sigkill", "sigterm", "disk_fill", "ns_delete", "stall")
+
+
 def run_soak(tmp_path, seed: int, duration: int) -> tuple[int, dict, str]:
-    cmd = [sys.executable, "-m", "loadtest.chaos", "--seed", str(seed), "--duration", str(duration),
-           "--gap", "3", "--workdir", str(tmp_path / "soak")]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.chaos",
+        "--seed",
+        str(seed),
+        "--duration",
+        str(duration),
+        "--gap",
+        "3",
+        "--workdir",
+        str(tmp_path / "soak"),
+    ]
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("CHAOS-SUMMARY ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.returncode, json.loads(lines[-1][len("CHAOS-SUMMARY "):]), out.stdout[-4000:]
+    return out.returncode, json.loads(lines[-1][len("CHAOS-SUMMARY ") :]), out.stdout[-4000:]
 
 
 @pytest.mark.slow
@@ -32,16 +52,22 @@ def test_chaos_soak_short_seeded(tmp_path):
     for kind in KINDS:
         assert s["faults"][kind] >= 1, f"{kind} never injected\n{log}"
     assert s["requests"] > 500 and s["pages_checked"] > 1000, log
-    assert s["checks"] >= 5, log       # each restart and namespace delete is checked, and the end
-    second = s["tenants"]["second"]    # another uid's engine on the write_through sidecar
+    assert s["checks"] >= 5, log  # each restart and namespace delete is checked, and the end
+    second = s["tenants"]["second"]  # another uid's engine on the write_through sidecar
     assert second["acked_pages"] > 100, log
     assert second["uid"] == (65534 if os.geteuid() == 0 else os.geteuid()), log
-    seen = {(what, node): n for what, per in s["violations_by_node"].items() for node, n in per.items() if n}
+    seen = {
+        (what, node): n
+        for what, per in s["violations_by_node"].items()
+        for node, n in per.items()
+        if n
+    }
     assert not seen, f"violations: {seen}\n{log}"
     assert rc == 0, log
 
 
 # -- the ledger's verdicts, without processes (each rule forced) ---------------------------
+
 
 def ledger_with(policy: str = "write_back") -> tuple[Ledger, Node]:
     led, node = Ledger(seed=3, page_bytes=64), Node("n", policy)
@@ -65,7 +91,7 @@ def test_ledger_sorts_each_miss_into_one_bucket():
         led.judge(node, p, present=False)
     assert led.counts["allowed_sigkill"] == 1
     assert led.counts["lost_after_sigterm"] == 1 and led.counts["lost_running"] == 1
-    assert led.settled(node, 7.0) == []        # a miss is counted once
+    assert led.settled(node, 7.0) == []  # a miss is counted once
 
 
 def test_ledger_durable_and_deleted_pages():
@@ -75,7 +101,7 @@ def test_ledger_durable_and_deleted_pages():
     assert led.flushed(node, 2.0) == 1
     acked(led, "gone", 1.0)
     led.deleted("ns", ["gone"], 2.5, 2.6)
-    node.stops.append((3.0, "sigkill"))        # durable pages must survive it
+    node.stops.append((3.0, "sigkill"))  # durable pages must survive it
     present = {"flag": False, "flushed": False, "gone": True}
     for p in led.settled(node, 4.0):
         led.judge(node, p, present[p.key])
@@ -87,10 +113,10 @@ def test_ledger_budgets_and_races():
     led, node = ledger_with()
     acked(led, "a", 1.0)
     acked(led, "b", 1.0)
-    led.disk_filled()                          # both may meet a failed write from now on
+    led.disk_filled()  # both may meet a failed write from now on
     node.poll({"tiers": {"file": {"evictions": 1}}, "write_queue": {"failed": 1}})
-    acked(led, "c", 1.2)                       # after the fill: no excuse
-    led.set_started("ns", ["raced"], 1.0)      # in flight while the delete runs
+    acked(led, "c", 1.2)  # after the fill: no excuse
+    led.set_started("ns", ["raced"], 1.0)  # in flight while the delete runs
     led.deleted("ns", ["raced"], 1.5, 1.6)
     led.set_done("ns", ["raced"], [True], 1.0, 1.7)
     for p in led.settled(node, 2.0):

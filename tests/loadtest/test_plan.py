@@ -1,4 +1,5 @@
 """`sidecar plan`: the offline capacity sweep, its per-engine comparison and its chart."""
+
 import io
 import subprocess
 import sys
@@ -16,13 +17,21 @@ from tests.loadtest.test_replay import trace_path
 def write_trace(path, requests):
     with open(path, "wb") as f:
         for i, ids in enumerate(requests):
-            f.write(orjson.dumps({"timestamp": i, "input_length": len(ids) * 512, "hash_ids": ids}) + b"\n")
+            f.write(
+                orjson.dumps({"timestamp": i, "input_length": len(ids) * 512, "hash_ids": ids})
+                + b"\n"
+            )
     return str(path)
 
 
 def run_cli(*args):
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "api.cli", "plan", *args, "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "api.cli", "plan", *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == ""  # no progress bar when stderr is not a terminal
     return orjson.loads(out.stdout.strip().splitlines()[-1])
@@ -102,13 +111,33 @@ def test_progress_bar_only_on_a_terminal():
 def test_replay_draws_its_progress_bar_on_a_terminal(spawn):
     import os
     import pty
+
     p = spawn("--host-pool", "16MiB", "--no-file-tier").wait_ready()
     main, sub = pty.openpty()
     try:
-        out = subprocess.run([sys.executable, "-W", "ignore", "-m", "api.cli", "replay", trace_path(),
-                              "--url", p.socket_url, "--capacity-pages", "100", "--page-bytes", "1024",
-                              "--limit", "50"], cwd=ROOT, stdout=subprocess.PIPE, stderr=sub,
-                             timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-W",
+                "ignore",
+                "-m",
+                "api.cli",
+                "replay",
+                trace_path(),
+                "--url",
+                p.socket_url,
+                "--capacity-pages",
+                "100",
+                "--page-bytes",
+                "1024",
+                "--limit",
+                "50",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=sub,
+            timeout=120,
+        )
         os.close(sub)
         drawn = b""
         while True:

@@ -1,4 +1,5 @@
 """loadtest.procs: what the benchmarks and tests start their servers with."""
+
 from __future__ import annotations
 
 import socket
@@ -38,5 +39,5 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
 def test_free_port_is_free_and_new_each_time():
     ports = [procs.free_port() for _ in range(50)]
     assert len(set(ports)) == 50
-    with socket.socket() as s:   # free: it binds
+    with socket.socket() as s:  # free: it binds
         s.bind(("127.0.0.1", ports[-1]))

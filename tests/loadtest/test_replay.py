@@ -1,4 +1,5 @@
 """Trace replay against a real sidecar, beside the exact LRU simulation."""
+
 import os
 import subprocess
 import sys
@@ -16,15 +17,33 @@ def trace_path() -> str:
     .ci/run sets KV_SIDECAR_CI=1, and CI always has ../shared beside the clone)."""
     if not os.path.exists(TRACE):
         if os.environ.get("KV_SIDECAR_CI") == "1":
-            pytest.fail(f"KV_SIDECAR_CI=1 but the shared trace is missing: {os.path.abspath(TRACE)}")
+            pytest.fail(
+                f"KV_SIDECAR_CI=1 but the shared trace is missing: {os.path.abspath(TRACE)}"
+            )
         pytest.skip("the shared conversation trace is not beside this checkout")
     return TRACE
 
 
 def replay(url, *args):
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "api.cli", "replay", trace_path(),
-                          "--url", url, "--json", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "api.cli",
+            "replay",
+            trace_path(),
+            "--url",
+            url,
+            "--json",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return orjson.loads(out.stdout.strip().splitlines()[-1])
 
@@ -33,7 +52,15 @@ def replay(url, *args):
 def test_replay_hit_rate_equals_the_lru_simulation(spawn):
     p = spawn("--host-pool", "64MiB", "--no-file-tier").wait_ready()
     for capacity in (300, 2000):
-        res = replay(p.socket_url, "--page-bytes", "1024", "--capacity-pages", str(capacity), "--limit", "400")
+        res = replay(
+            p.socket_url,
+            "--page-bytes",
+            "1024",
+            "--capacity-pages",
+            str(capacity),
+            "--limit",
+            "400",
+        )
         assert res["requests"] == 400 and res["pages"] > 0
         assert res["hit_rate_blocks"] == res["sim_hit_rate_blocks"] > 0
         assert res["hit_rate_tokens"] == res["sim_hit_rate_tokens"]

@@ -1,4 +1,5 @@
 """HostPool: the arena, explicit shares, fair-share growth and reclaim, draining drops."""
+
 import os
 
 import pytest
@@ -85,23 +86,23 @@ def test_a_reclaim_that_found_nothing_waits_for_a_segment_to_go_idle(host, monke
     fill(a, "a", 16 * 16)
     pins = {}
     for k, e in list(a.entries.items()):
-        if e.offset // SEG not in pins:                    # one page of each segment
+        if e.offset // SEG not in pins:  # one page of each segment
             pins[e.offset // SEG] = a.pin(k)
     b = host.create("b", 4096, owner=2)
     tries = []
     real = host._reclaim_for
     monkeypatch.setattr(host, "_reclaim_for", lambda p: tries.append(p.name) or real(p))
-    assert b.reserve("b0") is None and tries == ["b"]      # nothing of a can be reclaimed
+    assert b.reserve("b0") is None and tries == ["b"]  # nothing of a can be reclaimed
     for i in range(1, 40):
         assert b.reserve(f"b{i}") is None
-    assert tries == ["b"]                                  # not tried again
-    a.unpin(pins[3])                                       # a's segment 3 goes idle
+    assert tries == ["b"]  # not tried again
+    a.unpin(pins[3])  # a's segment 3 goes idle
     r = b.reserve("b40")
     assert r is not None and r.offset // SEG == 3 and tries == ["b", "b"]
     b.commit(r)
     # b's own commits free nothing it could reclaim: its skip goes on through them
     for i in range(41, 80):
-        r = b.reserve(f"b{i}")       # one segment of 16 pages: b evicts its own
+        r = b.reserve(f"b{i}")  # one segment of 16 pages: b evicts its own
         assert r is not None
         b.commit(r)
     assert tries == ["b", "b", "b"]
@@ -141,12 +142,12 @@ def test_more_namespaces_than_segments_each_still_store(host):
     pools = [host.create(f"n{i}", 4096) for i in range(16)]
     for p in pools:
         assert fill(p, p.name, 1) == 1
-    assert not host.free_segments            # 16 namespaces hold every segment
-    late = host.create("late", 4096)          # fair share 16/17 rounds below one segment
+    assert not host.free_segments  # 16 namespaces hold every segment
+    late = host.create("late", 4096)  # fair share 16/17 rounds below one segment
     assert fill(late, "late", 1) == 1 and len(late.segments) == 1
     assert sum(len(p.segments) for p in pools) == 15
     host.invariants()
-    again = host.create("later", 4096)        # and the next one, from the largest holder
+    again = host.create("later", 4096)  # and the next one, from the largest holder
     assert fill(again, "x", 3) == 3
     host.invariants()
 
@@ -154,7 +155,7 @@ def test_more_namespaces_than_segments_each_still_store(host):
 def test_fair_share_leaves_out_explicit_segments(host):
     """(segments - explicit ones) / shared pools: found by mutmut (the explicit segments
     added instead of taken away went unnoticed)."""
-    host.create("x", SEG, capacity_bytes=4 * SEG)            # 4 explicit segments
+    host.create("x", SEG, capacity_bytes=4 * SEG)  # 4 explicit segments
     for name in "abc":
         host.create(name, SEG)
     assert host.fair_share() == (16 - 4) / 3
@@ -166,7 +167,7 @@ def test_explicit_share_reclaims_from_the_largest_shared_pool(host):
     """An explicit share takes idle segments from the largest shared pool first (mutmut:
     the order and the size key were unguarded)."""
     small, big = host.create("small", SEG), host.create("big", SEG)
-    assert fill(small, "s", 3) == 3 and fill(big, "b", 13) == 13   # 3 + 13 = all 16
+    assert fill(small, "s", 3) == 3 and fill(big, "b", 13) == 13  # 3 + 13 = all 16
     assert not host.free_segments
     host.create("x", SEG, capacity_bytes=2 * SEG)
     assert (len(small.segments), len(big.segments)) == (3, 11)
@@ -177,10 +178,10 @@ def test_growth_reclaims_only_above_the_fair_share(host):
     """A pool below its fair share takes a segment from one above it, never from itself
     or from a pool at or below the share."""
     a, b = host.create("a", SEG), host.create("b", SEG)
-    assert fill(a, "a", 12) == 12 and fill(b, "b", 4) == 4          # share 8: a is over
+    assert fill(a, "a", 12) == 12 and fill(b, "b", 4) == 4  # share 8: a is over
     assert fill(b, "c", 1) == 1
     assert (len(a.segments), len(b.segments)) == (11, 5)
-    c = host.create("c", SEG)                                       # share 16/3 = 5.3
+    c = host.create("c", SEG)  # share 16/3 = 5.3
     assert fill(c, "c", 1) == 1
     assert (len(a.segments), len(b.segments), len(c.segments)) == (10, 5, 1)
     host.invariants()
@@ -207,11 +208,11 @@ def test_segment_size_and_explicit_capacity_bounds():
 def test_an_owner_with_many_pools_gets_one_owners_share(host):
     mine = [host.create(f"a{i}", SEG, owner=1) for i in range(4)]
     for p in mine:
-        fill(p, p.name, 16)                   # owner 1 alone takes every segment
+        fill(p, p.name, 16)  # owner 1 alone takes every segment
     assert not host.free_segments
     b = host.create("b", SEG, owner=2)
     assert fill(b, "b", 16) == 16
-    assert len(b.segments) == 8               # half: one owner's share, not one pool's (1/5)
+    assert len(b.segments) == 8  # half: one owner's share, not one pool's (1/5)
     assert sum(len(p.segments) for p in mine) == 8
     host.invariants()
 
@@ -227,7 +228,7 @@ def test_new_namespaces_of_a_tenant_at_its_share_take_its_own_segments(host):
     kept = sorted(b.ready)
     for i in range(6):
         extra = host.create(f"a{i}", SEG, owner=1)
-        assert fill(extra, f"x{i}", 1) == 1            # it still stores
+        assert fill(extra, f"x{i}", 1) == 1  # it still stores
     assert len(b.segments) == 8 and sorted(b.ready) == kept
     assert sum(len(p.segments) for p in host.pools.values() if p.owner == 1) == 8
     host.invariants()
@@ -244,7 +245,7 @@ def test_a_first_segment_below_a_fractional_share_comes_from_the_owner_above_it(
         a1 = host.create("a1", 4096, owner=1)
         fill(a1, "a", 16)
         assert (len(a1.segments), len(b.segments)) == (1, 2)
-        a1.pin("a15")                       # (before: a2 then stored nothing at all)
+        a1.pin("a15")  # (before: a2 then stored nothing at all)
         a2 = host.create("a2", 4096, owner=1)
         assert fill(a2, "n", 4) == 4
         assert (len(a1.segments), len(a2.segments), len(b.segments)) == (1, 1, 1)
@@ -266,7 +267,7 @@ def test_a_reclaim_that_met_write_back_pages_is_not_skipped():
         b.on_evict = lambda pool, e: not queue_full[0]
         a = host.create("a", 4096, owner=2)
         assert a.reserve("a0") is None
-        queue_full[0] = False               # the writer drained
+        queue_full[0] = False  # the writer drained
         r = a.reserve("a1")
         assert r is not None
         a.commit(r)
@@ -277,14 +278,14 @@ def test_a_reclaim_that_met_write_back_pages_is_not_skipped():
 
 def test_a_tenant_cannot_reserve_past_its_share_or_take_another_tenants(host):
     b = host.create("b", SEG, owner=2)
-    assert fill(b, "b", 6) == 6                          # tenant 2: 6 of 16 segments
-    with pytest.raises(PoolFull, match="share"):          # the whole pool: refused
+    assert fill(b, "b", 6) == 6  # tenant 2: 6 of 16 segments
+    with pytest.raises(PoolFull, match="share"):  # the whole pool: refused
         host.create("all", SEG, capacity_bytes=16 * SEG, owner=1)
-    assert b.ready_pages == 6                             # and nothing of b was evicted
-    x = host.create("x", SEG, capacity_bytes=4 * SEG, owner=1)   # half / 2 tenants = 4
+    assert b.ready_pages == 6  # and nothing of b was evicted
+    x = host.create("x", SEG, capacity_bytes=4 * SEG, owner=1)  # half / 2 tenants = 4
     assert len(x.segments) == 4
     with pytest.raises(PoolFull, match="share"):
         host.create("y", SEG, capacity_bytes=SEG, owner=1)
-    assert host.create("op", SEG, capacity_bytes=4 * SEG).capacity_pages == 4   # the operator
+    assert host.create("op", SEG, capacity_bytes=4 * SEG).capacity_pages == 4  # the operator
     assert b.ready_pages == 6
     host.invariants()

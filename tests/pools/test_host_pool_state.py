@@ -3,6 +3,7 @@ explicit) growing, reclaiming each other's segments, dropped while busy. Every c
 page holds bytes derived from its key: after every step each READY page must still hold
 its own bytes (no slot shared or handed over while in use), pinned pages never vanish, and
 `invariants()` holds."""
+
 import hashlib
 
 from hypothesis import settings
@@ -12,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pools import Arena, HostPool, PoolFull
 from pools.page_pool import BUSY, PRESENT
 
-SEG, PAGE = 2048, 512   # 4 pages a segment, 4 segments: the arena fills fast
+SEG, PAGE = 2048, 512  # 4 pages a segment, 4 segments: the arena fills fast
 NAMES = ["a", "b", "c"]
 
 
@@ -25,8 +26,8 @@ class HostPoolModel(RuleBasedStateMachine):
         super().__init__()
         self.arena = Arena(4 * SEG)
         self.host = HostPool(self.arena, SEG)
-        self.pins = []          # (name, pool, entry)
-        self.reserved = []      # (name, pool, entry)
+        self.pins = []  # (name, pool, entry)
+        self.reserved = []  # (name, pool, entry)
 
     @initialize()
     def two_shared_namespaces(self):

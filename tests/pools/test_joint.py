@@ -1,6 +1,7 @@
 """The joint of several pools against the intersection of their READY keys, through every
 way a key comes and goes (publish, abort, delete, eviction, a delete while being written,
 close), with the build stepped in between, and detached at any time."""
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -103,9 +104,13 @@ class JointModel(RuleBasedStateMachine):
         pools = self.joint.pools
         need &= (1 << len(pools)) - 1
         truth = [sum(1 << i for i, p in enumerate(pools) if k in p.ready) for k in keys]
-        run = leading(list(range(len(keys))), {i for i, t in enumerate(truth) if need and t & need == need})
+        run = leading(
+            list(range(len(keys))), {i for i, t in enumerate(truth) if need and t & need == need}
+        )
         got = self.joint.walk(keys, need) if need else b""
-        assert len(got) <= run and all(g & ~t == 0 for g, t in zip(got, truth, strict=False))  # never claims
+        assert len(got) <= run and all(
+            g & ~t == 0 for g, t in zip(got, truth, strict=False)
+        )  # never claims
         if self.joint.built:
             assert list(got) == truth[:run]
 
@@ -118,8 +123,9 @@ class JointModel(RuleBasedStateMachine):
 
 
 TestJointModel = JointModel.TestCase
-TestJointModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                                   database=None, derandomize=True)
+TestJointModel.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None, database=None, derandomize=True
+)
 
 
 def every(joint) -> set:
@@ -135,13 +141,13 @@ def test_build_runs_a_chunk_a_step_and_pages_change_between_steps():
     joint = Joint([a, b])
     steps = joint.build(3)
     assert next(steps) == 3 and set(joint.masks) == set(KEYS[:3]) and not joint.built
-    assert every(joint) == set()           # b's turn has not come
-    a.delete(KEYS[0])      # done already: a's bit leaves
-    a.delete(KEYS[4])      # listed, not reached yet: a's bit never set
-    b.delete(KEYS[5])      # b's keys not listed yet: b's bit never set
+    assert every(joint) == set()  # b's turn has not come
+    a.delete(KEYS[0])  # done already: a's bit leaves
+    a.delete(KEYS[4])  # listed, not reached yet: a's bit never set
+    b.delete(KEYS[5])  # b's keys not listed yet: b's bit never set
     c = a.reserve("new")
     a.commit(c)
-    b.commit(b.reserve("new"))   # both hold it: both bits at once
+    b.commit(b.reserve("new"))  # both hold it: both bits at once
     assert "new" in every(joint) and KEYS[0] not in joint.masks
     assert joint.walk(["new"], 0b11) == b"\x03"
     list(steps)
@@ -159,9 +165,9 @@ def test_a_page_evicted_from_one_pool_leaves_the_joint():
         for p in (a, b):
             p.commit(p.reserve(k))
     assert common_run(joint, KEYS[:2]) == 2
-    a.commit(a.reserve(KEYS[2]))   # a is full: evicts k0
+    a.commit(a.reserve(KEYS[2]))  # a is full: evicts k0
     assert common_run(joint, KEYS[:2]) == 0 and a.evictions == 1
-    assert joint.walk(KEYS[:3], joint.bit(b)) == b"\x02\x03"   # b holds k0, k1; a only k1
+    assert joint.walk(KEYS[:3], joint.bit(b)) == b"\x02\x03"  # b holds k0, k1; a only k1
     joint.invariants()
 
 
@@ -178,12 +184,14 @@ def test_a_walk_reads_each_pools_pages_and_stops_where_the_asked_pool_does():
         b.commit(b.reserve(k))
     bit_a, bit_b = joint.bit(a), joint.bit(b)
     assert joint.walk(KEYS, bit_a) == bytes([1, 1, 3, 3, 1, 1])
-    assert joint.walk(KEYS[:6], bit_a) == bytes([1, 1, 3, 3, 1, 1])     # the whole list
-    assert joint.walk(KEYS[6:], bit_a) == b""                            # not the first key
+    assert joint.walk(KEYS[:6], bit_a) == bytes([1, 1, 3, 3, 1, 1])  # the whole list
+    assert joint.walk(KEYS[6:], bit_a) == b""  # not the first key
     assert joint.walk(KEYS[:3] + ["none"] + KEYS[3:6], bit_a) == bytes([1, 1, 3])
-    assert joint.walk(KEYS[:2] + KEYS[7:8] + KEYS[2:6], bit_a) == bytes([1, 1])   # b's only
+    assert joint.walk(KEYS[:2] + KEYS[7:8] + KEYS[2:6], bit_a) == bytes([1, 1])  # b's only
     assert joint.walk(KEYS[2:4] + KEYS[:2], bit_b) == bytes([3, 3])
-    assert joint.walk(KEYS[2:4], bit_a | bit_b) == bytes([3, 3]) and common_run(joint, KEYS[2:]) == 2
+    assert (
+        joint.walk(KEYS[2:4], bit_a | bit_b) == bytes([3, 3]) and common_run(joint, KEYS[2:]) == 2
+    )
     joint.invariants()
 
 

@@ -1,4 +1,5 @@
 """PagePool: the reserve/commit/abort protocol, pins, LRU eviction order, doomed deletes."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,15 +43,19 @@ def test_reserved_is_invisible_until_commit():
     pool.invariants()
 
 
-@pytest.mark.parametrize("keys, n", [
-    ([], 0),
-    (["a"], 1), (["x"], 0),
-    (["a", "b", "c"], 3),                 # the last key present: one look-up of them all
-    (["a", "x", "c"], 1),                 # ... a miss inside it ends the run at its place
-    (["a", "b", "x", "a", "x", "c"], 2),  # a missing key seen twice: its first place
-    (["a", "b", "c", "x"], 3),            # the last key missing: the walk
-    (["r", "a"], 0),                      # reserved is not present, on either path
-])
+@pytest.mark.parametrize(
+    "keys, n",
+    [
+        ([], 0),
+        (["a"], 1),
+        (["x"], 0),
+        (["a", "b", "c"], 3),  # the last key present: one look-up of them all
+        (["a", "x", "c"], 1),  # ... a miss inside it ends the run at its place
+        (["a", "b", "x", "a", "x", "c"], 2),  # a missing key seen twice: its first place
+        (["a", "b", "c", "x"], 3),  # the last key missing: the walk
+        (["r", "a"], 0),  # reserved is not present, on either path
+    ],
+)
 def test_prefix_on_both_paths(keys, n):
     pool = make()
     for k in "abc":
@@ -150,7 +155,7 @@ def test_eviction_passes_over_at_most_evict_scan_kept_pages():
     r = pool.reserve("x")
     assert r is not None and not pool.contains(f"k{EVICT_SCAN - 1}")
     pool.commit(r)
-    written.add(f"k{n - 1}")                  # past the scan: kept, the caller waits
+    written.add(f"k{n - 1}")  # past the scan: kept, the caller waits
     assert pool.reserve("y") is None and pool.contains(f"k{n - 1}")
     pool.invariants()
 
@@ -161,10 +166,10 @@ def test_the_last_unpin_makes_a_page_the_newest():
         put(pool, k)
     a = pool.pin("a")
     pool.pin("a")
-    put(pool, "d")                                  # a is pinned: b goes
+    put(pool, "d")  # a is pinned: b goes
     assert pool.present(list("abcd")) == [True, False, True, True]
     pool.unpin(a)
-    assert [e.key for e in pool.lru.from_lru()] == ["c", "d"]   # still pinned once
+    assert [e.key for e in pool.lru.from_lru()] == ["c", "d"]  # still pinned once
     pool.unpin(a)
     assert [e.key for e in pool.lru.from_lru()] == ["c", "d", "a"]
     assert pool.reserve("a") is PRESENT and pool.peek(["c"])[0] is not None  # touch: d, a, c
@@ -253,7 +258,7 @@ def test_reclaim_walks_no_page_but_the_segment_it_empties():
     every page again per segment: seconds on the loop at a million pages), and one that
     finds an idle segment evicts that segment's pages only."""
     pool = _segmented()
-    pins = [pool.pin(f"k{i * 16}") for i in range(8)]          # one page of each segment
+    pins = [pool.pin(f"k{i * 16}") for i in range(8)]  # one page of each segment
     pool.lru.walked = 0
     evicted = pool.evictions
     assert pool.idle_segments() == 0 and pool.reclaim_segment() is None
@@ -272,13 +277,13 @@ def test_close_walks_only_the_busy_pages(monkeypatch):
     """With no joint or log to tell, close() dooms the busy entries and lets the rest go
     with the index: no delete of each key (676 ms for 917,504 pages before, 38 ms now)."""
     pool = _segmented(segments=2)
-    pinned, res = pool.pin("k3"), pool.reserve("new")    # a copy out, a copy in
+    pinned, res = pool.pin("k3"), pool.reserve("new")  # a copy out, a copy in
     assert res is not None and res is not PRESENT
     idle = []
     pool.on_idle = idle.append
     deletes = []
     monkeypatch.setattr(pool, "delete", lambda key: deletes.append(key))
-    ready = pool.ready                   # what a look-up across an await holds
+    ready = pool.ready  # what a look-up across an await holds
     pool.close()
     assert not ready
     assert not deletes and not pool.entries and not pool.ready and len(pool.lru) == 0
@@ -308,13 +313,14 @@ def test_a_segment_of_small_slots_costs_no_memory_until_its_slots_are_used():
         tracemalloc.stop()
         assert pool.capacity_pages == (1 << 20) // page_bytes == pool.free_slots
         return used
+
     assert cost(512) < 1024 and abs(cost(512) - cost(1 << 20)) < 256
     pool = PagePool("p", 512, 1 << 20)
     pool.add_segment(0)
     entries = [pool.reserve(f"k{i}") for i in range(3)]
-    assert [e.offset for e in entries] == [0, 512, 1024]      # address order, as before
+    assert [e.offset for e in entries] == [0, 512, 1024]  # address order, as before
     pool.abort(entries[1])
-    assert pool.reserve("again").offset == 512                 # a slot given back is reused first
+    assert pool.reserve("again").offset == 512  # a slot given back is reused first
     assert len(pool.free) == 0 and pool.free_slots == 2048 - 3
     pool.invariants()
 
@@ -325,7 +331,9 @@ def test_run_in_any_is_the_walk_key_by_key(where, n_indexes):
     """`run_in_any` (the host pool and the file tiers' indexes, read in C by chunks)
     against the walk it replaces: key i is in index where[i] - 1 (0: in none)."""
     keys = [f"k{i}" for i in range(len(where))]
-    indexes = [{k: 0 for k, w in zip(keys, where, strict=False) if w == j + 1} for j in range(n_indexes)]
+    indexes = [
+        {k: 0 for k, w in zip(keys, where, strict=False) if w == j + 1} for j in range(n_indexes)
+    ]
     walked = 0
     for k in keys:
         if not any(k in ix for ix in indexes):

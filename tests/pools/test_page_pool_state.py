@@ -1,4 +1,5 @@
 """A hypothesis state machine: the pool against a plain dict + list LRU model."""
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
@@ -22,10 +23,10 @@ class PoolModel(RuleBasedStateMachine):
         self.pool = PagePool("m", 8, 8 * CAP, max_pages=CAP)
         self.pool.add_segment(0)
         self.ready: list[str] = []
-        self.cur: dict = {}          # key -> its READY entry
-        self.res: dict = {}          # key -> its live reservation
-        self.doomed_res: dict = {}   # id -> reservation deleted before it finished
-        self.pins: dict = {}         # id -> [entry, count]
+        self.cur: dict = {}  # key -> its READY entry
+        self.res: dict = {}  # key -> its live reservation
+        self.doomed_res: dict = {}  # id -> reservation deleted before it finished
+        self.pins: dict = {}  # id -> [entry, count]
 
     def _pins(self, e):
         return self.pins.get(id(e), [e, 0])[1]
@@ -49,7 +50,7 @@ class PoolModel(RuleBasedStateMachine):
             self._touch(key)
             return None
         if key in self.res:
-            assert r is BUSY   # being written: not stored yet
+            assert r is BUSY  # being written: not stored yet
             return None
         if full and not evictable:
             assert r is None
@@ -106,13 +107,14 @@ class PoolModel(RuleBasedStateMachine):
     def unpin(self, data):
         # ordered by (key, slot), never by id(): addresses differ between hypothesis's
         # replays, and a choice that maps to another entry makes the run "flaky"
-        *_, i = data.draw(st.sampled_from(sorted((e.key, e.offset, i)
-                                                 for i, (e, n) in self.pins.items() if n)))
+        *_, i = data.draw(
+            st.sampled_from(sorted((e.key, e.offset, i) for i, (e, n) in self.pins.items() if n))
+        )
         e = self.pins[i][0]
         self.pool.unpin(e)
         self.pins[i][1] -= 1
         if not self.pins[i][1] and self.cur.get(e.key) is e:
-            self._touch(e.key)   # back on the list as the most recent
+            self._touch(e.key)  # back on the list as the most recent
 
     @rule(key=KEYS)
     def delete(self, key):
@@ -137,11 +139,13 @@ class PoolModel(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.pool.invariants()
-        assert [e.key for e in self.pool.lru.from_lru()] == \
-            [k for k in self.ready if not self._pins(self.cur[k])]
+        assert [e.key for e in self.pool.lru.from_lru()] == [
+            k for k in self.ready if not self._pins(self.cur[k])
+        ]
         assert self.pool.ready_pages == len(self.ready)
         assert self.pool.busy == len(self.res) + len(self.doomed_res) + sum(
-            1 for _, n in self.pins.values() if n)
+            1 for _, n in self.pins.values() if n
+        )
 
 
 TestPoolModel = PoolModel.TestCase

@@ -1,5 +1,6 @@
 """A buffer registered with a pid is released when that process is gone, and a new process
 that got the same pid (pid reuse) is not mistaken for its owner: the start time must match."""
+
 import subprocess
 import sys
 

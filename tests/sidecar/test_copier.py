@@ -1,6 +1,7 @@
 """Copies and fd work never run on the event loop, and a stuck one costs its owner only
 (issue 26, item 4): the copier's deadline and settle contract, and the lanes under it.
 Stuck jobs are forced with events (a mapping whose copy waits for the test)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,9 @@ class HeldMapping:
 
 
 def buffer(mapping, owner=1000) -> Buffer:
-    return Buffer("b-1", "kv", "shm", 4 * PAGE, 4, (Chunk(0, PAGE, PAGE),), mapping, owner_uid=owner)
+    return Buffer(
+        "b-1", "kv", "shm", 4 * PAGE, 4, (Chunk(0, PAGE, PAGE),), mapping, owner_uid=owner
+    )
 
 
 class Settle:
@@ -71,6 +74,7 @@ def test_copies_run_on_copy_threads_and_settle_once():
         failed = Settle()
         bad = await copier.copy(buffer(failing), [(0, 0)], False, failed)
         return loop_thread, m.threads, ok, settle.calls, bad, failed.calls
+
     loop_thread, threads, ok, calls, bad, failed = asyncio.run(main())
     assert threads and loop_thread not in threads
     assert ok is True and calls == [True]
@@ -85,13 +89,14 @@ def test_a_copy_past_its_deadline_answers_false_and_settles_when_its_job_ends():
         settle = Settle()
         ok = await copier.copy(buf, [(0, 0)], True, settle)
         seen = {"ok": ok, "settled_early": list(settle.calls), "refs": buf.refs, "bad": buf.bad}
-        again = Settle()   # a later move with the bad buffer: false at once, no copy
+        again = Settle()  # a later move with the bad buffer: false at once, no copy
         seen["again"] = await copier.copy(buf, [(0, 1)], True, again)
         seen["again_settled"], seen["calls"] = again.calls, m.calls
         m.release.set()
         await asyncio.wait_for(settle.called.wait(), 10)
         seen["settled"], seen["refs_after"] = settle.calls, buf.refs
         return seen
+
     seen = asyncio.run(main())
     assert seen["ok"] is False and seen["settled_early"] == [] and seen["refs"] == 1
     assert seen["bad"] and "deadline" in seen["bad"]
@@ -113,6 +118,7 @@ def test_a_cancelled_copy_settles_when_its_job_ends():
         m.release.set()
         await asyncio.wait_for(settle.called.wait(), 10)
         return early, settle.calls
+
     early, calls = asyncio.run(main())
     assert early == [] and calls == [False]
 
@@ -120,21 +126,27 @@ def test_a_cancelled_copy_settles_when_its_job_ends():
 def test_one_owners_stuck_copies_leave_threads_to_the_others():
     """Four threads, so one owner runs two jobs at most: its third waits, another owner's
     copy runs meanwhile."""
+
     async def main():
         copier = Copier(threads=4, parallel=2, deadline=30)
         stuck = [HeldMapping() for _ in range(3)]
-        tasks = [asyncio.ensure_future(copier.copy(buffer(m, owner=1), [(0, 0)], True, Settle()))
-                 for m in stuck]
+        tasks = [
+            asyncio.ensure_future(copier.copy(buffer(m, owner=1), [(0, 0)], True, Settle()))
+            for m in stuck
+        ]
         await wait_event(stuck[0].entered)
         await wait_event(stuck[1].entered)
         other = HeldMapping()
         other.release.set()
-        ok = await asyncio.wait_for(copier.copy(buffer(other, owner=2), [(0, 0)], True, Settle()), 10)
+        ok = await asyncio.wait_for(
+            copier.copy(buffer(other, owner=2), [(0, 0)], True, Settle()), 10
+        )
         third_started = stuck[2].entered.is_set()
         for m in stuck:
             m.release.set()
         done = await asyncio.gather(*tasks)
         return ok, third_started, done
+
     ok, third_started, done = asyncio.run(main())
     assert ok is True and not third_started and done == [True, True, True]
 
@@ -152,6 +164,7 @@ def test_a_stuck_job_gets_a_spare_thread(monkeypatch):
         def stuck():
             entered.set()
             assert held.wait(30)
+
         first_done = asyncio.Event()
         lanes.submit("a", stuck, lambda job: first_done.set())
         await wait_event(entered)
@@ -160,6 +173,7 @@ def test_a_stuck_job_gets_a_spare_thread(monkeypatch):
         held.set()
         await asyncio.wait_for(first_done.wait(), 10)
         return other.result, spares, lanes.spares
+
     ran_on, spares, after = asyncio.run(main())
     assert ran_on and spares == 1 and after == 0
 
@@ -180,7 +194,9 @@ def test_an_owners_jobs_start_in_order_and_queued_ones_can_be_dropped():
                 ended.append((n, job.state))
                 if len(ended) == 3:
                     all_ended.set()
+
             return done
+
         running = lanes.submit("a", first, end(1))
         lanes.submit("a", lambda: order.append(2), end(2))
         queued = lanes.submit("a", lambda: order.append(3), end(3))
@@ -189,6 +205,7 @@ def test_an_owners_jobs_start_in_order_and_queued_ones_can_be_dropped():
         gate.set()
         await asyncio.wait_for(all_ended.wait(), 10)
         return order, ended, lanes.busy, dropped_running, dropped_queued
+
     order, ended, busy, dropped_running, dropped_queued = asyncio.run(main())
     assert not dropped_running and dropped_queued
     assert order == [1, 2]
@@ -199,6 +216,7 @@ def cyclic_garbage(main, kind: type) -> list:
     """The objects of `kind` that running `main()` left for the cyclic GC (it stays off
     meanwhile: what reference counting frees never reaches `gc.garbage`)."""
     import gc
+
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
@@ -225,6 +243,7 @@ def test_a_finished_copy_leaves_no_cycle_for_the_gc():
         m.release.set()
         for _ in range(3):
             assert await copier.copy(buffer(m), [(0, 0), (PAGE, 1), (2 * PAGE, 2)], True, Settle())
+
     assert cyclic_garbage(main, _Move) == []
 
 
@@ -238,4 +257,5 @@ def test_a_lane_call_that_ended_leaves_no_cycle_for_the_gc():
         for i in range(3):
             job = await lanes.call(1000, lambda i=i: i, 10, lambda job: None)
             assert job.result == i and job.error is None
+
     assert cyclic_garbage(main, Job) == []

@@ -2,6 +2,7 @@
 machine: CUDA's runtime replaced by a stand-in that maps handles as the driver does (a handle
 opened twice in one process gives the mapping already there), so the bookkeeping can be
 driven into its races. The real calls run in tests/api/test_cuda_ipc_gpu.py (marked `gpu`)."""
+
 import ctypes
 import threading
 from types import SimpleNamespace
@@ -21,17 +22,19 @@ class Runtime:
     cudaStreamNonBlocking = 1
 
     def __init__(self):
-        self.mapped: dict[bytes, int] = {}     # handle -> device pointer, while mapped
+        self.mapped: dict[bytes, int] = {}  # handle -> device pointer, while mapped
         self.closed: list[int] = []
         self.next_ptr = 0x1000_0000
-        self.during_sync = None                 # called inside cudaDeviceSynchronize
+        self.during_sync = None  # called inside cudaDeviceSynchronize
         self.closed_one = threading.Event()
 
     def cudaGetDeviceCount(self):
         return 0, 1
 
     def cudaGetDeviceProperties(self, dev):
-        return 0, SimpleNamespace(uuid=SimpleNamespace(bytes=bytes.fromhex(UUID[4:].replace("-", ""))))
+        return 0, SimpleNamespace(
+            uuid=SimpleNamespace(bytes=bytes.fromhex(UUID[4:].replace("-", "")))
+        )
 
     def cudaSetDevice(self, dev):
         return (0,)
@@ -42,7 +45,7 @@ class Runtime:
 
     def cudaIpcOpenMemHandle(self, h, flags):
         handle = h.buf.raw
-        if handle not in self.mapped:          # the driver: one mapping per handle and process
+        if handle not in self.mapped:  # the driver: one mapping per handle and process
             self.mapped[handle], self.next_ptr = self.next_ptr, self.next_ptr + (1 << 24)
         return 0, self.mapped[handle]
 
@@ -92,17 +95,20 @@ def test_an_open_during_the_last_close_gets_a_live_mapping(registry):
     ipc, rt = registry
     ptr = ipc.open(7, HANDLE, UUID.lower())[0]
     got: dict = {}
-    other = threading.Thread(target=lambda: got.setdefault("ptr", ipc.open(7, HANDLE, UUID.lower())[0]))
+    other = threading.Thread(
+        target=lambda: got.setdefault("ptr", ipc.open(7, HANDLE, UUID.lower())[0])
+    )
 
     def open_meanwhile():
         other.start()
-        other.join(0.3)   # bounded: it must not finish before the close (it waits for the registry)
+        other.join(0.3)  # bounded: it must not finish before the close (it waits for the registry)
+
     rt.during_sync = open_meanwhile
     ipc.release(7, HANDLE)
     rt.during_sync = None
     other.join(10)
     assert rt.closed == [ptr]
-    assert got["ptr"] in rt.mapped.values()   # alive: opened after the close
+    assert got["ptr"] in rt.mapped.values()  # alive: opened after the close
 
 
 def test_a_mapping_closes_its_handles_off_the_calling_thread(registry):
@@ -110,7 +116,7 @@ def test_a_mapping_closes_its_handles_off_the_calling_thread(registry):
     m = cuda_ipc.IpcMapping(ipc, 7, [(HANDLE, 0, UUID.lower(), 4096)])
     held = threading.Event()
     rt.during_sync = lambda: held.wait(5)
-    m.close()                               # returns while the device sync is held
+    m.close()  # returns while the device sync is held
     assert rt.closed == []
     held.set()
     assert rt.closed_one.wait(10)
@@ -122,6 +128,6 @@ def test_copy_errors_fail_the_pages_not_the_request(registry):
     ipc, rt = registry
     rt.cudaMemcpyKind = SimpleNamespace(cudaMemcpyDefault=4)
     rt.cudaStreamCreateWithFlags = lambda flags: (0, "stream")
-    rt.cudaMemcpyAsync = lambda *a: (700,)   # cudaErrorIllegalAddress
+    rt.cudaMemcpyAsync = lambda *a: (700,)  # cudaErrorIllegalAddress
     with pytest.raises(cuda_ipc.CopyFailed, match="cudaMemcpyAsync"):
         ipc.copy(0, [(1, 2, 3)])

@@ -1,6 +1,7 @@
 """Start-up with an unusable data directory, and the file tier's default size (issue 11,
 item 8): a real `sidecar serve` exits 1 with one line naming the directory; the default
 size follows the file system's free space."""
+
 from __future__ import annotations
 
 import os
@@ -37,12 +38,16 @@ def tmpfs(tmp_path):
     def mount(options: str) -> str:
         where = tmp_path / f"mnt{len(mounted)}"
         where.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounted.append(where)
         return str(where)
+
     yield mount
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], check=False)
@@ -55,8 +60,8 @@ def test_a_read_only_data_dir(spawn, tmpfs):
 
 
 def test_the_default_size_follows_the_free_space(spawn, tmpfs):
-    where = tmpfs("size=64m,mode=0700")   # a tmpfs root is 1777 unless told: refused as squattable
-    ident = os.path.join(where, "ab" * 16)   # what the tier already holds: 128 page files
+    where = tmpfs("size=64m,mode=0700")  # a tmpfs root is 1777 unless told: refused as squattable
+    ident = os.path.join(where, "ab" * 16)  # what the tier already holds: 128 page files
     os.mkdir(ident, 0o700)
     held = 0
     for i in range(128):
@@ -65,7 +70,7 @@ def test_the_default_size_follows_the_free_space(spawn, tmpfs):
         with open(os.path.join(ident, pagefile.page_name(f"k{i}")), "wb") as f:
             f.write(data)
         held += len(data)
-    with open(os.path.join(where, "not-a-page"), "wb") as f:   # not the tier's: not counted
+    with open(os.path.join(where, "not-a-page"), "wb") as f:  # not the tier's: not counted
         f.write(b"x" * (1 << 20))
     st = os.statvfs(where)
     want = int(0.9 * (st.f_bavail * st.f_frsize + held))
@@ -73,14 +78,15 @@ def test_the_default_size_follows_the_free_space(spawn, tmpfs):
     capacity = SidecarClient(p.url).stats()["tiers"]["file"]["capacity"]
     assert abs(capacity - want) <= 64 * 1024 and 0.85 * (64 << 20) < capacity < 0.9 * (64 << 20) + 1
     assert f"file tier {where}: {capacity} bytes (default: min(64 GiB, 90% of" in p.output()
-    assert f"{held} bytes held" in p.output()        # counted by the recovery scan, no second walk
+    assert f"{held} bytes held" in p.output()  # counted by the recovery scan, no second walk
     p2 = spawn("--host-pool", "16MiB", "--data-dir", where, "--file-tier-size", "1GiB").wait_ready()
-    assert SidecarClient(p2.url).stats()["tiers"]["file"]["capacity"] == 2**30   # the flag wins
+    assert SidecarClient(p2.url).stats()["tiers"]["file"]["capacity"] == 2**30  # the flag wins
 
 
 def test_the_default_size_is_capped(monkeypatch, tmp_path):
     class Big:
-        f_bavail, f_frsize = 10**9, 4096        # 4 TB free
+        f_bavail, f_frsize = 10**9, 4096  # 4 TB free
+
     monkeypatch.setattr(datadir.os, "statvfs", lambda path: Big)
     config = replace(Config(), data_dir=str(tmp_path))
     assert datadir.file_tier_size(config)[0] == 64 * 2**30
@@ -100,7 +106,7 @@ def test_a_data_dir_another_user_made_first_is_refused(spawn, tmp_path):
     squat.mkdir()
     os.chown(squat, NOBODY, NOBODY)
     exits_with_one_line(spawn, str(squat), f"it is owned by uid {NOBODY}")
-    assert list(squat.iterdir()) == []        # nothing was written into it
+    assert list(squat.iterdir()) == []  # nothing was written into it
 
 
 def test_a_data_dir_others_can_write_or_a_link_is_refused(spawn, tmp_path):
@@ -113,7 +119,7 @@ def test_a_data_dir_others_can_write_or_a_link_is_refused(spawn, tmp_path):
     exits_with_one_line(spawn, str(tmp_path / "link"), "it is a symlink")
     deep = tmp_path / "open" / "data"
     deep.mkdir(parents=True, mode=0o700)
-    os.chmod(tmp_path / "open", 0o777)        # a parent anyone can rename things in
+    os.chmod(tmp_path / "open", 0o777)  # a parent anyone can rename things in
     exits_with_one_line(spawn, str(deep), f"{tmp_path / 'open'} above it")
 
 
@@ -125,7 +131,10 @@ def test_a_socket_dir_another_user_made_first_is_refused(spawn, tmp_path):
     p = spawn("--host-pool", "16MiB", "--no-file-tier", socket=str(squat / "s.sock"))
     assert p.proc.wait(timeout=60) == 1
     out = p.output()
-    assert f"cannot listen: the socket directory {squat} is unusable: it is owned by uid {NOBODY}" in out, out
+    assert (
+        f"cannot listen: the socket directory {squat} is unusable: it is owned by uid {NOBODY}"
+        in out
+    ), out
     assert "Traceback" not in out and not (squat / "s.sock").exists()
 
 
@@ -133,6 +142,7 @@ def test_the_file_tier_never_writes_through_a_planted_link(tmp_path):
     """An identity directory replaced by a link to elsewhere: the write fails (a miss,
     counted), nothing lands where the link points."""
     from sidecar.tiers.file_tier import FileTier
+
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     tier = FileTier("file", str(tmp_path / "data"), 1 << 20)

@@ -1,6 +1,7 @@
 """Tier changes become KV events a part a flush (sidecar/events.py `_drain_tiers`): in
 order, TIER_KEYS_A_FLUSH pages at most, and what no namespace would hear of costs the
 other tenants nothing (a dropped namespace's pages, an announcement a newer one replaced)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,9 @@ from sidecar.publisher import Publisher  # noqa: E402
 
 def namespace(name: str, identity: str):
     spec = types.SimpleNamespace(key_format=None, page_tokens=16)
-    return types.SimpleNamespace(name=name, identity=identity, spec=spec, pool=PagePool(name, 512, 2048))
+    return types.SimpleNamespace(
+        name=name, identity=identity, spec=spec, pool=PagePool(name, 512, 2048)
+    )
 
 
 class HeldTier:
@@ -56,8 +59,11 @@ def test_a_part_a_flush_in_order_without_copying_the_rest(events):
     events.watch(namespace("a", "ida"), [HeldTier({"ida": [f"k{i}" for i in range(10)]})])
     events.tier_changed("ida", ["k3"], "DISK", False)
     parts = [drained(events) for _ in range(4)]
-    assert [p.get("t@a") for p in parts[:3]] == [["k0", "k1", "k2", "k3"], ["k4", "k5", "k6", "k7"],
-                                                  ["k8", "k9", "k3"]]   # the removal after them
+    assert [p.get("t@a") for p in parts[:3]] == [
+        ["k0", "k1", "k2", "k3"],
+        ["k4", "k5", "k6", "k7"],
+        ["k8", "k9", "k3"],
+    ]  # the removal after them
     assert not events.tier_log and parts[3] == {}
 
 
@@ -72,7 +78,7 @@ def test_what_no_namespace_hears_of_does_not_hold_back_the_others(events):
     tier = HeldTier({"idb": ["b0"]})
     events.watch(again, [tier])
     events.dropped_namespace(again)
-    events.watch(again, [tier])       # made again: its first announcement is replaced
+    events.watch(again, [tier])  # made again: its first announcement is replaced
     events.pending.clear()
     events.tier_changed("idn", ["n0"], "DISK", True)
     events.watch(namespace("n", "idn"), [HeldTier({})])

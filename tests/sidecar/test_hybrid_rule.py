@@ -1,5 +1,6 @@
 """The batch hit rule: the greatest endpoint every extra pool can restore (API.md), checked
 against a brute force over every endpoint, written without the implementation's shortcuts."""
+
 import asyncio
 import random
 
@@ -69,9 +70,12 @@ def kv_pages(draw):
 # half the cases: several short trailing windows, where one pool's lowering can strand an
 # earlier pool (what a single pass over the pools gets wrong)
 short = st.tuples(presence, st.just("trailing_pages"), st.integers(1, 2))
-cases = st.tuples(st.integers(0, 12), kv_pages(),
-                  st.lists(pool, min_size=1, max_size=4) | st.lists(short, min_size=2, max_size=4),
-                  st.integers(-1, 3))
+cases = st.tuples(
+    st.integers(0, 12),
+    kv_pages(),
+    st.lists(pool, min_size=1, max_size=4) | st.lists(short, min_size=2, max_size=4),
+    st.integers(-1, 3),
+)
 # CI starts with an empty example database: derandomized runs reach the same cases there
 RULE_SETTINGS = settings(max_examples=400, deadline=None, database=None, derandomize=True)
 
@@ -123,31 +127,62 @@ def fill(store, name, present, keys=KEYS):
 
 def expected(case):
     n, kv_present, pools, missing = case
-    pools = [([False] * 12 if j == missing else present, policy, window)
-             for j, (present, policy, window) in enumerate(pools)]
+    pools = [
+        ([False] * 12 if j == missing else present, policy, window)
+        for j, (present, policy, window) in enumerate(pools)
+    ]
     return reference(kv_present[:n], pools)
 
 
 # the issue's rows: three KV pages; SWA (window 1) and Mamba (window 1) legal endpoints
-ROW_SAME = (3, [True] * 3 + [False] * 9, [([False, False, True] + [False] * 9, "trailing_pages", 1)] * 2, -1)
-ROW_DISJOINT = (3, [True] * 3 + [False] * 9, [([False, False, True] + [False] * 9, "trailing_pages", 1),
-                                              ([False, True] + [False] * 10, "trailing_pages", 1)], -1)
-ROW_HOLES = (3, [True] * 3 + [False] * 9, [([True, False, True] + [False] * 9, "trailing_pages", 1),
-                                           ([True, True] + [False] * 10, "trailing_pages", 1)], -1)
+ROW_SAME = (
+    3,
+    [True] * 3 + [False] * 9,
+    [([False, False, True] + [False] * 9, "trailing_pages", 1)] * 2,
+    -1,
+)
+ROW_DISJOINT = (
+    3,
+    [True] * 3 + [False] * 9,
+    [
+        ([False, False, True] + [False] * 9, "trailing_pages", 1),
+        ([False, True] + [False] * 10, "trailing_pages", 1),
+    ],
+    -1,
+)
+ROW_HOLES = (
+    3,
+    [True] * 3 + [False] * 9,
+    [
+        ([True, False, True] + [False] * 9, "trailing_pages", 1),
+        ([True, True] + [False] * 10, "trailing_pages", 1),
+    ],
+    -1,
+)
 
 
 # legal {0, 2, 4} before {0, 1, 3}: one pass lowers 3 to 2 (first pool), then 2 to 1 (the
 # last pool), where the first pool has no state: the hit is 0 (min would say 3, one pass 1)
-ROW_LAST_POOL = (4, [True] * 4 + [False] * 8, [([False, True, False, True] + [False] * 8, "trailing_pages", 1),
-                                               ([True, False, True, False] + [False] * 8, "trailing_pages", 1)], -1)
+ROW_LAST_POOL = (
+    4,
+    [True] * 4 + [False] * 8,
+    [
+        ([False, True, False, True] + [False] * 8, "trailing_pages", 1),
+        ([True, False, True, False] + [False] * 8, "trailing_pages", 1),
+    ],
+    -1,
+)
 
 
-@pytest.mark.parametrize("case, hit, pools", [
-    (ROW_SAME, 3, [3, 3]),        # {3} and {3}: 3
-    (ROW_DISJOINT, 0, [3, 2]),    # {3} and {2}: no common endpoint (min would say 2)
-    (ROW_HOLES, 1, [3, 2]),       # {1, 3} and {1, 2}: 1 (min would say 2)
-    (ROW_LAST_POOL, 0, [4, 3]),   # {0, 2, 4} and {0, 1, 3}: 0 (one pass: 1)
-])
+@pytest.mark.parametrize(
+    "case, hit, pools",
+    [
+        (ROW_SAME, 3, [3, 3]),  # {3} and {3}: 3
+        (ROW_DISJOINT, 0, [3, 2]),  # {3} and {2}: no common endpoint (min would say 2)
+        (ROW_HOLES, 1, [3, 2]),  # {1, 3} and {1, 2}: 1 (min would say 2)
+        (ROW_LAST_POOL, 0, [4, 3]),  # {0, 2, 4} and {0, 1, 3}: 0 (one pass: 1)
+    ],
+)
 def test_issue_rows(store, case, hit, pools):
     got = run(store, case)
     assert (got["kv"], got["hit"], list(got["pools"].values())) == (case[0], hit, pools)
@@ -169,12 +204,21 @@ def test_batch_exists_matches_brute_force(store, case):
 @pytest.mark.parametrize("wrong", [min_rule, single_pass_rule])
 def test_the_cases_catch_the_broken_rules(store, wrong):
     """The generator itself reaches a case where each broken rule is wrong, in every run."""
+
     def broken(c):
-        kv_present, pools = c[1][:c[0]], [([False] * 12 if j == c[3] else p, pol, w)
-                                          for j, (p, pol, w) in enumerate(c[2])]
+        kv_present, pools = (
+            c[1][: c[0]],
+            [([False] * 12 if j == c[3] else p, pol, w) for j, (p, pol, w) in enumerate(c[2])],
+        )
         return wrong(kv_present, pools) != expected(c)[1]
-    case = find(cases, broken, settings=settings(max_examples=400, database=None, derandomize=True,
-                                                 phases=[Phase.generate]))
+
+    case = find(
+        cases,
+        broken,
+        settings=settings(
+            max_examples=400, database=None, derandomize=True, phases=[Phase.generate]
+        ),
+    )
     assert broken(case) and run(store, case)["hit"] == expected(case)[1]
 
 
@@ -194,11 +238,19 @@ def test_long_prefixes_match_brute_force(store, density):
     rng = random.Random(f"rule-{density}")
     keys = [f"{i:064x}" for i in range(300)]
     for _trial in range(4):
-        pools = [([rng.random() < density for _ in keys], rng.choice(["all_pages", "trailing_pages"]),
-                  rng.choice([1, 2, 7, 40])) for _ in range(rng.randint(1, 3))]
+        pools = [
+            (
+                [rng.random() < density for _ in keys],
+                rng.choice(["all_pages", "trailing_pages"]),
+                rng.choice([1, 2, 7, 40]),
+            )
+            for _ in range(rng.randint(1, 3))
+        ]
         kv_present = [True] * 250 + [False] + [True] * 49
         try:
-            for name, present in [("kv", kv_present)] + [(f"p{j}", p) for j, (p, _, _) in enumerate(pools)]:
+            for name, present in [("kv", kv_present)] + [
+                (f"p{j}", p) for j, (p, _, _) in enumerate(pools)
+            ]:
                 fill(store, name, present, keys)
             extra = [ExtraPool(f"p{j}", policy, w) for j, (_, policy, w) in enumerate(pools)]
             got = answers(store, keys, extra)
@@ -206,7 +258,12 @@ def test_long_prefixes_match_brute_force(store, density):
             for name in list(store.namespaces):
                 store.delete_namespace(name)
         kv, hit, own, common = reference(kv_present, pools)
-        assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (kv, hit, own, common)
+        assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (
+            kv,
+            hit,
+            own,
+            common,
+        )
 
 
 def test_parse_extra_checks_each_distinct_list_once_and_stays_bounded(monkeypatch):
@@ -217,7 +274,10 @@ def test_parse_extra_checks_each_distinct_list_once_and_stays_bounded(monkeypatc
     raw = [{"namespace": "mamba", "policy": "trailing_pages", "window": 1}, {"namespace": "idx"}]
     first = hybrid.parse_extra(raw)
     assert hybrid.parse_extra([dict(item) for item in raw]) is first
-    assert first == (hybrid.ExtraPool("mamba", "trailing_pages", 1), hybrid.ExtraPool("idx", "all_pages", 1))
+    assert first == (
+        hybrid.ExtraPool("mamba", "trailing_pages", 1),
+        hybrid.ExtraPool("idx", "all_pages", 1),
+    )
     assert len(hybrid._PARSED) == 1
     bad = [{"namespace": "mamba", "window": True}]
     for _ in range(2):
@@ -236,20 +296,24 @@ def test_a_pool_named_twice_alike_is_asked_once(monkeypatch):
     monkeypatch.setattr(hybrid, "_PARSED", {})
     same = hybrid.parse_extra([{"namespace": "m", "policy": "trailing_pages", "window": 2}] * 64)
     assert same == (hybrid.ExtraPool("m", "trailing_pages", 2),)
-    two = hybrid.parse_extra([{"namespace": "m"}, {"namespace": "m", "policy": "trailing_pages"},
-                              {"namespace": "m"}])
+    two = hybrid.parse_extra(
+        [{"namespace": "m"}, {"namespace": "m", "policy": "trailing_pages"}, {"namespace": "m"}]
+    )
     assert two == (hybrid.ExtraPool("m"), hybrid.ExtraPool("m", "trailing_pages", 1))
 
 
-@pytest.mark.parametrize("holes, whole", [
-    ({}, True),                                       # every pool holds every page
-    ({"idx": [0]}, False),                            # all_pages: the first page missing
-    ({"idx": [299]}, False),                          # all_pages: the last page missing
-    ({"swa": [291]}, True),                           # just outside the last window of 8
-    ({"swa": [292]}, False),                          # its first page
-    ({"mamba": [299]}, False),                        # window 1: the last page
-    ({"mamba": [298], "swa": [100], "idx": []}, True),
-])
+@pytest.mark.parametrize(
+    "holes, whole",
+    [
+        ({}, True),  # every pool holds every page
+        ({"idx": [0]}, False),  # all_pages: the first page missing
+        ({"idx": [299]}, False),  # all_pages: the last page missing
+        ({"swa": [291]}, True),  # just outside the last window of 8
+        ({"swa": [292]}, False),  # its first page
+        ({"mamba": [299]}, False),  # window 1: the last page
+        ({"mamba": [298], "swa": [100], "idx": []}, True),
+    ],
+)
 def test_the_whole_prefix_shortcut_answers_as_the_rule(store, monkeypatch, holes, whole):
     """Without `restorable`, a prefix every pool restores whole is answered without the
     per-pool walk (no Presence is made); anything short of it takes the rule. Both say what
@@ -281,8 +345,12 @@ def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
     `restorable` and without) equals the brute force's."""
     rng = random.Random("joint")
     keys = [f"{i:064x}" for i in range(40)]
-    spec = {"idx": ("all_pages", 1), "idx2": ("all_pages", 1), "mamba": ("trailing_pages", 1),
-            "swa": ("trailing_pages", 4)}
+    spec = {
+        "idx": ("all_pages", 1),
+        "idx2": ("all_pages", 1),
+        "mamba": ("trailing_pages", 1),
+        "swa": ("trailing_pages", 4),
+    }
     present = {name: [True] * 40 for name in ["kv", *spec]}
     extra = [ExtraPool(name, policy, window) for name, (policy, window) in spec.items()]
     try:
@@ -304,8 +372,12 @@ def test_a_joint_made_before_the_pages_change_answers_as_the_rule(store):
             assert store.joints.by_names[joint_names] is joint
             joint.invariants()
             kv, hit, own, common = reference(present["kv"], [(present[n], *spec[n]) for n in spec])
-            assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \
-                (kv, hit, own, common)
+            assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (
+                kv,
+                hit,
+                own,
+                common,
+            )
     finally:
         for name in list(store.namespaces):
             store.delete_namespace(name)
@@ -322,12 +394,17 @@ def test_a_window_past_any_prefix_is_the_prefix_and_never_built(store):
     try:
         fill(store, "kv", [True] * 12, keys)
         fill(store, "m", [True] * 5 + [False] + [True] * 6, keys)
-        got = [asyncio.run(batch_exists(store, keys, "kv", huge, restorable=r)) for r in (True, False, True, False)]
+        got = [
+            asyncio.run(batch_exists(store, keys, "kv", huge, restorable=r))
+            for r in (True, False, True, False)
+        ]
         assert store.joints.by_names[("kv", "m")].built
     finally:
         for name in list(store.namespaces):
             store.delete_namespace(name)
-    kv, hit, own, common = reference([True] * 12, [([True] * 5 + [False] + [True] * 6, "trailing_pages", 12)])
+    kv, hit, own, common = reference(
+        [True] * 12, [([True] * 5 + [False] + [True] * 6, "trailing_pages", 12)]
+    )
     assert (kv, hit, own, common) == (12, 5, [5], [1, 2, 3, 4, 5])
     for answer in got:
         assert (answer["kv"], answer["hit"], list(answer["pools"].values())) == (kv, hit, own)
@@ -348,7 +425,7 @@ def test_a_plan_is_kept_for_its_own_store_only():
         first = hybrid.resolve(stores[0][0], "kv", extra, OPERATOR)
         assert first.extra[0].namespace == MISSING
         assert stores[0][0].dir.version == stores[1][0].dir.version
-        with pytest.raises(SidecarError):   # the second store has no "kv": 404, not the first's plan
+        with pytest.raises(SidecarError):  # the second store has no "kv": 404, not the first's plan
             hybrid.resolve(stores[1][0], "kv", extra, OPERATOR)
     finally:
         for _, arena in stores:

@@ -2,6 +2,7 @@
 same answers whether a page sits in the host pool or only in a tier, for a local tier
 (answered on the event loop) and for one looked up off the loop as Mooncake is (a real
 file tier flagged `remote_lookup`: the store then awaits it, once per request and pool)."""
+
 import asyncio
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,9 @@ def store(request, tmp_path):
         tier.remote_lookup = True  # looked up in the executor, as a network tier is
     arena, executor = Arena(4 << 20), ThreadPoolExecutor(2)
     host = HostPool(arena, 64 << 10)
-    s = Store(host, executor, Sources(["/dev/shm"]), tiering=Tiering([tier], "none", None, host, executor))
+    s = Store(
+        host, executor, Sources(["/dev/shm"]), tiering=Tiering([tier], "none", None, host, executor)
+    )
     yield s, tier
     executor.shutdown()
     arena.close()
@@ -38,7 +41,11 @@ def fill(store, tier, name, where):
     """where[i]: 0 absent, 1 in the host pool, 2 only in the tier."""
     store.put_namespace(name, parse_spec({"page_bytes": PAGE}))
     ns = store.namespace(name)
-    jobs = [(ns.identity, k, memoryview(bytes(PAGE))) for k, w in zip(KEYS, where, strict=False) if w == 2]
+    jobs = [
+        (ns.identity, k, memoryview(bytes(PAGE)))
+        for k, w in zip(KEYS, where, strict=False)
+        if w == 2
+    ]
     assert all(tier.write_batch(jobs))
     for k, w in zip(KEYS, where, strict=False):
         if w == 1:
@@ -55,8 +62,14 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
         # every other trial, no page is absent: each pool restores the whole prefix, some
         # of it from the tier (what the shortcut without `restorable` answers)
         held = [0, 1, 1, 2] if trial % 2 else [1, 2]
-        pools = [([rng.choice(held) for _ in KEYS], rng.choice(["all_pages", "trailing_pages"]),
-                  rng.choice([1, 3, 8])) for _ in range(rng.randint(1, 3))]
+        pools = [
+            (
+                [rng.choice(held) for _ in KEYS],
+                rng.choice(["all_pages", "trailing_pages"]),
+                rng.choice([1, 3, 8]),
+            )
+            for _ in range(rng.randint(1, 3))
+        ]
         try:
             fill(store, tier, "kv", kv)
             for j, (where, _, _) in enumerate(pools):
@@ -70,10 +83,15 @@ def test_prefix_and_batch_rule_see_tier_pages(store):
         finally:
             for name in list(store.namespaces):
                 tier.drop(store.delete_namespace(name).identity)
-        ref_kv, hit, own, common = reference([w > 0 for w in kv],
-                                             [([w > 0 for w in p], pol, win) for p, pol, win in pools])
+        ref_kv, hit, own, common = reference(
+            [w > 0 for w in kv], [([w > 0 for w in p], pol, win) for p, pol, win in pools]
+        )
         assert prefix == ref_kv
-        assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == \
-            (ref_kv, hit, own, common), trial
+        assert (got["kv"], got["hit"], list(got["pools"].values()), got["restorable"]) == (
+            ref_kv,
+            hit,
+            own,
+            common,
+        ), trial
         assert short == walked == {"hit": hit, "kv": ref_kv, "pools": got["pools"]}, trial
         assert again == got, trial

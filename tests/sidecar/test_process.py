@@ -1,4 +1,5 @@
 """`python -m sidecar serve` as a real process: config sources, readiness, SIGTERM drain."""
+
 import http.client
 import os
 import shutil
@@ -21,8 +22,14 @@ def test_serve_env_toml_and_flags(spawn, tmp_path):
     toml = tmp_path / "sidecar.toml"
     toml.write_text('host_pool = "32MiB"\ntoken = "from-file"\nlog_level = "warning"\n')
     # env overrides the file, a flag overrides env
-    p = spawn("--config", str(toml), "--host-pool", "48MiB", "--no-file-tier",
-              env={"SIDECAR_TOKEN": "from-env", "SIDECAR_HOST_POOL": "16MiB"})
+    p = spawn(
+        "--config",
+        str(toml),
+        "--host-pool",
+        "48MiB",
+        "--no-file-tier",
+        env={"SIDECAR_TOKEN": "from-env", "SIDECAR_HOST_POOL": "16MiB"},
+    )
     p.wait_ready(token="from-env")
     c = SidecarClient(p.url, token="from-env")
     assert c.stats()["host_pool"]["bytes"] == 48 * 2**20
@@ -56,10 +63,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(spawn):
                 if exc.status != 503:
                     failures.append(exc)
                 return
+
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
         t.start()
     import time
+
     time.sleep(0.5)
     code, out = p.terminate()
     done.set()
@@ -72,11 +81,21 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(spawn):
 
 @pytest.mark.slow
 def test_bad_config_exits_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--host-pool", "lots"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--host-pool", "lots"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "not a size" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--write-policy", "sometimes"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--write-policy", "sometimes"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "write policy" in out.stderr
 
 
@@ -91,9 +110,11 @@ def _hold_request(p, body: bytes):
     """Open a PUT whose body is only half sent, once the server has surely parsed its head
     (a second request answered after it: the loop read both); returns the socket."""
     sock = socket.create_connection(("127.0.0.1", p.port), timeout=30)
-    head = (f"PUT /v1/namespaces/kv/pages/held HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
-            "\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
-    sock.sendall(head + body[:len(body) // 2])
+    head = (
+        f"PUT /v1/namespaces/kv/pages/held HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
+        "\r\nContent-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body[: len(body) // 2])
     assert SidecarClient(p.url).health() == {"status": "ok"}
     return sock
 
@@ -121,7 +142,7 @@ def test_sigterm_completes_a_request_held_across_it(spawn):
     while time.time() < deadline:
         assert p.proc.poll() is None and "draining" not in p.output(), p.output()
         time.sleep(0.05)
-    sock.sendall(body[len(body) // 2:])
+    sock.sendall(body[len(body) // 2 :])
     resp = http.client.HTTPResponse(sock)
     resp.begin()
     assert resp.status == 201, resp.read()
@@ -135,8 +156,9 @@ def test_sigterm_completes_a_request_held_across_it(spawn):
 def test_shutdown_timeout_bounds_the_drain(spawn):
     """--shutdown-timeout 1: a request that never finishes holds the exit for about a
     second, not for the read timeout (120 s here)."""
-    p = spawn("--host-pool", "32MiB", "--no-file-tier", "--shutdown-timeout", "1",
-              "--read-timeout", "120").wait_ready()
+    p = spawn(
+        "--host-pool", "32MiB", "--no-file-tier", "--shutdown-timeout", "1", "--read-timeout", "120"
+    ).wait_ready()
     SidecarClient(p.url).put_namespace("kv", PAGE)
     sock = _hold_request(p, os.urandom(PAGE))
     t0 = time.monotonic()

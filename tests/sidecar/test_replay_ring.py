@@ -1,6 +1,7 @@
 """The replay ring's mapping (sidecar/replay_ring.py): batches written round, each kept one
 read back whole, no two overlapping, the oldest dropped first, a replay that meets an
 overwritten batch skipping it."""
+
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,9 @@ def check(ring: ReplayRing, written: dict) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(keep=st.integers(1, 8), size=st.integers(1, 64), sizes=st.lists(st.integers(0, 80), max_size=40))
+@given(
+    keep=st.integers(1, 8), size=st.integers(1, 64), sizes=st.lists(st.integers(0, 80), max_size=40)
+)
 def test_the_ring_keeps_the_newest_batches_whole(keep, size, sizes):
     ring, written = ReplayRing(keep, size), {}
     try:
@@ -35,7 +38,7 @@ def test_the_ring_keeps_the_newest_batches_whole(keep, size, sizes):
             ring.add(seq, b"t", written[seq])
             check(ring, written)
             if n > size:
-                assert len(ring) == 0   # nothing older is replayed past a batch not kept
+                assert len(ring) == 0  # nothing older is replayed past a batch not kept
             else:
                 assert ring.seqs()[-1] == seq
     finally:
@@ -44,23 +47,23 @@ def test_the_ring_keeps_the_newest_batches_whole(keep, size, sizes):
 
 def test_a_wrap_drops_the_older_lap_and_what_the_batch_covers():
     ring = ReplayRing(100, 10)
-    for seq, n in enumerate([4, 4, 4]):      # 0 at [0,4), 1 at [4,8), 2 wraps to [0,4)
+    for seq, n in enumerate([4, 4, 4]):  # 0 at [0,4), 1 at [4,8), 2 wraps to [0,4)
         ring.add(seq, b"t", b"x" * n)
     assert [(s, off) for s, _, off, _ in ring.index] == [(1, 4), (2, 0)]
-    ring.add(3, b"t", b"y" * 6)              # [4,10): covers 1
+    ring.add(3, b"t", b"y" * 6)  # [4,10): covers 1
     assert [(s, off) for s, _, off, _ in ring.index] == [(2, 0), (3, 4)]
-    ring.add(4, b"t", b"z" * 3)              # wraps: covers 2 only
+    ring.add(4, b"t", b"z" * 3)  # wraps: covers 2 only
     assert ring.seqs() == [3, 4] and ring.bytes == 9
 
 
 def test_a_wrap_drops_an_older_batch_past_the_head_that_the_new_one_does_not_reach():
     ring, written = ReplayRing(100, 10), {}
-    for seq, n in enumerate([3, 3, 3, 1, 2]):   # 4 wraps to [0,2): 1 [3,6) 2 [6,9) 3 [9,10) left
+    for seq, n in enumerate([3, 3, 3, 1, 2]):  # 4 wraps to [0,2): 1 [3,6) 2 [6,9) 3 [9,10) left
         written[seq] = bytes([seq]) * n
         ring.add(seq, b"t", written[seq])
     assert ring.seqs() == [1, 2, 3, 4]
-    written[5] = b"\x05" * 9                 # from 2 it would not fit: wraps to [0,9), and 3
-    ring.add(5, b"t", written[5])             # at [9,10), older than 4, goes with the lap
+    written[5] = b"\x05" * 9  # from 2 it would not fit: wraps to [0,9), and 3
+    ring.add(5, b"t", written[5])  # at [9,10), older than 4, goes with the lap
     check(ring, written)
     assert ring.seqs() == [5]
 
@@ -71,9 +74,9 @@ def test_a_replay_skips_a_batch_overwritten_while_it_ran():
         ring.add(seq, b"t", bytes([seq]) * 4)
     replay = ring.since(0)
     assert next(replay) == (0, b"t", b"\x00" * 4)
-    ring.add(2, b"t", b"\x02" * 4)           # overwrites 1 ... and 0, already sent
+    ring.add(2, b"t", b"\x02" * 4)  # overwrites 1 ... and 0, already sent
     ring.add(3, b"t", b"\x03" * 4)
-    assert list(replay) == []                # 1 is gone: skipped, never read torn
+    assert list(replay) == []  # 1 is gone: skipped, never read torn
     assert [s for s, _, _ in ring.since(0)] == [2, 3]
 
 

@@ -8,6 +8,7 @@ takes a second, and also catches an import of torch deferred to run time (the re
 served below). The package metadata, the other half of "installs without torch", is read
 from pyproject.toml.
 """
+
 from __future__ import annotations
 
 import ast
@@ -48,8 +49,10 @@ def engine_shim(path: pathlib.Path) -> bool:
     """A module of api/ that re-exports api/engine/ code: a stable import path engine
     configs name (api.sglang_backend, api.vllm_connector), engine side."""
     tree = ast.parse(path.read_text())
-    return any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("api.engine")
-               for n in tree.body)
+    return any(
+        isinstance(n, ast.ImportFrom) and (n.module or "").startswith("api.engine")
+        for n in tree.body
+    )
 
 
 def server_modules() -> list[str]:
@@ -59,26 +62,35 @@ def server_modules() -> list[str]:
         for path in sorted((root / pkg).rglob("*.py")):
             rel = path.relative_to(root).with_suffix("")
             if rel.parts[:2] == ("api", "engine") or engine_shim(path) or rel.name == "__main__":
-                continue   # (__main__ runs the CLI: test_served_without_torch runs it)
+                continue  # (__main__ runs the CLI: test_served_without_torch runs it)
             out.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
     return out
 
 
 def run(code: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_every_server_module_imports_without_torch(no_torch):
     mods = server_modules()
-    assert {"sidecar.server", "sidecar.metrics", "pools.page_pool", "api.app",
-            "sidecar.tiers.file_tier", "sidecar.transports.cuda_ipc"} <= set(mods)
+    assert {
+        "sidecar.server",
+        "sidecar.metrics",
+        "pools.page_pool",
+        "api.app",
+        "sidecar.tiers.file_tier",
+        "sidecar.transports.cuda_ipc",
+    } <= set(mods)
     assert not {"api.sglang_backend", "api.vllm_connector"} & set(mods)
-    code = ("import importlib, sys\nbad = []\n"
-            f"for m in {mods!r}:\n"
-            "    try:\n        importlib.import_module(m)\n"
-            "    except Exception as exc:\n        bad.append(f'{m}: {exc!r}')\n"
-            "print('\\n'.join(bad) or 'ok', 'torch' in sys.modules)")
+    code = (
+        "import importlib, sys\nbad = []\n"
+        f"for m in {mods!r}:\n"
+        "    try:\n        importlib.import_module(m)\n"
+        "    except Exception as exc:\n        bad.append(f'{m}: {exc!r}')\n"
+        "print('\\n'.join(bad) or 'ok', 'torch' in sys.modules)"
+    )
     out = run(code, no_torch)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok", "False"], out.stdout
@@ -93,7 +105,9 @@ def test_the_blocker_blocks(no_torch):
 def test_served_without_torch(no_torch, tmp_path):
     """`sidecar serve` under the finder: ready; pages set and got over shm (lent by an engine
     that has torch) and inline; metrics; exits 0 on SIGTERM, never having imported torch."""
-    proc = SidecarProcess("--host-pool", "64MiB", "--data-dir", str(tmp_path / "tier"), env=no_torch)
+    proc = SidecarProcess(
+        "--host-pool", "64MiB", "--data-dir", str(tmp_path / "tier"), env=no_torch
+    )
     try:
         proc.wait_ready()
         engine = SidecarClient(proc.socket_url)
@@ -107,7 +121,7 @@ def test_served_without_torch(no_torch, tmp_path):
         assert int(pages[2:].sum()) == 7 * 2 * 4096
         assert engine.put_page("kv", "c", b"x" * 4096) and engine.get_page("kv", "c") == b"x" * 4096
         assert re.search(r'kv_sidecar_hits_total\{namespace="kv"\} [1-9]', engine.metrics())
-        assert SidecarClient(proc.url).health()["status"] == "ok"     # TCP too
+        assert SidecarClient(proc.url).health()["status"] == "ok"  # TCP too
         engine.close()
         buf.close()
         rc, log = proc.terminate()

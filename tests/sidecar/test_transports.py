@@ -12,12 +12,14 @@ from sidecar.transports.shm import ShmMapping, open_beneath
 
 
 def test_chunks_validated_against_page_and_buffer():
-    ok = parse_chunks([{"offset": 0, "stride": 8, "size": 4}, {"offset": 4, "stride": 8, "size": 4}], 8, 64, 8)
-    assert ok == (Chunk(0, 8, 8),)   # the halves touch in every slot: one run
+    ok = parse_chunks(
+        [{"offset": 0, "stride": 8, "size": 4}, {"offset": 4, "stride": 8, "size": 4}], 8, 64, 8
+    )
+    assert ok == (Chunk(0, 8, 8),)  # the halves touch in every slot: one run
     with pytest.raises(GeometryMismatch):
-        parse_chunks([{"offset": 0, "stride": 8, "size": 4}], 8, 64, 8)       # sums to 4, not 8
+        parse_chunks([{"offset": 0, "stride": 8, "size": 4}], 8, 64, 8)  # sums to 4, not 8
     with pytest.raises(GeometryMismatch):
-        parse_chunks([{"offset": 8, "stride": 8, "size": 8}], 8, 64, 8)       # last slot ends at 72
+        parse_chunks([{"offset": 8, "stride": 8, "size": 8}], 8, 64, 8)  # last slot ends at 72
     with pytest.raises(BadRequest):
         parse_chunks([{"offset": -1, "stride": 8, "size": 8}], 8, 64, 8)
     with pytest.raises(BadRequest):
@@ -28,7 +30,7 @@ def test_plan_addresses_each_chunk_and_merges_only_runs_touching_on_both_sides()
     chunks = (Chunk(0, 16, 8), Chunk(8, 16, 8))  # two halves of a 16-byte slot: contiguous
     assert build_plan(chunks, [1000], [(5000, 2)], into_engine=False) == [(5000, 1032, 16)]
     assert build_plan(chunks, [1000], [(5000, 2)], into_engine=True) == [(1032, 5000, 16)]
-    apart = (Chunk(0, 16, 4), Chunk(8, 16, 4))   # the engine's halves do not touch
+    apart = (Chunk(0, 16, 4), Chunk(8, 16, 4))  # the engine's halves do not touch
     assert build_plan(apart, [100], [(0, 0)], into_engine=True) == [(100, 0, 4), (108, 4, 4)]
 
 
@@ -43,9 +45,18 @@ def test_keys_checked_in_one_pass_and_individually():
 
 def test_spec_identity_is_stable_and_scoped():
     a = parse_spec({"page_bytes": 512, "model": "m", "rank": {"tp": 1, "tp_size": 2}})
-    b = parse_spec({"rank": {"tp_size": 2, "tp": 1}, "model": "m", "page_bytes": 512,
-                    "host_capacity_bytes": 640})
-    assert a.identity("ns", "operator") == b.identity("ns", "operator") and len(a.identity("ns", "operator")) == 32
+    b = parse_spec(
+        {
+            "rank": {"tp_size": 2, "tp": 1},
+            "model": "m",
+            "page_bytes": 512,
+            "host_capacity_bytes": 640,
+        }
+    )
+    assert (
+        a.identity("ns", "operator") == b.identity("ns", "operator")
+        and len(a.identity("ns", "operator")) == 32
+    )
     other_rank = parse_spec({"page_bytes": 512, "model": "m", "rank": {"tp": 0, "tp_size": 2}})
     assert other_rank.identity("ns", "operator") != a.identity("ns", "operator")
     rep0 = parse_spec({"page_bytes": 512, "replicated": True, "rank": {"tp": 0, "tp_size": 2}})
@@ -69,7 +80,7 @@ def test_open_beneath_never_leaves_the_allowed_dirs(tmp_path):
     finally:
         os.unlink(link)
     m = ShmMapping(open_beneath(str(f), [str(tmp_path)]), 64)
-    assert m.size == 64 and not m.sealed and m.addresses == [0]   # a plain file: fd mode
+    assert m.size == 64 and not m.sealed and m.addresses == [0]  # a plain file: fd mode
     m.close()
     with pytest.raises(GeometryMismatch):
         ShmMapping(open_beneath(str(f), [str(tmp_path)]), 65)
@@ -99,7 +110,12 @@ def test_cuda_ipc_validation_without_a_gpu():
     with pytest.raises(BadRequest):
         cuda_ipc.parse_handle({"handle": "ab" * 63, "device_uuid": "GPU-" + "0" * 8})
     handle, offset, uuid = cuda_ipc.parse_handle(
-        {"handle": "AB" * 64, "offset": 4096, "device_uuid": "GPU-12345678-1234-1234-1234-123456789abc"})
+        {
+            "handle": "AB" * 64,
+            "offset": 4096,
+            "device_uuid": "GPU-12345678-1234-1234-1234-123456789abc",
+        }
+    )
     assert len(handle) == 64 and offset == 4096
     # never raises: no device answers False without a CUDA call, and with one a null range
     # is refused by cudaHostRegister
@@ -108,6 +124,7 @@ def test_cuda_ipc_validation_without_a_gpu():
 
 def test_split_plan_keeps_every_byte_once():
     from sidecar.transports.base import split_plan
+
     plan = [(0, 10_000, 5 << 20), (5 << 20, 20_000_000, 7 << 20)]
     parts = split_plan(plan, 2)
     assert len(parts) == 2
@@ -125,22 +142,28 @@ def test_split_plan_keeps_every_byte_once():
 
 def test_write_sealed_memfd_is_copied_through_the_fd():
     import fcntl
+
     fd = os.memfd_create("ws", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 4096)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
     m = ShmMapping(os.dup(fd), 4096)
     assert not m.sealed and m.addresses == [0]
     src = ctypes.create_string_buffer(4096)
-    with pytest.raises(CopyFailed):   # writes into it fail cleanly (EPERM), never a crash
+    with pytest.raises(CopyFailed):  # writes into it fail cleanly (EPERM), never a crash
         m.run_plan([(0, ctypes.addressof(src), 4096)], into_engine=True)
     m.close()
 
 
 def test_adjacent_chunks_merge_and_runs_are_bounded():
     from sidecar.transports.base import MAX_RUNS, check_runs
+
     # K/V halves that touch in every slot become one run; a gap or another stride does not
-    raw = [{"offset": 0, "stride": 16, "size": 4}, {"offset": 4, "stride": 16, "size": 4},
-           {"offset": 12, "stride": 16, "size": 4}, {"offset": 64, "stride": 8, "size": 4}]
+    raw = [
+        {"offset": 0, "stride": 16, "size": 4},
+        {"offset": 4, "stride": 16, "size": 4},
+        {"offset": 12, "stride": 16, "size": 4},
+        {"offset": 64, "stride": 8, "size": 4},
+    ]
     assert parse_chunks(raw, 16, 128, 4) == (Chunk(0, 16, 8), Chunk(12, 16, 4), Chunk(64, 8, 4))
     many = [{"offset": i, "stride": 4096, "size": 1} for i in range(4096)]
     assert parse_chunks(many, 4096, 4096 * 2, 2) == (Chunk(0, 4096, 4096),)
@@ -157,6 +180,7 @@ def test_fd_socket_pauses_instead_of_spinning_when_out_of_fds(tmp_path, monkeypa
     import socket as so
 
     from sidecar import leases
+
     monkeypatch.setattr(leases, "ACCEPT_PAUSE", 0.2)
     path = str(tmp_path / "f.sock")
     listener = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
@@ -183,12 +207,13 @@ def test_fd_socket_pauses_instead_of_spinning_when_out_of_fds(tmp_path, monkeypa
         server = leases.LendServer(leases.LeaseRegistry(), NoFds(), path)
         server.start(asyncio.get_running_loop())
         client = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
-        client.connect(path)                 # pending: the listener is readable from now on
+        client.connect(path)  # pending: the listener is readable from now on
         await asyncio.sleep(0.1)
         paused = NoFds.calls
-        await asyncio.sleep(0.25)             # past the pause: it tries again, once or so
+        await asyncio.sleep(0.25)  # past the pause: it tries again, once or so
         client.close()
         server.close()
         return paused, NoFds.calls
+
     paused, later = asyncio.run(run())
     assert paused == 1 and 2 <= later <= 4

@@ -38,6 +38,7 @@ Page layouts (page_first; P tokens a page; what one host page holds):
       kv / draft  MLATokenToKVPoolHost (N, L, 1, 48) bf16: L x 1536 B; MHA (2, N, L, 2, 16): L x 2048 B
       swa / draft_swa  MHATokenToKVPoolHost over SWAKVPool's halves
 """
+
 from __future__ import annotations
 
 import json
@@ -64,9 +65,9 @@ from tests.engines.sglang import kit
 from tests.engines.sglang.kit import CacheRequestHandle, PoolHitPolicy, PoolName, PoolTransfer
 
 DSA_P, DSA_TOKENS = 64, 64 * 8
-V4_P, V4_FULL, V4_SWA = 256, 256 * 8, 256 * 4   # SGLang hardcodes DeepSeek-V4's page at 256
-V4_RATIOS = [0, 4, 128, 2, 1]           # every compressed pool kind the CUDA path builds
-SMALL_P, SMALL_TOKENS = 16, 16 * 8      # MLA / MHA / SWA stacks for the draft tests
+V4_P, V4_FULL, V4_SWA = 256, 256 * 8, 256 * 4  # SGLang hardcodes DeepSeek-V4's page at 256
+V4_RATIOS = [0, 4, 128, 2, 1]  # every compressed pool kind the CUDA path builds
+SMALL_P, SMALL_TOKENS = 16, 16 * 8  # MLA / MHA / SWA stacks for the draft tests
 
 
 def _no_pinning(buffer, registration_granularity_bytes=None) -> None:
@@ -79,46 +80,75 @@ def unpin() -> None:
 
 
 class Stack(NamedTuple):
-    cc: object          # HybridCacheController
-    group: object       # HostPoolGroup
-    specs: list         # the SidecarPoolSpecs the strategy returned (the tree registers them)
-    device: object      # the device KV pool
+    cc: object  # HybridCacheController
+    group: object  # HostPoolGroup
+    specs: list  # the SidecarPoolSpecs the strategy returned (the tree registers them)
+    device: object  # the device KV pool
 
 
 # -- assembling --------------------------------------------------------------------------
 def publish(extra: dict) -> None:
     """The server args the assemblers read (get_memory()): page_first host pools, ratio 2,
     the dynamic backend with our extra config (so SGLang picks the shm allocator)."""
-    set_global_server_args_for_scheduler(ServerArgs(
-        model_path="dummy", hicache_storage_backend="dynamic", hicache_mem_layout="page_first",
-        hicache_ratio=2.0, hicache_storage_backend_extra_config=json.dumps(extra)))
+    set_global_server_args_for_scheduler(
+        ServerArgs(
+            model_path="dummy",
+            hicache_storage_backend="dynamic",
+            hicache_mem_layout="page_first",
+            hicache_ratio=2.0,
+            hicache_storage_backend_extra_config=json.dumps(extra),
+        )
+    )
 
 
 def assemble(strategy, kvcache, params, url: str, **extra) -> Stack:
     """`strategy.build(...)` as attach_hybrid_pool_to_unified_cache calls it."""
     cfg = kit.extra_config(url, **extra)
     publish(cfg)
-    tree = SimpleNamespace(components={ComponentType.FULL: None, ComponentType.SWA: None},
-                           evict_host=lambda n, component=None: 0)
-    res = strategy.build(cache=tree, kvcache=kvcache, params=params, server_args=None,
-                         load_cache_event=threading.Event(), storage_backend="dynamic",
-                         storage_backend_extra_config=dict(cfg), model_name=kit.MODEL)
+    tree = SimpleNamespace(
+        components={ComponentType.FULL: None, ComponentType.SWA: None},
+        evict_host=lambda n, component=None: 0,
+    )
+    res = strategy.build(
+        cache=tree,
+        kvcache=kvcache,
+        params=params,
+        server_args=None,
+        load_cache_event=threading.Event(),
+        storage_backend="dynamic",
+        storage_backend_extra_config=dict(cfg),
+        model_name=kit.MODEL,
+    )
     return Stack(res.cache_controller, res.host_pool_group, list(res.sidecars), kvcache)
 
 
 def dsa_pool(layers: int):
     """SGLang's DSATokenToKVPool: MLA KV (rank 32 + rope 16) and the FP8 index keys."""
-    return DSATokenToKVPool(size=DSA_TOKENS, page_size=DSA_P, kv_lora_rank=32, dtype=torch.bfloat16,
-                            qk_rope_head_dim=16, layer_num=layers, device="cpu", index_head_dim=128,
-                            enable_memory_saver=False, kv_cache_dim=48)
+    return DSATokenToKVPool(
+        size=DSA_TOKENS,
+        page_size=DSA_P,
+        kv_lora_rank=32,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=16,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=48,
+    )
 
 
 def dsa_stack(url: str, drafts: int = 0, **extra) -> Stack:
     """`_DsaStrategy`: KV + indexer, MTP draft layers packed into both host pools."""
     dev = dsa_pool(2)
     alloc = PagedTokenToKVPoolAllocator(DSA_TOKENS, DSA_P, dev.dtype, "cpu", dev, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                             page_size=DSA_P, mtp_draft_device_pools=tuple(dsa_pool(1) for _ in range(drafts)))
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=alloc,
+        page_size=DSA_P,
+        mtp_draft_device_pools=tuple(dsa_pool(1) for _ in range(drafts)),
+    )
     return assemble(hpa._DsaStrategy(), dev, params, url, **extra)
 
 
@@ -127,13 +157,32 @@ def v4_pool(ratios=V4_RATIOS, draft: bool = False, unified: bool = False):
     `unified`: the fp8 unified_kv layout, nope and rope in two pools)."""
     sources = [i for i, r in enumerate(ratios) if r in (1, 2)]
     return DeepSeekV4TokenToKVPool(
-        max_num_reqs=4, swa_size=V4_SWA, c4_size=V4_FULL // 4, c128_size=V4_FULL // 128,
-        c4_state_pool_size=V4_SWA, c128_state_pool_size=4, page_size=V4_P, swa_page_size=V4_P,
-        dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
-        qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(ratios),
-        device="cpu", enable_memory_saver=False, compression_ratios=list(ratios), sliding_window=128,
-        start_layer=0, end_layer=len(ratios), kv_source_layers=sources, full_size=V4_FULL,
-        is_draft_worker=draft, unified_fp8=unified)
+        max_num_reqs=4,
+        swa_size=V4_SWA,
+        c4_size=V4_FULL // 4,
+        c128_size=V4_FULL // 128,
+        c4_state_pool_size=V4_SWA,
+        c128_state_pool_size=4,
+        page_size=V4_P,
+        swa_page_size=V4_P,
+        dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32,
+        c128_state_dtype=torch.float32,
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        layer_num=len(ratios),
+        device="cpu",
+        enable_memory_saver=False,
+        compression_ratios=list(ratios),
+        sliding_window=128,
+        start_layer=0,
+        end_layer=len(ratios),
+        kv_source_layers=sources,
+        full_size=V4_FULL,
+        is_draft_worker=draft,
+        unified_fp8=unified,
+    )
 
 
 def v4_stack(url: str, unified: bool = False, **extra) -> Stack:
@@ -141,40 +190,79 @@ def v4_stack(url: str, unified: bool = False, **extra) -> Stack:
     `unified` (fp8 unified_kv: no paged SWA, no low ratios) the C4 / C128 rope pools instead."""
     publish(kit.extra_config(url, **extra))  # the device pool reads the published config too
     dev = v4_pool([0, 4, 128], unified=True) if unified else v4_pool()
-    alloc = (PagedTokenToKVPoolAllocator(V4_FULL, V4_P, dev.dtype, "cpu", dev, need_sort=False) if unified else
-             SWATokenToKVPoolAllocator(V4_FULL, V4_SWA, V4_P, dev.dtype, "cpu", dev, need_sort=False))
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                             page_size=V4_P)
+    alloc = (
+        PagedTokenToKVPoolAllocator(V4_FULL, V4_P, dev.dtype, "cpu", dev, need_sort=False)
+        if unified
+        else SWATokenToKVPoolAllocator(
+            V4_FULL, V4_SWA, V4_P, dev.dtype, "cpu", dev, need_sort=False
+        )
+    )
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=V4_P
+    )
     return assemble(hpa._DeepSeekV4Strategy(), dev, params, url, **extra)
 
 
 def mla_pool(layers: int):
     """SGLang's MLATokenToKVPool, pages of 16 tokens (a 1-layer draft page: 1536 B)."""
-    return MLATokenToKVPool(size=SMALL_TOKENS, page_size=SMALL_P, dtype=torch.bfloat16, kv_lora_rank=32,
-                            qk_rope_head_dim=16, layer_num=layers, device="cpu", enable_memory_saver=False,
-                            start_layer=0, end_layer=layers)
+    return MLATokenToKVPool(
+        size=SMALL_TOKENS,
+        page_size=SMALL_P,
+        dtype=torch.bfloat16,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=layers,
+    )
 
 
 def mha_pool(layers: int):
     """SGLang's MHATokenToKVPool, 2 heads of 16, pages of 16 tokens (1 layer: 2048 B)."""
-    return MHATokenToKVPool(size=SMALL_TOKENS, page_size=SMALL_P, dtype=torch.bfloat16, head_num=2, head_dim=16,
-                            layer_num=layers, device="cpu", enable_memory_saver=False, start_layer=0, end_layer=layers)
+    return MHATokenToKVPool(
+        size=SMALL_TOKENS,
+        page_size=SMALL_P,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=16,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=layers,
+    )
 
 
 def plain_stack(url: str, target, **extra) -> Stack:
     """`_PlainKvStrategy` over an MLA or MHA device pool (build_kv_only_stack)."""
     publish(kit.extra_config(url, **extra))
-    alloc = PagedTokenToKVPoolAllocator(target.size, target.page_size, target.dtype, "cpu", target, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                             page_size=target.page_size)
+    alloc = PagedTokenToKVPoolAllocator(
+        target.size, target.page_size, target.dtype, "cpu", target, need_sort=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=alloc,
+        page_size=target.page_size,
+    )
     return assemble(hpa._PlainKvStrategy(), target, params, url, **extra)
 
 
 def swa_pool(swa_layers, full_layers):
     """SGLang's SWAKVPool (MHA halves, pages of 16 tokens)."""
-    return SWAKVPool(size=SMALL_TOKENS, size_swa=SMALL_TOKENS, page_size=SMALL_P, dtype=torch.bfloat16,
-                     head_num=2, head_dim=16, swa_attention_layer_ids=list(swa_layers),
-                     full_attention_layer_ids=list(full_layers), device="cpu")
+    return SWAKVPool(
+        size=SMALL_TOKENS,
+        size_swa=SMALL_TOKENS,
+        page_size=SMALL_P,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=16,
+        swa_attention_layer_ids=list(swa_layers),
+        full_attention_layer_ids=list(full_layers),
+        device="cpu",
+    )
 
 
 def swa_stack(url: str, mtp_draft=None, tp_group=None, **extra) -> Stack:
@@ -183,11 +271,17 @@ def swa_stack(url: str, mtp_draft=None, tp_group=None, **extra) -> Stack:
     the TP process group the controller reduces hits over (None: one rank)."""
     publish(kit.extra_config(url, **extra))
     target = swa_pool([1, 2], [0])
-    alloc = SWATokenToKVPoolAllocator(SMALL_TOKENS, SMALL_TOKENS, SMALL_P, target.dtype, "cpu", target,
-                                      need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                             page_size=SMALL_P, mtp_draft_device_pools=(mtp_draft,) if mtp_draft else (),
-                             tp_cache_group=tp_group)
+    alloc = SWATokenToKVPoolAllocator(
+        SMALL_TOKENS, SMALL_TOKENS, SMALL_P, target.dtype, "cpu", target, need_sort=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=alloc,
+        page_size=SMALL_P,
+        mtp_draft_device_pools=(mtp_draft,) if mtp_draft else (),
+        tp_cache_group=tp_group,
+    )
     return assemble(hpa._SwaStrategy(), target, params, url, **extra)
 
 
@@ -195,7 +289,9 @@ def add_draft_sidecars(stack: Stack, draft_pool) -> Stack:
     """`build_hicache_draft_sidecars` + `UnifiedRadixCache.register_sidecar_pool`, as
     kv_cache_builder registers draft pools once the target's cache is attached."""
     tree = SimpleNamespace(cache_controller=stack.cc)
-    specs, entries = hpa.build_hicache_draft_sidecars(draft_device_pools=(draft_pool,), tree_cache=tree)
+    specs, entries = hpa.build_hicache_draft_sidecars(
+        draft_device_pools=(draft_pool,), tree_cache=tree
+    )
     for entry in entries:  # UnifiedRadixCache.register_sidecar_pool
         stack.cc.register_host_pool_entry(entry)
     return stack._replace(specs=stack.specs + list(specs))
@@ -204,9 +300,18 @@ def add_draft_sidecars(stack: Stack, draft_pool) -> Stack:
 def tp_rank(rank: int, size: int):
     """SGLang's parallel context for TP rank `rank` of `size` (a controller takes its storage
     config from it when it attaches the backend)."""
-    return kit.get_parallel().override(tp_rank=rank, tp_size=size, attn_tp_rank=rank, attn_tp_size=size,
-                                       moe_tp_size=size, moe_tp_rank=rank, pp_rank=0, pp_size=1,
-                                       attn_dcp_size=1, attn_dcp_rank=0)
+    return kit.get_parallel().override(
+        tp_rank=rank,
+        tp_size=size,
+        attn_tp_rank=rank,
+        attn_tp_size=size,
+        moe_tp_size=size,
+        moe_tp_rank=rank,
+        pp_rank=0,
+        pp_size=1,
+        attn_dcp_size=1,
+        attn_dcp_rank=0,
+    )
 
 
 # -- contents ------------------------------------------------------------------------------
@@ -237,8 +342,12 @@ def hashes(tokens, page: int) -> list[str]:
 
 def trailing(name, host_indices=None, keys=("__placeholder__",) * 2):
     """A component's window transfer (SWA: the last pages of the span)."""
-    return PoolTransfer(name=name, host_indices=host_indices, keys=list(keys),
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    return PoolTransfer(
+        name=name,
+        host_indices=host_indices,
+        keys=list(keys),
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
 
 
 def sidecar_transfers(specs, phase, kv_xfer, comp) -> list:
@@ -247,15 +356,28 @@ def sidecar_transfers(specs, phase, kv_xfer, comp) -> list:
     controller; a backup skips a spec whose source has no indices."""
     out = []
     for spec in specs:
-        source = kv_xfer if spec.indices_from_pool == PoolName.KV else next(
-            (t for t in comp if t.name == spec.indices_from_pool), None)
+        source = (
+            kv_xfer
+            if spec.indices_from_pool == PoolName.KV
+            else next((t for t in comp if t.name == spec.indices_from_pool), None)
+        )
         if source is None:
             continue
-        indices = source.device_indices if phase == CacheTransferPhase.BACKUP_HOST else source.host_indices
+        indices = (
+            source.device_indices
+            if phase == CacheTransferPhase.BACKUP_HOST
+            else source.host_indices
+        )
         if (indices is None or len(indices) == 0) and phase != CacheTransferPhase.PREFETCH:
             continue
-        out.append(PoolTransfer(name=spec.pool_name, keys=source.keys, hit_policy=spec.hit_policy,
-                                indices_from_pool=spec.indices_from_pool))
+        out.append(
+            PoolTransfer(
+                name=spec.pool_name,
+                keys=source.keys,
+                hit_policy=spec.hit_policy,
+                indices_from_pool=spec.indices_from_pool,
+            )
+        )
     return out
 
 
@@ -273,8 +395,10 @@ def brute_force(kv: list[bool], pools) -> list[int]:
     for e in range(1, len(kv) + 1):
         if not all(kv[:e]):
             break
-        if all(all(p[:e]) if pol == PoolHitPolicy.ALL_PAGES else all(p[max(0, e - w):e])
-               for p, pol, w in pools):
+        if all(
+            all(p[:e]) if pol == PoolHitPolicy.ALL_PAGES else all(p[max(0, e - w) : e])
+            for p, pol, w in pools
+        ):
             legal.append(e)
     return legal
 
@@ -287,7 +411,9 @@ def write_back(stack: Stack, host_indices, tokens, comp=()):
     keys = hashes(tokens, P)
     kv = PoolTransfer(name=PoolName.KV, host_indices=host_indices, keys=keys)
     extra = list(comp) + sidecar_transfers(stack.specs, CacheTransferPhase.BACKUP_STORAGE, kv, comp)
-    op_id = stack.cc.write_storage(host_indices, list(tokens), keys, None, extra_pools=extra or None)
+    op_id = stack.cc.write_storage(
+        host_indices, list(tokens), keys, None, extra_pools=extra or None
+    )
     op = stack.cc.ack_backup_queue.get(timeout=kit.TIMEOUT)
     assert op.id == op_id
     return op
@@ -295,10 +421,10 @@ def write_back(stack: Stack, host_indices, tokens, comp=()):
 
 class Prefetched(NamedTuple):
     host_indices: torch.Tensor  # KV (anchor) slots; KV-derived sidecars use the same
-    loaded: int                 # tokens, after the controller's acks
-    pool_hits: dict             # the last ack's per-pool pages
-    op: object                  # the PrefetchOperation (hit, per-pool verdicts)
-    comp: list                  # the component transfers with the slots they loaded into
+    loaded: int  # tokens, after the controller's acks
+    pool_hits: dict  # the last ack's per-pool pages
+    op: object  # the PrefetchOperation (hit, per-pool verdicts)
+    comp: list  # the component transfers with the slots they loaded into
 
 
 def prefetch(stack: Stack, tokens, comp=(), extra=(), rid: str = "r") -> Prefetched:
@@ -308,13 +434,16 @@ def prefetch(stack: Stack, tokens, comp=(), extra=(), rid: str = "r") -> Prefetc
     cc, P = stack.cc, stack.cc.page_size
     kv = PoolTransfer(name=PoolName.KV, host_indices=None)
     comp = list(comp)
-    transfers = comp + sidecar_transfers(stack.specs, CacheTransferPhase.PREFETCH, kv, comp) + list(extra)
+    transfers = (
+        comp + sidecar_transfers(stack.specs, CacheTransferPhase.PREFETCH, kv, comp) + list(extra)
+    )
     cc.prefetch(CacheRequestHandle(rid, 0), list(tokens), None, None, extra_pools=transfers or None)
     op = cc.prefetch_hit_queue.get(timeout=kit.TIMEOUT)
     if op.storage_hit_count == 0:
         return Prefetched(torch.empty(0, dtype=torch.int64), 0, {}, op, comp)
-    host_indices, _ = cc.allocate_storage_hit(op, op.storage_hit_count, allow_partial=False,
-                                              min_tokens=P, evict_host=lambda n: 0)
+    host_indices, _ = cc.allocate_storage_hit(
+        op, op.storage_hit_count, allow_partial=False, min_tokens=P, evict_host=lambda n: 0
+    )
     assert host_indices is not None
     for t in comp:
         host = cc.mem_pool_host.entry_map[t.name].host_pool

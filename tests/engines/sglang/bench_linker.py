@@ -23,6 +23,7 @@ paths alternating). Host bytes: what each instance allocates on the host
 beside its device pool (linker: its staging memfd; HiCache: its L2 host pool, SGLang's default
 `--hicache-ratio 2`), plus the sidecar's host pool, for 2 and 4 instances on one node.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,18 @@ PAGE_BYTES = PAGE * LAYERS * 2 * HEADS * DIM * 2
 
 
 def device_pool(tokens: int):
-    return MHATokenToKVPool(size=tokens, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM,
-                            layer_num=LAYERS, device="cpu", enable_memory_saver=False, start_layer=0,
-                            end_layer=LAYERS)
+    return MHATokenToKVPool(
+        size=tokens,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
 
 
 def prompts(n: int, pages: int) -> list[list[int]]:
@@ -62,8 +72,11 @@ def prompts(n: int, pages: int) -> list[list[int]]:
 # -- the linker path ---------------------------------------------------------------------
 def linker_engine(url: str, tokens: int) -> lk.Engine:
     kv = device_pool(tokens)
-    pools = (ReqToTokenPool(size=512, max_context_len=tokens, device="cpu", enable_memory_saver=False), kv,
-             PagedTokenToKVPoolAllocator(tokens, PAGE, torch.bfloat16, "cpu", kv, need_sort=False))
+    pools = (
+        ReqToTokenPool(size=512, max_context_len=tokens, device="cpu", enable_memory_saver=False),
+        kv,
+        PagedTokenToKVPoolAllocator(tokens, PAGE, torch.bfloat16, "cpu", kv, need_sort=False),
+    )
     return lk.engine(url, "kv", pools=pools, page=PAGE)
 
 
@@ -72,7 +85,7 @@ def bench_linker(url: str, work: list, tokens: int) -> dict:
     for eng in (a, b):
         eng.linker.stage.fill_(0)  # touched, as in an engine that has run a while
     try:
-        ready = [lk.computed(a, t, seed=i)[2] for i, t in enumerate(work)]   # the forwards (untimed)
+        ready = [lk.computed(a, t, seed=i)[2] for i, t in enumerate(work)]  # the forwards (untimed)
         start = time.perf_counter()
         for params in ready:
             a.cache.insert(params)
@@ -95,12 +108,32 @@ def bench_linker(url: str, work: list, tokens: int) -> dict:
 # -- the HiCache path on the same device pools ---------------------------------------------
 def hicache_engine(url: str, tokens: int):
     dev = device_pool(tokens)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
-                                pin_memory=False, device="cpu", allocator_type=kit.host_allocator("shm"),
-                                device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS)
-    allocator = PagedTokenToKVPoolAllocator(tokens, PAGE, torch.bfloat16, "cpu", dev, need_sort=False)
-    cc = HiCacheController(allocator, host, PAGE, None, threading.Event(), storage_backend="dynamic",
-                           model_name=kit.MODEL, storage_backend_extra_config=kit.extra_config(url))
+    host = MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        allocator_type=kit.host_allocator("shm"),
+        device_capacity_tokens=dev.size,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        tokens, PAGE, torch.bfloat16, "cpu", dev, need_sort=False
+    )
+    cc = HiCacheController(
+        allocator,
+        host,
+        PAGE,
+        None,
+        threading.Event(),
+        storage_backend="dynamic",
+        model_name=kit.MODEL,
+        storage_backend_extra_config=kit.extra_config(url),
+    )
     return dev, host, allocator, cc
 
 
@@ -117,7 +150,7 @@ def to_host(dev, host, d_idx, h_idx) -> None:
         table = _u8(host.kv_buffer[side])
         row = table.shape[1] // LAYERS
         for layer, buf in enumerate(layers):
-            table[h, layer * row:(layer + 1) * row] = _u8(buf)[d]
+            table[h, layer * row : (layer + 1) * row] = _u8(buf)[d]
 
 
 def to_device(dev, host, h_idx, d_idx) -> None:
@@ -126,14 +159,18 @@ def to_device(dev, host, h_idx, d_idx) -> None:
         table = _u8(host.kv_buffer[side])
         row = table.shape[1] // LAYERS
         for layer, buf in enumerate(layers):
-            _u8(buf)[d] = table[h, layer * row:(layer + 1) * row]
+            _u8(buf)[d] = table[h, layer * row : (layer + 1) * row]
 
 
 def bench_hicache(url: str, work: list, tokens: int) -> dict:
-    (a_dev, a_host, a_alloc, a_cc), (b_dev, b_host, b_alloc, b_cc) = hicache_engine(url, tokens), \
-        hicache_engine(url, tokens)
+    (a_dev, a_host, a_alloc, a_cc), (b_dev, b_host, b_alloc, b_cc) = (
+        hicache_engine(url, tokens),
+        hicache_engine(url, tokens),
+    )
     for host in (a_host, b_host):
-        host.kv_buffer.view(torch.uint8).view(-1).fill_(0)  # touched, as in an engine that has run a while
+        host.kv_buffer.view(torch.uint8).view(-1).fill_(
+            0
+        )  # touched, as in an engine that has run a while
     try:
         slots = [a_alloc.alloc(len(t)) for t in work]
         for s in slots:
@@ -144,7 +181,9 @@ def bench_hicache(url: str, work: list, tokens: int) -> dict:
         for t, s in zip(work, slots, strict=False):
             h = a_host.alloc(len(t))
             to_host(a_dev, a_host, s, h)
-            ops.append(a_cc.write_storage(h, t, get_storage_hash_str(t, None, page_size=PAGE), None))
+            ops.append(
+                a_cc.write_storage(h, t, get_storage_hash_str(t, None, page_size=PAGE), None)
+            )
         for _ in ops:
             a_cc.ack_backup_queue.get(timeout=kit.TIMEOUT)
         offload_s = time.perf_counter() - start
@@ -154,7 +193,11 @@ def bench_hicache(url: str, work: list, tokens: int) -> dict:
             assert loaded == len(t), loaded
             to_device(b_dev, b_host, h, b_alloc.alloc(len(t)))
         load_s = time.perf_counter() - start
-        return {"offload_s": offload_s, "load_s": load_s, "host_pool_bytes": a_host.kv_buffer.nbytes}
+        return {
+            "offload_s": offload_s,
+            "load_s": load_s,
+            "host_pool_bytes": a_host.kv_buffer.nbytes,
+        }
     finally:
         a_cc.detach_storage_backend()
         b_cc.detach_storage_backend()
@@ -162,14 +205,21 @@ def bench_hicache(url: str, work: list, tokens: int) -> dict:
 
 def one_round(name: str, fn, work: list, tokens: int, pool_mib: int) -> dict:
     """One path on a fresh sidecar process."""
-    sidecar = SidecarProcess("--host-pool", f"{pool_mib}MiB", "--no-file-tier", socket=socket_path()).wait_ready()
+    sidecar = SidecarProcess(
+        "--host-pool", f"{pool_mib}MiB", "--no-file-tier", socket=socket_path()
+    ).wait_ready()
     try:
         with kit.single_rank(), kit.host_budget():
             res = fn(sidecar.socket_url, work, tokens)
         pages = sum(len(t) for t in work) // PAGE
-        res["offload_pages_s"], res["load_pages_s"] = pages / res["offload_s"], pages / res["load_s"]
-        res["sidecar_pages"] = sum(ns["pages"]["host"] for ns in
-                                   SidecarClient(sidecar.socket_url).stats()["namespaces"].values())
+        res["offload_pages_s"], res["load_pages_s"] = (
+            pages / res["offload_s"],
+            pages / res["load_s"],
+        )
+        res["sidecar_pages"] = sum(
+            ns["pages"]["host"]
+            for ns in SidecarClient(sidecar.socket_url).stats()["namespaces"].values()
+        )
         return res
     finally:
         sidecar.kill()
@@ -186,16 +236,26 @@ def main() -> None:
     tokens = max(2048, args.prompts * args.pages * PAGE + PAGE)
     out = {"pages": args.prompts * args.pages, "page_bytes": PAGE_BYTES, "loadavg": os.getloadavg()}
     runs = {"linker": [], "hicache": []}
-    for _ in range(args.rounds):   # the paths alternate, so both see the machine's load alike
+    for _ in range(args.rounds):  # the paths alternate, so both see the machine's load alike
         for name, fn in (("linker", bench_linker), ("hicache", bench_hicache)):
             runs[name].append(one_round(name, fn, work, tokens, args.sidecar_pool_mib))
     for name, rs in runs.items():
-        out[name] = {**rs[-1], **{k: statistics.median(r[k] for r in rs)
-                                  for k in ("offload_pages_s", "load_pages_s", "offload_s", "load_s")},
-                     "runs": [[round(r["offload_pages_s"]), round(r["load_pages_s"])] for r in rs]}
+        out[name] = {
+            **rs[-1],
+            **{
+                k: statistics.median(r[k] for r in rs)
+                for k in ("offload_pages_s", "load_pages_s", "offload_s", "load_s")
+            },
+            "runs": [[round(r["offload_pages_s"]), round(r["load_pages_s"])] for r in rs],
+        }
     pool = args.sidecar_pool_mib << 20
-    out["host_bytes"] = {n: {"linker": pool + n * out["linker"]["staging_bytes"],
-                             "hicache": pool + n * out["hicache"]["host_pool_bytes"]} for n in (2, 4)}
+    out["host_bytes"] = {
+        n: {
+            "linker": pool + n * out["linker"]["staging_bytes"],
+            "hicache": pool + n * out["hicache"]["host_pool_bytes"],
+        }
+        for n in (2, 4)
+    }
     out["loadavg_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 

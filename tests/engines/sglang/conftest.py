@@ -1,5 +1,6 @@
 """SGLang's single-rank parallel context (SGLang's test kit does the same) and a fixed host
 memory budget around every test."""
+
 import pytest
 
 
@@ -8,6 +9,7 @@ def single_rank():
     from tests.engines.sglang import (
         kit,  # SGLang imports here, so a missing SGLang skips/fails per module
     )
+
     with kit.single_rank(), kit.host_budget():
         yield
 
@@ -17,4 +19,5 @@ def unpinned(monkeypatch):
     """Host pools built by SGLang's assemblers, without cudaHostRegister (GPU-only; see
     assembled.py)."""
     from tests.engines.sglang import assembled
+
     monkeypatch.setattr(assembled.host_common, "_cuda_host_register", assembled._no_pinning)

@@ -8,6 +8,7 @@ write: fills 16 tokens' KV pages and one Mamba state, writes them back to storag
 read:  prefetches the same tokens into its own (differently filled) pools.
 Prints one JSON line: tokens loaded and digests of the pages moved.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,14 +32,23 @@ def main(url: str, op: str, seed: int) -> dict:
     try:
         if op == "write":
             host_idx, slot = kv[1].alloc(len(TOKENS)), state[1].alloc(1)
-            done = kit.write_back(cc, host_idx, TOKENS, [kit.mamba_trailing(slot, kit.hashes(TOKENS)[-1])])
-            return {"tokens": done.completed_tokens, "kv": digest(kv[1], host_idx[::kit.P] // kit.P),
-                    "mamba": digest(state[1], slot),
-                    "zero_copy": cc.storage_backend.bindings["kv"].buffer_id is not None}
+            done = kit.write_back(
+                cc, host_idx, TOKENS, [kit.mamba_trailing(slot, kit.hashes(TOKENS)[-1])]
+            )
+            return {
+                "tokens": done.completed_tokens,
+                "kv": digest(kv[1], host_idx[:: kit.P] // kit.P),
+                "mamba": digest(state[1], slot),
+                "zero_copy": cc.storage_backend.bindings["kv"].buffer_id is not None,
+            }
         probe = kit.mamba_trailing()
         host_idx, loaded, hits = kit.prefetch(cc, TOKENS, [probe])
-        return {"tokens": loaded, "kv": digest(kv[1], host_idx[::kit.P] // kit.P),
-                "mamba": digest(state[1], probe.host_indices), "mamba_hits": hits.get("mamba", 0)}
+        return {
+            "tokens": loaded,
+            "kv": digest(kv[1], host_idx[:: kit.P] // kit.P),
+            "mamba": digest(state[1], probe.host_indices),
+            "mamba_hits": hits.get("mamba", 0),
+        }
     finally:
         cc.detach_storage_backend()
 

@@ -21,6 +21,7 @@ L layers, H heads, D dims; what `get_page_buffer_meta` gives per page):
     MambaPoolHost          temporal (slots, layers, 1, ...) + conv (slots, layers, 1, ...),
                            a page = 1 slot, in separate allocations (inline, never one memfd)
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,12 @@ try:
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 except ImportError as exc:
     if os.environ.get("KV_SIDECAR_REQUIRE_SGLANG"):
-        raise RuntimeError(f"SGLang is required here (make test-sglang builds .venv-sglang): {exc}") from exc
-    pytest.skip(f"SGLang is not installed ({exc}); make test-sglang runs these", allow_module_level=True)
+        raise RuntimeError(
+            f"SGLang is required here (make test-sglang builds .venv-sglang): {exc}"
+        ) from exc
+    pytest.skip(
+        f"SGLang is not installed ({exc}); make test-sglang runs these", allow_module_level=True
+    )
 
 P, LAYERS, TOKENS = 4, 3, 64
 MODEL = "Qwen/Qwen3-8B"
@@ -77,8 +82,9 @@ TIMEOUT = 60  # seconds a controller queue may take to answer (a bound, not a wa
 
 def single_rank():
     """SGLang's parallel context for one rank without torch.distributed (its test kit's way)."""
-    return get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                   attn_dcp_size=1, attn_dcp_rank=0)
+    return get_parallel().override(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+    )
 
 
 def host_budget():
@@ -94,63 +100,150 @@ def host_allocator(allocator: str) -> str:
     ("shm": a memfd; "": the key left out, SGLang's default), by its own get_allocator_type()
     over published server args, as when it builds the host pools."""
     extra = extra_config("", allocator=allocator)
-    set_global_server_args_for_scheduler(ServerArgs(
-        model_path="dummy", hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra)))
+    set_global_server_args_for_scheduler(
+        ServerArgs(
+            model_path="dummy",
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps(extra),
+        )
+    )
     return get_allocator_type()
 
 
 def mha(layout: str = "page_first", dtype=torch.bfloat16, allocator: str = "shm"):
     """(device pool, host pool): SGLang's MHATokenToKVPool and MHATokenToKVPoolHost."""
-    dev = MHATokenToKVPool(size=TOKENS, page_size=P, dtype=dtype, head_num=2, head_dim=16,
-                           layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                           start_layer=0, end_layer=LAYERS)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, layout,
-                                pin_memory=False, device="cpu", allocator_type=host_allocator(allocator),
-                                device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS)
+    dev = MHATokenToKVPool(
+        size=TOKENS,
+        page_size=P,
+        dtype=dtype,
+        head_num=2,
+        head_dim=16,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+    host = MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        P,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        allocator_type=host_allocator(allocator),
+        device_capacity_tokens=dev.size,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
     return dev, host
 
 
 def mla(layout: str = "page_first", dtype=torch.bfloat16, allocator: str = "shm"):
     """(device pool, host pool): SGLang's MLATokenToKVPool and MLATokenToKVPoolHost."""
-    dev = MLATokenToKVPool(size=TOKENS, page_size=P, dtype=dtype, kv_lora_rank=32,
-                           qk_rope_head_dim=16, layer_num=LAYERS, device="cpu",
-                           enable_memory_saver=False, start_layer=0, end_layer=LAYERS)
-    host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, layout,
-                                pin_memory=False, device="cpu", allocator_type=host_allocator(allocator),
-                                device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS,
-                                target_layer_num=LAYERS, override_kv_cache_dim=dev.kv_cache_dim)
+    dev = MLATokenToKVPool(
+        size=TOKENS,
+        page_size=P,
+        dtype=dtype,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+    host = MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        P,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        allocator_type=host_allocator(allocator),
+        device_capacity_tokens=dev.size,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+        override_kv_cache_dim=dev.kv_cache_dim,
+    )
     return dev, host
 
 
 def mamba(allocator: str = "shm", slots: int = 16):
     """(device pool, host pool): SGLang's MambaPool (Mamba2 state of 2 layers) and MambaPoolHost."""
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2,
-                                    head_dim=8, state_size=4, conv_kernel=4)
-    dev = MambaPool(size=slots, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 1]),
-                    mamba_layer_ids=[0, 1], device="cpu")
-    host = MambaPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, device_capacity=dev.size,
-                         pin_memory=False, device="cpu", allocator_type=host_allocator(allocator), layout="page_first")
+    shape = Mamba2StateShape.create(
+        tp_world_size=1,
+        intermediate_size=32,
+        n_groups=1,
+        num_heads=2,
+        head_dim=8,
+        state_size=4,
+        conv_kernel=4,
+    )
+    dev = MambaPool(
+        size=slots,
+        spec_state_size=0,
+        cache_params=Mamba2CacheParams(shape=shape, layers=[0, 1]),
+        mamba_layer_ids=[0, 1],
+        device="cpu",
+    )
+    host = MambaPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        device_capacity=dev.size,
+        pin_memory=False,
+        device="cpu",
+        allocator_type=host_allocator(allocator),
+        layout="page_first",
+    )
     return dev, host
 
 
 def swa(allocator: str = "shm"):
     """((full device, full host), (SWA device, SWA host)): SGLang's SWAKVPool (layer 0 full
     attention, layers 1-2 sliding window) and an MHATokenToKVPoolHost over each part."""
-    pool = SWAKVPool(size=TOKENS, size_swa=TOKENS, page_size=P, dtype=torch.bfloat16, head_num=2,
-                     head_dim=16, swa_attention_layer_ids=[1, 2], full_attention_layer_ids=[0], device="cpu")
+    pool = SWAKVPool(
+        size=TOKENS,
+        size_swa=TOKENS,
+        page_size=P,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=16,
+        swa_attention_layer_ids=[1, 2],
+        full_attention_layer_ids=[0],
+        device="cpu",
+    )
 
     def host(dev):
-        return MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, "page_first",
-                                    pin_memory=False, device="cpu", allocator_type=host_allocator(allocator),
-                                    device_capacity_tokens=dev.size, start_layer=dev.start_layer,
-                                    end_layer=dev.end_layer)
+        return MHATokenToKVPoolHost(
+            dev.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            P,
+            "page_first",
+            pin_memory=False,
+            device="cpu",
+            allocator_type=host_allocator(allocator),
+            device_capacity_tokens=dev.size,
+            start_layer=dev.start_layer,
+            end_layer=dev.end_layer,
+        )
+
     return (pool.full_kv_pool, host(pool.full_kv_pool)), (pool.swa_kv_pool, host(pool.swa_kv_pool))
 
 
 def randomize(host, seed: int = 0) -> None:
     """Random bytes in every buffer of a host pool (bit patterns, whatever the dtype)."""
     gen = torch.Generator().manual_seed(seed)
-    buffers = [host.temporal_buffer, *host.conv_buffer] if isinstance(host, MambaPoolHost) else [host.kv_buffer]
+    buffers = (
+        [host.temporal_buffer, *host.conv_buffer]
+        if isinstance(host, MambaPoolHost)
+        else [host.kv_buffer]
+    )
     for buf in buffers:
         raw = buf.view(torch.uint8).view(-1)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
@@ -158,7 +251,13 @@ def randomize(host, seed: int = 0) -> None:
 
 def page_bytes(host, page: int) -> bytes:
     """One page's bytes in `get_data_page` order (compared as bytes: NaN patterns stay equal)."""
-    return host.get_data_page(page * host.page_size, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+    return (
+        host.get_data_page(page * host.page_size, flat=True)
+        .contiguous()
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+    )
 
 
 def indices(pages, page_size: int = P) -> torch.Tensor:
@@ -168,19 +267,36 @@ def indices(pages, page_size: int = P) -> torch.Tensor:
 # -- the backend through SGLang's factory ------------------------------------------------
 def extra_config(url: str, **kw) -> dict:
     """The documented extra config (docs/sglang.md), with overrides (allocator="" drops the key)."""
-    extra = {"backend_name": "kv_sidecar", "module_path": "api.sglang_backend",
-             "class_name": "SidecarHiCacheStorage", "interface_v1": 1, "allocator": "shm",
-             "sidecar_url": url, **kw}
+    extra = {
+        "backend_name": "kv_sidecar",
+        "module_path": "api.sglang_backend",
+        "class_name": "SidecarHiCacheStorage",
+        "interface_v1": 1,
+        "allocator": "shm",
+        "sidecar_url": url,
+        **kw,
+    }
     if not extra["allocator"]:
         del extra["allocator"]
     return extra
 
 
-def storage_config(url: str, tp=0, tp_size=1, mla=False, model=MODEL, **extra) -> HiCacheStorageConfig:
+def storage_config(
+    url: str, tp=0, tp_size=1, mla=False, model=MODEL, **extra
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name=model, extra_config=extra_config(url, **extra))
+        tp_rank=tp,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config=extra_config(url, **extra),
+    )
 
 
 def dynamic_backend(cfg):
@@ -194,22 +310,46 @@ def dynamic_backend(cfg):
 def hicache_controller(url: str, dev, host, **extra) -> HiCacheController:
     """HiCacheController over one KV pool, attaching the backend with storage_backend="dynamic"."""
     allocator = PagedTokenToKVPoolAllocator(TOKENS, P, dev.dtype, "cpu", dev, need_sort=False)
-    return HiCacheController(allocator, host, P, None, threading.Event(), storage_backend="dynamic",
-                             model_name=MODEL, storage_backend_extra_config=extra_config(url, **extra))
+    return HiCacheController(
+        allocator,
+        host,
+        P,
+        None,
+        threading.Event(),
+        storage_backend="dynamic",
+        model_name=MODEL,
+        storage_backend_extra_config=extra_config(url, **extra),
+    )
 
 
 def hybrid_controller(url: str, kv, extras: dict, **extra) -> HybridCacheController:
     """HybridCacheController over a HostPoolGroup: KV (the anchor) and `extras`, each
     {PoolName: (device pool, host pool)} (Mamba state, SWA KV)."""
     kv_dev, kv_host = kv
-    entries = [PoolEntry(name=PoolName.KV, host_pool=kv_host, device_pool=kv_dev, layer_mapper=lambda i: i,
-                         is_primary_index_anchor=True)]
-    entries += [PoolEntry(name=name, host_pool=host, device_pool=dev, layer_mapper=lambda i: None)
-                for name, (dev, host) in extras.items()]
+    entries = [
+        PoolEntry(
+            name=PoolName.KV,
+            host_pool=kv_host,
+            device_pool=kv_dev,
+            layer_mapper=lambda i: i,
+            is_primary_index_anchor=True,
+        )
+    ]
+    entries += [
+        PoolEntry(name=name, host_pool=host, device_pool=dev, layer_mapper=lambda i: None)
+        for name, (dev, host) in extras.items()
+    ]
     allocator = PagedTokenToKVPoolAllocator(TOKENS, P, kv_dev.dtype, "cpu", kv_dev, need_sort=False)
-    return HybridCacheController(allocator, HostPoolGroup(entries), P, None, threading.Event(),
-                                 storage_backend="dynamic", model_name=MODEL,
-                                 storage_backend_extra_config=extra_config(url, **extra))
+    return HybridCacheController(
+        allocator,
+        HostPoolGroup(entries),
+        P,
+        None,
+        threading.Event(),
+        storage_backend="dynamic",
+        model_name=MODEL,
+        storage_backend_extra_config=extra_config(url, **extra),
+    )
 
 
 def hashes(tokens) -> list[str]:
@@ -219,14 +359,22 @@ def hashes(tokens) -> list[str]:
 
 def mamba_trailing(host_indices=None, key="__placeholder__") -> PoolTransfer:
     """The Mamba component's transfer: one state, at the trailing page."""
-    return PoolTransfer(name=PoolName.MAMBA, host_indices=host_indices, keys=[key],
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    return PoolTransfer(
+        name=PoolName.MAMBA,
+        host_indices=host_indices,
+        keys=[key],
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
 
 
 def swa_trailing(host_indices=None, keys=("__placeholder__",) * 2) -> PoolTransfer:
     """The SWA component's transfer: the window's trailing pages (2 here)."""
-    return PoolTransfer(name=PoolName.SWA, host_indices=host_indices, keys=list(keys),
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    return PoolTransfer(
+        name=PoolName.SWA,
+        host_indices=host_indices,
+        keys=list(keys),
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
 
 
 def write_back(cc, host_indices, tokens, extra_pools=None):

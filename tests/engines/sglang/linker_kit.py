@@ -25,6 +25,7 @@ Pools (P = 4 tokens a page, bf16, 2 heads x 16 dims): KV 3 layers (1,536-byte pa
 SWA: layer 0 full, 1-2 sliding window of 8 tokens (2 pages); Mamba: layer 0 full attention,
 layers 1-2 Mamba2 state (one state slot a node).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,10 @@ try:  # UnifiedRadixCache's request classes import SGLang's OpenAI protocol
     from sglang.srt.managers.schedule_batch import Req
 except ImportError as exc:
     if os.environ.get("KV_SIDECAR_REQUIRE_SGLANG"):
-        raise RuntimeError(f"SGLang's UnifiedRadixCache needs openai==2.8.0 and partial-json-parser in "
-                           f".venv-sglang: {exc}") from exc
+        raise RuntimeError(
+            f"SGLang's UnifiedRadixCache needs openai==2.8.0 and partial-json-parser in "
+            f".venv-sglang: {exc}"
+        ) from exc
     pytest.skip(f"SGLang's request classes do not import ({exc})", allow_module_level=True)
 from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE as FLA_CHUNK_SIZE
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
@@ -75,15 +78,22 @@ P, LAYERS, TOKENS, WINDOW = 4, 3, 128, 8
 
 def linker_config(url: str, **extra) -> dict:
     """The documented `--unified-cache-external-linker-config` (docs/sglang.md)."""
-    return {"linker": "SidecarLinker", "linker_module_path": "api.sglang_linker",
-            "linker_extra_config": {"sidecar_url": url, **extra}}
+    return {
+        "linker": "SidecarLinker",
+        "linker_module_path": "api.sglang_linker",
+        "linker_extra_config": {"sidecar_url": url, **extra},
+    }
 
 
 def publish(url: str, kind: str, page: int = P, **extra) -> ServerArgs:
     """Server args as the launcher publishes them to the scheduler (SGLang's own resolution)."""
-    args = ServerArgs(model_path="dummy", page_size=page, enable_unified_cache_external_linker=True,
-                      unified_cache_external_linker_backend="dynamic",
-                      unified_cache_external_linker_config=linker_config(url, **extra))
+    args = ServerArgs(
+        model_path="dummy",
+        page_size=page,
+        enable_unified_cache_external_linker=True,
+        unified_cache_external_linker_backend="dynamic",
+        unified_cache_external_linker_config=linker_config(url, **extra),
+    )
     args._mamba_cache_chunk_size = max(FLA_CHUNK_SIZE, page)  # what the HF config would give
     set_global_server_args_for_scheduler(args)
     return args
@@ -126,57 +136,156 @@ class Engine:
 def _pools(kind: str):
     """(req_to_token_pool, kvcache, allocator) as SGLang's own unit-test fixture builds them."""
     if kind in ("mamba", "mla_mamba"):
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2,
-                                        head_dim=8, state_size=4, conv_kernel=4)
-        rtp = HybridReqToTokenPool(size=8, mamba_size=24, mamba_spec_state_size=8, max_context_len=TOKENS,
-                                   device="cpu", enable_memory_saver=False,
-                                   cache_params=Mamba2CacheParams(shape=shape, layers=[1, 2]),
-                                   mamba_layer_ids=[1, 2], enable_mamba_extra_buffer=True,
-                                   speculative_num_draft_tokens=3)
-        mla = {"use_mla": True, "kv_lora_rank": 32, "qk_rope_head_dim": 16} if kind == "mla_mamba" else {}
-        kv = HybridLinearKVPool(size=TOKENS, dtype=torch.bfloat16, page_size=P, head_num=2, head_dim=16,
-                                full_attention_layer_ids=[0], device="cpu", enable_memory_saver=False,
-                                mamba_pool=rtp.mamba_pool, **mla)
-        return rtp, kv, PagedTokenToKVPoolAllocator(TOKENS, P, torch.bfloat16, "cpu", kv, need_sort=False)
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=32,
+            n_groups=1,
+            num_heads=2,
+            head_dim=8,
+            state_size=4,
+            conv_kernel=4,
+        )
+        rtp = HybridReqToTokenPool(
+            size=8,
+            mamba_size=24,
+            mamba_spec_state_size=8,
+            max_context_len=TOKENS,
+            device="cpu",
+            enable_memory_saver=False,
+            cache_params=Mamba2CacheParams(shape=shape, layers=[1, 2]),
+            mamba_layer_ids=[1, 2],
+            enable_mamba_extra_buffer=True,
+            speculative_num_draft_tokens=3,
+        )
+        mla = (
+            {"use_mla": True, "kv_lora_rank": 32, "qk_rope_head_dim": 16}
+            if kind == "mla_mamba"
+            else {}
+        )
+        kv = HybridLinearKVPool(
+            size=TOKENS,
+            dtype=torch.bfloat16,
+            page_size=P,
+            head_num=2,
+            head_dim=16,
+            full_attention_layer_ids=[0],
+            device="cpu",
+            enable_memory_saver=False,
+            mamba_pool=rtp.mamba_pool,
+            **mla,
+        )
+        return (
+            rtp,
+            kv,
+            PagedTokenToKVPoolAllocator(TOKENS, P, torch.bfloat16, "cpu", kv, need_sort=False),
+        )
     rtp = ReqToTokenPool(size=8, max_context_len=TOKENS, device="cpu", enable_memory_saver=False)
     if kind == "swa":
-        kv = SWAKVPool(size=TOKENS, size_swa=TOKENS, page_size=P, dtype=torch.bfloat16, head_num=2, head_dim=16,
-                       swa_attention_layer_ids=[1, 2], full_attention_layer_ids=[0], device="cpu")
-        return rtp, kv, SWATokenToKVPoolAllocator(size=TOKENS, size_swa=TOKENS, page_size=P, dtype=torch.bfloat16,
-                                                  device="cpu", kvcache=kv, need_sort=False)
+        kv = SWAKVPool(
+            size=TOKENS,
+            size_swa=TOKENS,
+            page_size=P,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=16,
+            swa_attention_layer_ids=[1, 2],
+            full_attention_layer_ids=[0],
+            device="cpu",
+        )
+        return (
+            rtp,
+            kv,
+            SWATokenToKVPoolAllocator(
+                size=TOKENS,
+                size_swa=TOKENS,
+                page_size=P,
+                dtype=torch.bfloat16,
+                device="cpu",
+                kvcache=kv,
+                need_sort=False,
+            ),
+        )
     if kind == "mla":
-        kv = MLATokenToKVPool(size=TOKENS, page_size=P, dtype=torch.bfloat16, kv_lora_rank=32,
-                              qk_rope_head_dim=16, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                              start_layer=0, end_layer=LAYERS)
+        kv = MLATokenToKVPool(
+            size=TOKENS,
+            page_size=P,
+            dtype=torch.bfloat16,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+            start_layer=0,
+            end_layer=LAYERS,
+        )
     else:
-        kv = MHATokenToKVPool(size=TOKENS, page_size=P, dtype=torch.bfloat16, head_num=2, head_dim=16,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                              start_layer=0, end_layer=LAYERS)
-    return rtp, kv, PagedTokenToKVPoolAllocator(TOKENS, P, torch.bfloat16, "cpu", kv, need_sort=False)
+        kv = MHATokenToKVPool(
+            size=TOKENS,
+            page_size=P,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=16,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+            start_layer=0,
+            end_layer=LAYERS,
+        )
+    return (
+        rtp,
+        kv,
+        PagedTokenToKVPoolAllocator(TOKENS, P, torch.bfloat16, "cpu", kv, need_sort=False),
+    )
 
 
-def engine(url: str, kind: str = "kv", tp_group=None, tp: tuple[int, int] = (0, 1), pools=None,
-           page: int = P, **extra) -> Engine:
+def engine(
+    url: str,
+    kind: str = "kv",
+    tp_group=None,
+    tp: tuple[int, int] = (0, 1),
+    pools=None,
+    page: int = P,
+    **extra,
+) -> Engine:
     """One engine's tree cache through SGLang's `create_tree_cache`, the linker attached
     (`pools`: (req_to_token_pool, kvcache, allocator) of another geometry, pages of `page`)."""
     args = publish(url, kind, page, **extra)
     rtp, kv, allocator = pools or _pools(kind)
-    params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=allocator,
-                             page_size=page, tp_cache_group=tp_group, enable_mamba_extra_buffer="mamba" in kind,
-                             sliding_window_size=WINDOW if kind == "swa" else None)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=rtp,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page,
+        tp_cache_group=tp_group,
+        enable_mamba_extra_buffer="mamba" in kind,
+        sliding_window_size=WINDOW if kind == "swa" else None,
+    )
     worker = Worker()
-    ctx = TreeCacheBuildContext(server_args=args, params=params, is_hybrid_swa=kind == "swa",
-                                is_hybrid_ssm="mamba" in kind, enable_hierarchical_cache=False,
-                                disable_radix_cache=False, tp_worker=worker, model_config=None,
-                                tp_size=tp[1], tp_rank=tp[0], tp_group=tp_group)
+    ctx = TreeCacheBuildContext(
+        server_args=args,
+        params=params,
+        is_hybrid_swa=kind == "swa",
+        is_hybrid_ssm="mamba" in kind,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=worker,
+        model_config=None,
+        tp_size=tp[1],
+        tp_rank=tp[0],
+        tp_group=tp_group,
+    )
     cache = create_tree_cache(ctx)
     return Engine(kind, cache, allocator, rtp, kv, worker)
 
 
 # -- requests -----------------------------------------------------------------------------
 def request(eng: Engine, tokens) -> Req:
-    req = Req(rid=f"{eng.kind}-{len(eng.rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
-              sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+    req = Req(
+        rid=f"{eng.kind}-{len(eng.rids)}",
+        origin_input_text="",
+        origin_input_ids=array("q", tokens),
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+    )
     eng.rids.append(req.rid)
     eng.req_to_token_pool.alloc([req])
     return req
@@ -208,7 +317,9 @@ def computed(eng: Engine, tokens, seed: int):
     gen = torch.Generator().manual_seed(seed)
     for buf in kv_buffers(eng):
         rows = buf.view(torch.uint8).view(buf.shape[0], -1)
-        rows[slots] = torch.randint(0, 256, (len(slots), rows.shape[1]), dtype=torch.uint8, generator=gen)
+        rows[slots] = torch.randint(
+            0, 256, (len(slots), rows.shape[1]), dtype=torch.uint8, generator=gen
+        )
     params = InsertParams(key=RadixKey(array("q", tokens)), value=slots)
     if "mamba" in eng.kind:
         state = req.kv.mamba_pool_idx.unsqueeze(0)
@@ -243,16 +354,19 @@ def match(eng: Engine, tokens):
 @dataclass
 class Loaded:
     req: Any
-    tokens: int                  # what init_load_back reported
+    tokens: int  # what init_load_back reported
     slots: torch.Tensor | None  # the request's private device slots
-    failed: list                 # what finish_external_linker_loads reported
+    failed: list  # what finish_external_linker_loads reported
 
 
 def load(eng: Engine, req, between=None) -> Loaded:
     """init_load_back, batch start, the forward's layer waits, finish (scheduler order);
     `between()` runs after init_load_back, before the batch starts."""
-    n, _ = eng.cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
-                                                       host_hit_length=req.host_hit_length, req=req))
+    n, _ = eng.cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req
+        )
+    )
     slots = eng.cache.linker.private_load_indices.get(req.rid)
     if between is not None:
         between()
@@ -283,7 +397,11 @@ def forward(eng: Engine) -> None:
 def kv_buffers(eng: Engine) -> list:
     """Every per-layer full-attention buffer (K and V; MLA's latent KV)."""
     pool = getattr(eng.kvcache, "full_kv_pool", eng.kvcache)
-    return list(pool.kv_buffer) if isinstance(pool, MLATokenToKVPool) else [*pool.k_buffer, *pool.v_buffer]
+    return (
+        list(pool.kv_buffer)
+        if isinstance(pool, MLATokenToKVPool)
+        else [*pool.k_buffer, *pool.v_buffer]
+    )
 
 
 def swa_buffers(eng: Engine) -> list:
@@ -293,7 +411,9 @@ def swa_buffers(eng: Engine) -> list:
 
 def mamba_buffers(eng: Engine) -> list:
     cache = eng.req_to_token_pool.mamba_pool.mamba_cache
-    return [state[layer] for state in (cache.temporal, *cache.conv) for layer in range(state.shape[0])]
+    return [
+        state[layer] for state in (cache.temporal, *cache.conv) for layer in range(state.shape[0])
+    ]
 
 
 def scramble(eng: Engine, seed: int) -> None:

@@ -12,6 +12,7 @@ pools and steps of linker_kit.py).
 
 Digests are sha256 of the bytes moved (KV of every layer; and the Mamba state for "mamba").
 """
+
 from __future__ import annotations
 
 import json
@@ -44,34 +45,60 @@ def share(url: str, kind: str, seed: int) -> None:
             wrote = digests(eng, slots)
             if "mamba" in kind:
                 wrote["mamba"] = lk.digest(lk.mamba_buffers(eng), [lk.mamba_slot(eng, tokens)])
-            print(json.dumps({"wrote": wrote, "offloaded": eng.linker.stats["pages_offloaded"]}), flush=True)
+            print(
+                json.dumps({"wrote": wrote, "offloaded": eng.linker.stats["pages_offloaded"]}),
+                flush=True,
+            )
             other = int(sys.stdin.readline())
             req, m = lk.match(eng, lk.tokens_of(other * 1000, PAGES))
             got = lk.load(eng, req)
-            print(json.dumps({"hit": got.tokens, "failed": len(got.failed),
-                              "loaded": digests(eng, got.slots, req)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "hit": got.tokens,
+                        "failed": len(got.failed),
+                        "loaded": digests(eng, got.slots, req),
+                    }
+                ),
+                flush=True,
+            )
         finally:
             eng.close()
 
 
 def tp(url: str, rank: int, init_file: str) -> dict:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
+    )
     group = torch.distributed.group.WORLD
-    override = kit.get_parallel().override(tp_rank=rank, tp_size=2, attn_tp_rank=rank, attn_tp_size=2,
-                                           moe_tp_size=2, moe_tp_rank=rank, pp_rank=0, pp_size=1,
-                                           attn_dcp_size=1, attn_dcp_rank=0)
+    override = kit.get_parallel().override(
+        tp_rank=rank,
+        tp_size=2,
+        attn_tp_rank=rank,
+        attn_tp_size=2,
+        moe_tp_size=2,
+        moe_tp_rank=rank,
+        pp_rank=0,
+        pp_size=1,
+        attn_dcp_size=1,
+        attn_dcp_rank=0,
+    )
     out = {}
     with override, kit.host_budget():
-        engines = {kind: lk.engine(url, kind, tp_group=group, tp=(rank, 2)) for kind in ("kv", "mla")}
+        engines = {
+            kind: lk.engine(url, kind, tp_group=group, tp=(rank, 2)) for kind in ("kv", "mla")
+        }
         try:
             tokens, written = lk.tokens_of(7000, 5), {}
             for kind, eng in engines.items():
                 lk.scramble(eng, 10 * rank + len(kind))
                 req, slots = written[kind] = lk.compute(eng, tokens, seed=rank * 10 + len(kind))
                 lk.settle(eng)
-                out[kind] = {"wrote": lk.digest(lk.kv_buffers(eng), slots),
-                             "offloaded": eng.linker.stats["pages_offloaded"],
-                             "namespace": eng.linker.names[PoolName.KV]}
+                out[kind] = {
+                    "wrote": lk.digest(lk.kv_buffers(eng), slots),
+                    "offloaded": eng.linker.stats["pages_offloaded"],
+                    "namespace": eng.linker.names[PoolName.KV],
+                }
             torch.distributed.barrier()
             if rank == 1:
                 mha = engines["kv"].linker
@@ -82,14 +109,19 @@ def tp(url: str, rank: int, init_file: str) -> dict:
                 lk.scramble(fresh, 99 + rank)
                 answers = []
                 real = fresh.linker.lookup
-                fresh.linker.lookup = lambda rid, t, answers=answers, real=real: \
+                fresh.linker.lookup = lambda rid, t, answers=answers, real=real: (
                     answers.append(real(rid, t)) or answers[-1]
+                )
                 req, m = lk.match(fresh, tokens)
                 got = lk.load(fresh, req)
-                prefix = written[kind][1][:got.tokens]
-                out[kind].update(own=answers[-1], hit=m.host_hit_length // lk.P, failed=len(got.failed),
-                                 loaded=lk.digest(lk.kv_buffers(fresh), got.slots),
-                                 wrote_prefix=lk.digest(lk.kv_buffers(engines[kind]), prefix))
+                prefix = written[kind][1][: got.tokens]
+                out[kind].update(
+                    own=answers[-1],
+                    hit=m.host_hit_length // lk.P,
+                    failed=len(got.failed),
+                    loaded=lk.digest(lk.kv_buffers(fresh), got.slots),
+                    wrote_prefix=lk.digest(lk.kv_buffers(engines[kind]), prefix),
+                )
                 fresh.close()
         finally:
             for eng in engines.values():

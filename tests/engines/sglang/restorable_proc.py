@@ -11,6 +11,7 @@ lockstep. Prints one JSON line: this rank's own restorable endpoints (the backen
 the hit the controller agreed on, tokens loaded, whether the loaded window page is this rank's.
 Replaced (GPU-only): cudaHostRegister of the host pools (assembled.unpin).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,31 +37,47 @@ def write(stack, rank: int):
     for page in WINDOWS[rank]:
         win = swa.alloc(P)
         end = (page + 1) * P
-        asm.write_back(stack, kv_idx[:end], TOKENS[:end], [asm.trailing(PoolName.SWA, win, keys[page:page + 1])])
+        asm.write_back(
+            stack,
+            kv_idx[:end],
+            TOKENS[:end],
+            [asm.trailing(PoolName.SWA, win, keys[page : page + 1])],
+        )
         where[page] = asm.pages_of(win, P)[0]
     return where
 
 
 def main(url: str, rank: int, init_file: str) -> dict:
     asm.unpin()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
+    )
     with asm.tp_rank(rank, 2):
         stack = asm.swa_stack(url, tp_group=torch.distributed.group.WORLD)
     try:
         asm.fill_all(stack, 40 + rank)
         where = write(stack, rank)
         keys = asm.hashes(TOKENS, P)
-        own = stack.cc.storage_backend.batch_exists_v2(keys, [asm.trailing(PoolName.SWA, keys=["__placeholder__"])])
+        own = stack.cc.storage_backend.batch_exists_v2(
+            keys, [asm.trailing(PoolName.SWA, keys=["__placeholder__"])]
+        )
         torch.distributed.barrier()  # both ranks wrote before either queries
         stack.group.alloc(P)
         got = asm.prefetch(stack, TOKENS, [asm.trailing(PoolName.SWA, keys=["__placeholder__"])])
         swa = stack.group.entry_map[PoolName.SWA].host_pool
         loaded_win = asm.pages_of(got.comp[0].host_indices, P) if got.loaded else []
         hit_pages = got.op.storage_hit_count // P
-        mine = [kit.page_bytes(swa, p) == kit.page_bytes(swa, where[hit_pages - 1]) for p in loaded_win]
-        return {"restorable": own.restorable_prefix_pages, "own_hit": own.kv_hit_pages,
-                "hit": hit_pages, "loaded": got.loaded // P, "window_is_mine": mine,
-                "failures": stack.cc.storage_backend.failures}
+        mine = [
+            kit.page_bytes(swa, p) == kit.page_bytes(swa, where[hit_pages - 1]) for p in loaded_win
+        ]
+        return {
+            "restorable": own.restorable_prefix_pages,
+            "own_hit": own.kv_hit_pages,
+            "hit": hit_pages,
+            "loaded": got.loaded // P,
+            "window_is_mine": mine,
+            "failures": stack.cc.storage_backend.failures,
+        }
     finally:
         stack.cc.detach_storage_backend()
         torch.distributed.destroy_process_group()

@@ -1,5 +1,6 @@
 """The SGLang HiCache backend on SGLang 0.5.23's real host pools, loaded by SGLang's own
 `StorageBackendFactory` ("dynamic"), against a live sidecar."""
+
 import hashlib
 import time
 
@@ -28,18 +29,30 @@ def keys(n, salt="x"):
 # (pool builder, layout, dtype, the extra config's "allocator"): with "shm" SGLang puts the
 # host pool in a memfd (a registered buffer: zero copy); without it, in private memory (the
 # inline page endpoints).
-CASES = [(kit.mha, layout, torch.bfloat16, alloc) for layout in kit.MHA_LAYOUTS for alloc in ("shm", "")]
+CASES = [
+    (kit.mha, layout, torch.bfloat16, alloc) for layout in kit.MHA_LAYOUTS for alloc in ("shm", "")
+]
 CASES += [(kit.mha, layout, dt, "") for layout in kit.MHA_LAYOUTS for dt in (torch.float16, FP8)]
-CASES += [(kit.mla, layout, torch.bfloat16, alloc) for layout in ("page_first", "layer_first") for alloc in ("shm", "")]
+CASES += [
+    (kit.mla, layout, torch.bfloat16, alloc)
+    for layout in ("page_first", "layer_first")
+    for alloc in ("shm", "")
+]
 CASES += [(kit.mla, "page_first", FP8, "")]
 
 
-@pytest.mark.parametrize("build,layout,dtype,allocator", CASES,
-                         ids=[f"{b.__name__}-{lay}-{str(dt)[6:]}-{al or 'default'}" for b, lay, dt, al in CASES])
+@pytest.mark.parametrize(
+    "build,layout,dtype,allocator",
+    CASES,
+    ids=[f"{b.__name__}-{lay}-{str(dt)[6:]}-{al or 'default'}" for b, lay, dt, al in CASES],
+)
 def test_v1_round_trip_on_real_pools(server, build, layout, dtype, allocator):
     (_, a_pool), (_, b_pool) = build(layout, dtype, allocator), build(layout, dtype, allocator)
     mla = build is kit.mla
-    a, b = make(server, a_pool, mla=mla, allocator=allocator), make(server, b_pool, mla=mla, allocator=allocator)
+    a, b = (
+        make(server, a_pool, mla=mla, allocator=allocator),
+        make(server, b_pool, mla=mla, allocator=allocator),
+    )
     zero_copy = allocator == "shm"
     assert (a.bindings["kv"].buffer_id is not None) == zero_copy  # shm memfd: registered buffer
     kit.randomize(a_pool, seed=1)
@@ -75,21 +88,31 @@ def test_v2_rules_on_kv_and_mamba(server):
     kit.randomize(kv_pool)
     kit.randomize(state)
     assert be.batch_set_v1(ks, indices(range(5))) == [True] * 5
-    t = kit.PoolTransfer(name=kit.PoolName.MAMBA, host_indices=torch.tensor([3, 7]), keys=[ks[2], ks[4]])
+    t = kit.PoolTransfer(
+        name=kit.PoolName.MAMBA, host_indices=torch.tensor([3, 7]), keys=[ks[2], ks[4]]
+    )
     assert be.batch_set_v2([t]) == {"mamba": [True, True]}
     probe = kit.mamba_trailing()
     res = be.batch_exists_v2(ks, [probe])
     assert (res.kv_hit_pages, res.extra_pool_hit_pages) == (5, {"kv": 5, "mamba": 5})
-    res = be.batch_exists_v2(ks[:4], [probe])    # Mamba state exists at page 3, not 4
+    res = be.batch_exists_v2(ks[:4], [probe])  # Mamba state exists at page 3, not 4
     assert (res.kv_hit_pages, res.extra_pool_hit_pages) == (3, {"kv": 4, "mamba": 3})
-    swa = kit.PoolTransfer(name=kit.PoolName.SWA, keys=["__placeholder__"] * 2,
-                           hit_policy=kit.PoolHitPolicy.TRAILING_PAGES)
+    swa = kit.PoolTransfer(
+        name=kit.PoolName.SWA,
+        keys=["__placeholder__"] * 2,
+        hit_policy=kit.PoolHitPolicy.TRAILING_PAGES,
+    )
     assert be.batch_exists_v2(ks, [swa]).kv_hit_pages == 0  # never registered: 0
     _, fresh = kit.mamba()
     be2 = make(server, kit.mha()[1])
     be2.register_mem_host_pool_v2(fresh, kit.PoolName.MAMBA)
-    got = be2.batch_get_v2([kit.PoolTransfer(name=kit.PoolName.MAMBA, host_indices=torch.tensor([9, 11]),
-                                             keys=[ks[2], ks[4]])])
+    got = be2.batch_get_v2(
+        [
+            kit.PoolTransfer(
+                name=kit.PoolName.MAMBA, host_indices=torch.tensor([9, 11]), keys=[ks[2], ks[4]]
+            )
+        ]
+    )
     assert got == {"mamba": [True, True]}
     assert kit.page_bytes(fresh, 9) == kit.page_bytes(state, 3)
     assert kit.page_bytes(fresh, 11) == kit.page_bytes(state, 7)
@@ -114,14 +137,19 @@ def test_generic_path_and_draft_keys(server):
     kinds = {ns["name"]: c.get_namespace(ns["name"])["spec"]["pool"] for ns in c.list_namespaces()}
     holding = {k: [n for n in kinds if c.exists(n, [k]) == 1] for k in ks}
     assert [kinds[n] for n in holding[ks[2]]] == ["draft"], (holding, kinds)
-    assert [kinds[n] for n in holding[ks[0]]] == ["kv"] and [kinds[n] for n in holding[ks[1]]] == ["kv"]
+    assert [kinds[n] for n in holding[ks[0]]] == ["kv"] and [kinds[n] for n in holding[ks[1]]] == [
+        "kv"
+    ]
 
 
 def test_never_raises_and_recovers_after_a_sidecar_restart(spawn):
     proc = spawn("--host-pool", "32MiB", "--no-file-tier").wait_ready()
     _, pool = kit.mha()
-    be = kit.dynamic_backend(kit.storage_config(proc.socket_url, module_path="api.engine.sglang_backend",
-                                                sidecar_timeout=2))
+    be = kit.dynamic_backend(
+        kit.storage_config(
+            proc.socket_url, module_path="api.engine.sglang_backend", sidecar_timeout=2
+        )
+    )
     be.register_mem_pool_host(pool)
     ks = keys(3, "r")
     kit.randomize(pool)
@@ -131,10 +159,17 @@ def test_never_raises_and_recovers_after_a_sidecar_restart(spawn):
     assert be.batch_set_v1(ks, indices(range(3))) == [False] * 3
     assert be.batch_get_v1(ks, indices(range(3))) == [False] * 3
     assert be.batch_exists_v2(ks, []).kv_hit_pages == 0
-    assert be.batch_get_v2([kit.PoolTransfer(name=kit.PoolName.MAMBA, keys=ks)]) == {"mamba": [False] * 3}
-    assert be.get(ks[0], torch.zeros(8, dtype=torch.uint8)) is None and be.set("k", torch.zeros(8)) is False
+    assert be.batch_get_v2([kit.PoolTransfer(name=kit.PoolName.MAMBA, keys=ks)]) == {
+        "mamba": [False] * 3
+    }
+    assert (
+        be.get(ks[0], torch.zeros(8, dtype=torch.uint8)) is None
+        and be.set("k", torch.zeros(8)) is False
+    )
     assert be.failures > 0
-    again = spawn("--host-pool", "32MiB", "--no-file-tier", port=proc.port, socket=proc.socket)  # same address
+    again = spawn(
+        "--host-pool", "32MiB", "--no-file-tier", port=proc.port, socket=proc.socket
+    )  # same address
     try:
         again.wait_ready()
         deadline = time.time() + 10
@@ -154,18 +189,26 @@ def test_namespaces_are_deterministic_and_scoped():
         return namespace_name(c, pool, namespace_spec(c, pool, page, layout, dtype, 64))
 
     base = cfg("http://127.0.0.1:1")
-    assert name(base, "kv", 4096, "page_first", "bfloat16") == \
-        name(cfg("http://x:2"), "kv", 4096, "page_first", "bfloat16")
-    names = {name(c, "kv", pb, lay, dt) for c, pb, lay, dt in [
-        (base, 4096, "page_first", "bfloat16"), (cfg(tp=1, tp_size=2), 4096, "page_first", "bfloat16"),
-        (cfg(model="other"), 4096, "page_first", "bfloat16"), (base, 8192, "page_first", "bfloat16"),
-        (base, 4096, "layer_first", "bfloat16"), (base, 4096, "page_first", "float8"),
-        (cfg(sidecar_scope="lora-a"), 4096, "page_first", "bfloat16")]}
-    assert len(names) == 7                 # any difference keeps engines apart
+    assert name(base, "kv", 4096, "page_first", "bfloat16") == name(
+        cfg("http://x:2"), "kv", 4096, "page_first", "bfloat16"
+    )
+    names = {
+        name(c, "kv", pb, lay, dt)
+        for c, pb, lay, dt in [
+            (base, 4096, "page_first", "bfloat16"),
+            (cfg(tp=1, tp_size=2), 4096, "page_first", "bfloat16"),
+            (cfg(model="other"), 4096, "page_first", "bfloat16"),
+            (base, 8192, "page_first", "bfloat16"),
+            (base, 4096, "layer_first", "bfloat16"),
+            (base, 4096, "page_first", "float8"),
+            (cfg(sidecar_scope="lora-a"), 4096, "page_first", "bfloat16"),
+        ]
+    }
+    assert len(names) == 7  # any difference keeps engines apart
     mla0, mla1 = cfg(tp=0, tp_size=2, mla=True), cfg(tp=1, tp_size=2, mla=True)
     kv = [name(c, "kv", 64, "page_first") for c in (mla0, mla1)]
     state = [name(c, "mamba", 64, "page_first") for c in (mla0, mla1)]
-    assert kv[0] == kv[1] and state[0] != state[1]   # replicated KV shared, Mamba per rank
+    assert kv[0] == kv[1] and state[0] != state[1]  # replicated KV shared, Mamba per rank
 
 
 def test_parity_with_sglang_hicache_file(server, tmp_path):
@@ -177,9 +220,20 @@ def test_parity_with_sglang_hicache_file(server, tmp_path):
     ks = keys(6, "parity")
     page = ours.bindings["kv"].page_bytes
     vals = {k: torch.randint(0, 256, (page,), dtype=torch.uint8) for k in ks}
-    ops = [("exists", ks[0]), ("set", ks[0]), ("exists", ks[0]), ("set", ks[0]), ("get", ks[0]),
-           ("get", ks[1]), ("batch_set", ks[1:4]), ("batch_exists", ks), ("batch_exists", ks[:3]),
-           ("get", ks[2]), ("exists", ks[5]), ("batch_get", ks[:5])]
+    ops = [
+        ("exists", ks[0]),
+        ("set", ks[0]),
+        ("exists", ks[0]),
+        ("set", ks[0]),
+        ("get", ks[0]),
+        ("get", ks[1]),
+        ("batch_set", ks[1:4]),
+        ("batch_exists", ks),
+        ("batch_exists", ks[:3]),
+        ("get", ks[2]),
+        ("exists", ks[5]),
+        ("batch_get", ks[:5]),
+    ]
     for op, arg in ops:
         answers = []
         for be in (ref, ours):
@@ -214,8 +268,12 @@ def test_v2_endpoint_every_pool_restores_and_loads_exactly_its_pages(server):
     for name, (ts, slots) in put.items():
         t = kit.PoolTransfer(name=name, host_indices=torch.tensor(slots), keys=ts)
         assert all(be.batch_set_v2([t])[str(name.value)])
-    probes = [kit.PoolTransfer(name=n, keys=["__placeholder__"], hit_policy=kit.PoolHitPolicy.TRAILING_PAGES)
-              for n in (kit.PoolName.SWA, kit.PoolName.MAMBA)]
+    probes = [
+        kit.PoolTransfer(
+            name=n, keys=["__placeholder__"], hit_policy=kit.PoolHitPolicy.TRAILING_PAGES
+        )
+        for n in (kit.PoolName.SWA, kit.PoolName.MAMBA)
+    ]
     res = be.batch_exists_v2(ks, probes)
     assert (res.kv_hit_pages, res.restorable_prefix_pages) == (1, [1])
     assert res.extra_pool_hit_pages == {"kv": 3, "swa": 3, "mamba": 2}  # each pool's own best
@@ -225,8 +283,9 @@ def test_v2_endpoint_every_pool_restores_and_loads_exactly_its_pages(server):
         reader.register_mem_host_pool_v2(pool, name)
     before = {name: stat(reader, name)["hits"] for name in put}
     # what the controller sends for endpoint 1: each window's last page, ks[0]
-    got = reader.batch_get_v2([kit.PoolTransfer(name=n, host_indices=torch.tensor([5]), keys=ks[:1])
-                               for n in put])
+    got = reader.batch_get_v2(
+        [kit.PoolTransfer(name=n, host_indices=torch.tensor([5]), keys=ks[:1]) for n in put]
+    )
     assert got == {"swa": [True], "mamba": [True]}
     for name, (_, slots) in put.items():
         src = swa if name == kit.PoolName.SWA else mamba

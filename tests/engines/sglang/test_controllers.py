@@ -3,6 +3,7 @@ storage_backend="dynamic" and our extra config, load the backend through SGLang'
 move pages the way SGLang's scheduler does: write-back to storage (backup thread), prefetch
 from storage (hit query, host buffers, I/O thread, acks), the v2 hybrid path for KV + Mamba.
 Engine A writes, engine B (other pools, other slots) reads: byte-exact."""
+
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ TOKENS = list(range(1000, 1016))  # 4 pages
 
 
 def pages_of(host_indices):
-    return [int(i) // kit.P for i in host_indices[::kit.P]]
+    return [int(i) // kit.P for i in host_indices[:: kit.P]]
 
 
 class Engines:
@@ -49,13 +50,31 @@ def engines():
 CASES = {
     "zero_copy-page_first": (lambda: kit.mha("page_first"), {}, "_page_get_zero_copy"),
     "zero_copy-layer_first-mla": (lambda: kit.mla("layer_first"), {}, "_page_get_zero_copy"),
-    "inline-page_first": (lambda: kit.mha("page_first", allocator=""), {"allocator": ""}, "_page_get_zero_copy"),
-    "inline-page_first_direct-fp16": (lambda: kit.mha("page_first_direct", torch.float16, ""), {"allocator": ""},
-                                      "_page_get_zero_copy"),
-    "inline-layer_first": (lambda: kit.mha("layer_first", allocator=""), {"allocator": ""}, "_page_get_zero_copy"),
-    "inline-page_first-mla": (lambda: kit.mla("page_first", allocator=""), {"allocator": ""}, "_page_get_zero_copy"),
-    "generic-page_first": (lambda: kit.mha("page_first", allocator=""), {"allocator": "", "interface_v1": 0},
-                           "_generic_page_get"),
+    "inline-page_first": (
+        lambda: kit.mha("page_first", allocator=""),
+        {"allocator": ""},
+        "_page_get_zero_copy",
+    ),
+    "inline-page_first_direct-fp16": (
+        lambda: kit.mha("page_first_direct", torch.float16, ""),
+        {"allocator": ""},
+        "_page_get_zero_copy",
+    ),
+    "inline-layer_first": (
+        lambda: kit.mha("layer_first", allocator=""),
+        {"allocator": ""},
+        "_page_get_zero_copy",
+    ),
+    "inline-page_first-mla": (
+        lambda: kit.mla("page_first", allocator=""),
+        {"allocator": ""},
+        "_page_get_zero_copy",
+    ),
+    "generic-page_first": (
+        lambda: kit.mha("page_first", allocator=""),
+        {"allocator": "", "interface_v1": 0},
+        "_generic_page_get",
+    ),
 }
 
 
@@ -101,7 +120,9 @@ def test_hybrid_controller_kv_and_mamba(server, engines):
     for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=False):
         assert kit.page_bytes(b_kv[1], pb) == kit.page_bytes(a_kv[1], pa)
     assert int(probe.host_indices[0]) != int(slot[0])
-    assert kit.page_bytes(b_state[1], int(probe.host_indices[0])) == kit.page_bytes(a_state[1], int(slot[0]))
+    assert kit.page_bytes(b_state[1], int(probe.host_indices[0])) == kit.page_bytes(
+        a_state[1], int(slot[0])
+    )
     # the hit rule: 3 pages of KV are stored, but the Mamba state only at page 4: nothing to
     # restore from; 4 stored pages + 1 unknown: the state at page 4 is the endpoint
     assert kit.prefetch(b, TOKENS[:12], [kit.mamba_trailing()])[1] == 0
@@ -122,13 +143,17 @@ def test_hybrid_controller_kv_and_swa_window(server, engines):
     keys = kit.hashes(TOKENS)
     a_idx, a_win = a_kv[1].alloc(len(TOKENS)), a_swa[1].alloc(2 * kit.P)
     done = kit.write_back(a, a_idx, TOKENS, [kit.swa_trailing(a_win, keys[-2:])])
-    assert done.completed_tokens == len(TOKENS) and done.pool_storage_result.extra_pool_hit_pages == {"swa": 2}
+    assert done.completed_tokens == len(
+        TOKENS
+    ) and done.pool_storage_result.extra_pool_hit_pages == {"swa": 2}
     b_swa[1].alloc(kit.P)
     probe = kit.swa_trailing()
     b_idx, loaded, hits = kit.prefetch(b, TOKENS, [probe])
     assert loaded == len(TOKENS) and hits["swa"] == 2
-    for (host_a, idx_a), (host_b, idx_b) in [((a_kv[1], a_idx), (b_kv[1], b_idx)),
-                                             ((a_swa[1], a_win), (b_swa[1], probe.host_indices))]:
+    for (host_a, idx_a), (host_b, idx_b) in [
+        ((a_kv[1], a_idx), (b_kv[1], b_idx)),
+        ((a_swa[1], a_win), (b_swa[1], probe.host_indices)),
+    ]:
         for pa, pb in zip(pages_of(idx_a), pages_of(idx_b), strict=True):
             assert kit.page_bytes(host_b, pb) == kit.page_bytes(host_a, pa)
     assert pages_of(probe.host_indices) != pages_of(a_win)
@@ -142,10 +167,21 @@ def test_two_engine_processes_share_one_sidecar(spawn):
     sidecar = spawn("--host-pool", "32MiB", "--no-file-tier").wait_ready()
 
     def engine(op, seed):
-        out = subprocess.run([sys.executable, "-m", "tests.engines.sglang.engine_proc", sidecar.socket_url, op,
-                              str(seed)],
-                             capture_output=True, text=True, timeout=300, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": ROOT})
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.engines.sglang.engine_proc",
+                sidecar.socket_url,
+                op,
+                str(seed),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT},
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -8,6 +8,7 @@ draft whose SWA layer uses full-token indices (`build_hybrid_swa_stack`'s DRAFT_
 Stored by the replication rule, on two TP ranks of one sidecar: MLA / DeepSeek-V4 drafts once
 (SGLang's controller skips the write on TP rank 1, and rank 1 loads rank 0's pages), MHA drafts
 per rank (each rank loads its own pages). Replaced, GPU-only: cudaHostRegister (assembled.py)."""
+
 import pytest
 
 from tests.engines.sglang import assembled as asm
@@ -64,8 +65,10 @@ def same_pages(a, a_idx, b, b_idx, name) -> bool:
     P = a.cc.page_size
     pa, pb = asm.pages_of(a_idx, P), asm.pages_of(b_idx, P)
     assert len(pa) == len(pb)
-    return all(kit.page_bytes(host(a, name), x) == kit.page_bytes(host(b, name), y)
-               for x, y in zip(pa, pb, strict=False))
+    return all(
+        kit.page_bytes(host(a, name), x) == kit.page_bytes(host(b, name), y)
+        for x, y in zip(pa, pb, strict=False)
+    )
 
 
 def namespace(stack, name):
@@ -79,16 +82,46 @@ def stored_pages(stack, name):
 
 # (target stack, draft device pool, draft pools, host class, SWA window pages, replicated)
 FAMILIES = {
-    "mla": (lambda url: asm.plain_stack(url, asm.mla_pool(2)), lambda: asm.mla_pool(1),
-            ["draft"], "MLATokenToKVPoolHost", 0, True),
-    "dsa": (lambda url: asm.dsa_stack(url), lambda: asm.dsa_pool(1),
-            ["draft", "draft_indexer"], "MLATokenToKVPoolHost", 0, True),
-    "deepseek_v4": (asm.v4_stack, lambda: asm.v4_pool([0], draft=True),
-                    ["draft_swa"], "DeepSeekV4PagedHostPool", 2, True),
-    "mha": (lambda url: asm.plain_stack(url, asm.mha_pool(2)), lambda: asm.mha_pool(1),
-            ["draft"], "MHATokenToKVPoolHost", 0, False),
-    "mtp_swa_full_indices": (lambda url: asm.swa_stack(url, mtp_draft=full_index_swa_draft()), None,
-                             ["draft_swa"], "MHATokenToKVPoolHost", 2, False),
+    "mla": (
+        lambda url: asm.plain_stack(url, asm.mla_pool(2)),
+        lambda: asm.mla_pool(1),
+        ["draft"],
+        "MLATokenToKVPoolHost",
+        0,
+        True,
+    ),
+    "dsa": (
+        lambda url: asm.dsa_stack(url),
+        lambda: asm.dsa_pool(1),
+        ["draft", "draft_indexer"],
+        "MLATokenToKVPoolHost",
+        0,
+        True,
+    ),
+    "deepseek_v4": (
+        asm.v4_stack,
+        lambda: asm.v4_pool([0], draft=True),
+        ["draft_swa"],
+        "DeepSeekV4PagedHostPool",
+        2,
+        True,
+    ),
+    "mha": (
+        lambda url: asm.plain_stack(url, asm.mha_pool(2)),
+        lambda: asm.mha_pool(1),
+        ["draft"],
+        "MHATokenToKVPoolHost",
+        0,
+        False,
+    ),
+    "mtp_swa_full_indices": (
+        lambda url: asm.swa_stack(url, mtp_draft=full_index_swa_draft()),
+        None,
+        ["draft_swa"],
+        "MHATokenToKVPoolHost",
+        2,
+        False,
+    ),
 }
 
 
@@ -112,7 +145,9 @@ def test_draft_pools_are_stored_by_the_replication_rule_and_load_byte_exact(rank
     assert all(name in specs for name in pools)  # registered as the tree registers sidecars
     wrote = [write(w, tokens, window) for w in writers]
     assert wrote[0][0] == len(tokens)
-    assert wrote[1][0] == (0 if replicated else len(tokens))  # SGLang: TP rank 1 skips replicated pools
+    assert wrote[1][0] == (
+        0 if replicated else len(tokens)
+    )  # SGLang: TP rank 1 skips replicated pools
     for name in pools:  # once in all (replicated) or once a rank
         pages = 4 if specs[name].indices_from_pool == PoolName.KV else window
         assert [stored_pages(w, name) for w in writers] == [pages, pages]
@@ -126,7 +161,9 @@ def test_draft_pools_are_stored_by_the_replication_rule_and_load_byte_exact(rank
             b_idx = got.host_indices if kv_derived else got.comp[0].host_indices
             assert same_pages(writers[w], a_idx, reader, b_idx, name), (family, r, name)
             if not replicated and r == 1:  # rank 1's own shard, not rank 0's
-                assert not same_pages(writers[0], wrote[0][1 if kv_derived else 2], reader, b_idx, name)
+                assert not same_pages(
+                    writers[0], wrote[0][1 if kv_derived else 2], reader, b_idx, name
+                )
     assert all(s.cc.storage_backend.failures == 0 for s in writers + readers)
 
 
@@ -137,14 +174,22 @@ def test_an_mha_draft_beside_an_mla_target_is_per_rank_so_rank_1_misses(ranks):
     build = lambda url: asm.plain_stack(url, asm.mla_pool(2))  # noqa: E731
     w0, w1 = (ranks.stack(r, build, lambda: asm.mha_pool(1), seed=30 + r) for r in (0, 1))
     assert type(host(w0, "draft")).__name__ == "MHATokenToKVPoolHost"
-    assert namespace(w0, "kv") == namespace(w1, "kv") and namespace(w0, "draft") != namespace(w1, "draft")
-    assert not w1.cc.should_backup(kit.PoolTransfer(name=PoolName.DRAFT))  # SGLang's rule for "dynamic"
+    assert namespace(w0, "kv") == namespace(w1, "kv") and namespace(w0, "draft") != namespace(
+        w1, "draft"
+    )
+    assert not w1.cc.should_backup(
+        kit.PoolTransfer(name=PoolName.DRAFT)
+    )  # SGLang's rule for "dynamic"
     tokens = list(range(60000, 60000 + 4 * asm.SMALL_P))
     done0, kv_idx, _ = write(w0, tokens, 0)
     assert done0 == len(tokens) and write(w1, tokens, 0)[0] == 0
-    assert [s.hit_policy for s in w1.specs if s.pool_name == PoolName.DRAFT] == [PoolHitPolicy.ALL_PAGES]
+    assert [s.hit_policy for s in w1.specs if s.pool_name == PoolName.DRAFT] == [
+        PoolHitPolicy.ALL_PAGES
+    ]
     r1 = ranks.stack(1, build, lambda: asm.mha_pool(1), seed=32)
-    assert read(r1, tokens, 0).op.storage_hit_count == 0  # the draft gates: a miss, not rank 0's heads
+    assert (
+        read(r1, tokens, 0).op.storage_hit_count == 0
+    )  # the draft gates: a miss, not rank 0's heads
     r0 = ranks.stack(0, build, lambda: asm.mha_pool(1), seed=33)
     got = read(r0, tokens, 0)
     assert got.loaded == len(tokens)
@@ -155,7 +200,11 @@ def test_a_draft_registered_after_attach_arrives_through_v2_alone(ranks, caplog)
     """Draft sidecars are registered once the target's cache is attached: the controller hands
     them to register_mem_host_pool_v2 and does not fire on_host_pools_registered again."""
     caplog.set_level("INFO", logger="kv_sidecar.sglang")
-    stack = ranks.stack(0, lambda url: asm.plain_stack(url, asm.mla_pool(2)), lambda: asm.mla_pool(1), seed=1)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-sidecar pools:")]
+    stack = ranks.stack(
+        0, lambda url: asm.plain_stack(url, asm.mla_pool(2)), lambda: asm.mla_pool(1), seed=1
+    )
+    lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-sidecar pools:")
+    ]
     assert lines == ["kv-sidecar pools: kv (zero copy)"]
     assert stack.cc.storage_backend.bindings["draft"].buffer_id  # registered, zero copy

@@ -4,6 +4,7 @@ SGLang issue #39147 is HF3FS's in 0.5.23), and so is its `restorable_prefix_page
 differs in the per-pool report: once no endpoint is common it stops looking, so the pools
 after that one are left out, where the sidecar reports every pool's own best endpoint.
 A change on either side fails here."""
+
 import asyncio
 
 import pytest
@@ -20,17 +21,30 @@ KEYS = [f"{i:064x}" for i in range(3)]
 W1 = h.PoolHitPolicy.TRAILING_PAGES
 # (pool, pages present, policy); three KV pages; trailing windows of 1 page
 ROWS = {
-    "same": [("swa", [2], W1), ("mamba", [2], W1)],                 # {3} & {3}: 3
-    "disjoint": [("swa", [2], W1), ("mamba", [1], W1), ("indexer", [0, 1, 2], h.PoolHitPolicy.ALL_PAGES)],
-    "holes": [("swa", [0, 2], W1), ("mamba", [0, 1], W1)],          # {1, 3} & {1, 2}: 1
+    "same": [("swa", [2], W1), ("mamba", [2], W1)],  # {3} & {3}: 3
+    "disjoint": [
+        ("swa", [2], W1),
+        ("mamba", [1], W1),
+        ("indexer", [0, 1, 2], h.PoolHitPolicy.ALL_PAGES),
+    ],
+    "holes": [("swa", [0, 2], W1), ("mamba", [0, 1], W1)],  # {1, 3} & {1, 2}: 1
 }
 
 
 def hicache_file(tmp_path, pools):
     cfg = h.HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="m", extra_config={})
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        extra_config={},
+    )
     backend = h.HiCacheFile(cfg, file_path=str(tmp_path))
     page = torch.zeros(16, dtype=torch.uint8)
     for k in KEYS:
@@ -38,8 +52,10 @@ def hicache_file(tmp_path, pools):
     for name, pages, _ in pools:  # HiCacheFile keeps an extra pool's page as "{key}.{pool}"
         for i in pages:
             assert backend.set(f"{KEYS[i]}.{name}", page)
-    transfers = [h.PoolTransfer(name=h.PoolName(name), keys=["__placeholder__"], hit_policy=policy)
-                 for name, _, policy in pools]
+    transfers = [
+        h.PoolTransfer(name=h.PoolName(name), keys=["__placeholder__"], hit_policy=policy)
+        for name, _, policy in pools
+    ]
     return backend.batch_exists_v2(KEYS, transfers)
 
 

@@ -1,6 +1,7 @@
 """The linker's lookup answers "recompute" when restoring a prefix would be slower than its
 prefill (issue 44, api/engine/restore_cost.py), under SGLang's own UnifiedRadixCache on CPU
 device pools against a live sidecar (linker_kit.py), and the sidecar counts the skip."""
+
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
@@ -18,6 +19,7 @@ def engines(server):
         lk.scramble(eng, seed=300 + len(made))
         made.append(eng)
         return eng
+
     yield make
     for eng in made:
         eng.close()
@@ -42,12 +44,12 @@ def test_a_restore_slower_than_prefill_is_skipped_and_counted(server, engines):
     for seed, tokens in enumerate((first, second)):
         lk.compute(a, tokens, seed=40 + seed)
     lk.settle(a)
-    assert lookup(b, first) == [1, 2, 3, 4, 5]          # no restore measured yet: optimistic
+    assert lookup(b, first) == [1, 2, 3, 4, 5]  # no restore measured yet: optimistic
     req, _ = lk.match(b, first)
-    got = lk.load(b, req)                               # timed: the restore cost learns it
+    got = lk.load(b, req)  # timed: the restore cost learns it
     assert got.failed == [] and got.tokens == 5 * P
     assert b.linker.cost.snapshot()["bytes_per_s"]["host"]
-    assert lookup(b, second) == []                      # slower than its prefill: recompute
+    assert lookup(b, second) == []  # slower than its prefill: recompute
     ns = server.client().stats()["namespaces"][b.linker.names[PoolName.KV]]
     assert (ns["restores_skipped"], ns["restore_pages_skipped"]) == (1, 5)
 
@@ -60,4 +62,4 @@ def test_without_a_prefill_rate_every_restore_loads(server, engines):
     lk.settle(a)
     req, _ = lk.match(b, tokens)
     assert lk.load(b, req).failed == []
-    assert lookup(b, more) == [1, 2, 3, 4]              # the linker never saw a prefill: load
+    assert lookup(b, more) == [1, 2, 3, 4]  # the linker never saw a prefill: load

@@ -7,6 +7,7 @@ new prompt: the first run is a miss (computed, then saved), the second, after vL
 prefix cache is emptied, loads every block but the last from the sidecar. Prints medians
 and their ratio; both runs go through the same engine, connector and sidecar.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build(f"{tmp}/model", size="small")
         sidecar = start_sidecar("--data-dir", f"{tmp}/data", "--host-pool", "512MiB")
-        engine = Engine(model, sidecar.socket_url, ENGINE_MAX_MODEL_LEN=str(args.tokens + 64),
-                        ENGINE_KV_BYTES=str(512 << 20))
+        engine = Engine(
+            model,
+            sidecar.socket_url,
+            ENGINE_MAX_MODEL_LEN=str(args.tokens + 64),
+            ENGINE_KV_BYTES=str(512 << 20),
+        )
         try:
             r = random.Random(3)
             miss, hit, cached = [], [], []
@@ -39,9 +44,13 @@ def main() -> None:
                 hit.append(got["seconds"])
                 cached.append(got["cached"])
             m, h = statistics.median(miss[1:]), statistics.median(hit[1:])
-            print(f"prompt {args.tokens} tokens, {args.rounds} rounds: TTFT miss {m * 1e3:.0f} ms, "
-                  f"hit {h * 1e3:.0f} ms ({min(cached[1:])} tokens loaded), miss/hit {m / h:.1f}x")
-            print(f"miss runs {[round(x, 3) for x in miss[1:]]}, hit runs {[round(x, 3) for x in hit[1:]]}")
+            print(
+                f"prompt {args.tokens} tokens, {args.rounds} rounds: TTFT miss {m * 1e3:.0f} ms, "
+                f"hit {h * 1e3:.0f} ms ({min(cached[1:])} tokens loaded), miss/hit {m / h:.1f}x"
+            )
+            print(
+                f"miss runs {[round(x, 3) for x in miss[1:]]}, hit runs {[round(x, 3) for x in hit[1:]]}"
+            )
         finally:
             engine.close()
             sidecar.stop()

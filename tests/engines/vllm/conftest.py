@@ -1,5 +1,6 @@
 """vLLM engine tests run in .venv-vllm (`make test-vllm`). In the project's own .venv, where
 vLLM is not installed, they skip; with KV_SIDECAR_REQUIRE_VLLM=1 a missing vLLM fails."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,6 +25,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     from tests.engines.vllm.tiny_model import build
+
     return build(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
@@ -35,6 +37,7 @@ def engines():
         e = Engine(model, url, token, **env)
         started.append(e)
         return e
+
     yield start
     for e in started:
         if e.proc.poll() is None:

@@ -17,6 +17,7 @@
 `reset` empties vLLM's own prefix cache first, so a cached token can only come from the
 sidecar. Greedy sampling: the same KV gives the same tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,29 +42,50 @@ def transfer_config(url: str, token: str | None) -> dict | None:
         return None
     if kind == "lmcache":
         host, _, port = url.rpartition(":")
-        return {"kv_connector": "LMCacheMPConnector",
-                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lmcache.mp.host": host, "lmcache.mp.port": int(port), **more}}
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": host,
+                "lmcache.mp.port": int(port),
+                **more,
+            },
+        }
     # the restore cost rule (issue 44) would recompute these tests' tiny-model restores, which
     # are what they check (and what bench-engines times): on only with ENGINE_RESTORE_COST=1
     rule = {"restore_cost": os.environ.get("ENGINE_RESTORE_COST") == "1"}
     extra = {"sidecar_url": url, **({"sidecar_token": token} if token else {}), **rule, **more}
-    return {"kv_connector": "SidecarConnector", "kv_connector_module_path": "api.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "SidecarConnector",
+        "kv_connector_module_path": "api.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def engine(model: str, url: str, token: str | None):
     from vllm import LLM
+
     max_len = int(os.environ.get("ENGINE_MAX_MODEL_LEN", "512"))
     kv_bytes = int(os.environ.get("ENGINE_KV_BYTES", str(64 << 20)))
     batched = os.environ.get("ENGINE_MAX_BATCHED_TOKENS")
     kw = {"max_num_batched_tokens": int(batched)} if batched else {}
     tc = transfer_config(url, token)
     dtype = os.environ.get("ENGINE_DTYPE", "float32")
-    return LLM(model=model, dtype=dtype, max_model_len=max_len, block_size=32, enforce_eager=True,
-               enable_prefix_caching=True, kv_cache_memory_bytes=kv_bytes, seed=0,
-               **({"kv_transfer_config": tc} if tc else {}), **kw)
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_len,
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=kv_bytes,
+        seed=0,
+        **({"kv_transfer_config": tc} if tc else {}),
+        **kw,
+    )
 
 
 def reset(llm, timeout: float = 30.0) -> None:
@@ -78,16 +100,20 @@ def reset(llm, timeout: float = 30.0) -> None:
 
 def generate(llm, cmd: dict) -> dict:
     from vllm import SamplingParams
+
     if cmd.get("reset"):
         reset(llm)
     params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "cached": [o.num_cached_tokens or 0 for o in outs]}
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "cached": [o.num_cached_tokens or 0 for o in outs],
+    }
 
 
 def ttft(llm, cmd: dict) -> dict:
     from vllm import SamplingParams
+
     reset(llm)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     start = time.perf_counter()
@@ -100,6 +126,7 @@ def run(llm, cmd: dict) -> dict:
     the greedy tokens and vLLM's `num_cached_tokens`. `reset` empties vLLM's prefix cache
     before, `reset_after` after (which also waits until the request's saves are reported)."""
     from vllm import SamplingParams
+
     if cmd.get("reset"):
         reset(llm)
     eng = llm.llm_engine
@@ -119,24 +146,37 @@ def run(llm, cmd: dict) -> dict:
     total = time.perf_counter() - start
     if cmd.get("reset_after"):
         reset(llm)
-    return {"ttft": first, "seconds": total, "tokens": list(out.outputs[0].token_ids),
-            "cached": out.num_cached_tokens or 0}
+    return {
+        "ttft": first,
+        "seconds": total,
+        "tokens": list(out.outputs[0].token_ids),
+        "cached": out.num_cached_tokens or 0,
+    }
 
 
 def batch(llm, cmd: dict) -> dict:
     """Throughput: every prompt at once, `max_tokens` each; wall seconds and tokens."""
     from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "prompt_tokens": sum(len(p) for p in cmd["prompts"]),
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "cached": [o.num_cached_tokens or 0 for o in outs]}
+    return {
+        "seconds": seconds,
+        "prompt_tokens": sum(len(p) for p in cmd["prompts"]),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "cached": [o.num_cached_tokens or 0 for o in outs],
+    }
 
 
-OPS = {"generate": generate, "ttft": ttft, "run": run, "batch": batch,
-       "reset": lambda llm, cmd: (reset(llm), {"reset": True})[1]}
+OPS = {
+    "generate": generate,
+    "ttft": ttft,
+    "run": run,
+    "batch": batch,
+    "reset": lambda llm, cmd: (reset(llm), {"reset": True})[1],
+}
 
 
 def main() -> None:
@@ -159,16 +199,40 @@ def main() -> None:
 class Engine:
     """`engine_proc` as a child: one JSON command in, one JSON answer out."""
 
-    def __init__(self, model: str, url: str, token: str | None = None, python: str | None = None,
-                 **env_extra: str):
+    def __init__(
+        self,
+        model: str,
+        url: str,
+        token: str | None = None,
+        python: str | None = None,
+        **env_extra: str,
+    ):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}  # sha256 needs none
-        env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                    "PYTHONUNBUFFERED": "1", **env_extra})
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                "PYTHONUNBUFFERED": "1",
+                **env_extra,
+            }
+        )
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the engine writes it until it exits)
         self.proc = subprocess.Popen(
-            [python or sys.executable, "-m", "tests.engines.vllm.engine_proc", model, url,
-             *([token] if token else [])],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            [
+                python or sys.executable,
+                "-m",
+                "tests.engines.vllm.engine_proc",
+                model,
+                url,
+                *([token] if token else []),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.ready = self._answer(600)

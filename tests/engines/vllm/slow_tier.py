@@ -4,6 +4,7 @@ recomputing"). Tests and benches only.
 
     python -m tests.engines.vllm.slow_tier serve --port ... --data-dir ...
 """
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ def slow_reads(delay_s: float) -> None:
     def read(self, identity: str, key: str, dst) -> bool:
         time.sleep(delay_s)
         return real(self, identity, key, dst)
+
     FileTier.read = read
 
 

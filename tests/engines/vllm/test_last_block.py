@@ -7,6 +7,7 @@ through a real sidecar (issue 33): a restore hands vLLM every token but the last
              and the tail under keys every process names alike; the same greedy tokens
     a prompt that continues another's tail past it is no hit on that tail
 """
+
 from __future__ import annotations
 
 import random
@@ -15,7 +16,12 @@ from api.engine.client import SidecarClient
 
 BLOCK = 32
 TOKEN = "vllm-last-block"
-LENGTHS = {"aligned": 4 * BLOCK, "tail": 3 * BLOCK + 14, "one_token_tail": 3 * BLOCK + 1, "short": 20}
+LENGTHS = {
+    "aligned": 4 * BLOCK,
+    "tail": 3 * BLOCK + 14,
+    "one_token_tail": 3 * BLOCK + 1,
+    "short": 20,
+}
 
 
 def prompts() -> dict[str, list[int]]:
@@ -28,8 +34,9 @@ def hits(url: str) -> int:
 
 
 def test_the_last_block_is_stored_and_loaded(spawn, engines, tiny_model, tmp_path):
-    sidecar = spawn("--no-file-tier", "--host-pool", "64MiB", "--token", TOKEN,
-                    "--log-level", "warning").wait_ready(TOKEN)
+    sidecar = spawn(
+        "--no-file-tier", "--host-pool", "64MiB", "--token", TOKEN, "--log-level", "warning"
+    ).wait_ready(TOKEN)
     ps = prompts()
     e1 = engines(tiny_model, sidecar.socket_url, TOKEN)
     ref = {}
@@ -38,7 +45,9 @@ def test_the_last_block_is_stored_and_loaded(spawn, engines, tiny_model, tmp_pat
         assert cold["cached"] == [0]
         ref[name] = cold["tokens"]
         before = hits(sidecar.url)
-        hit = e1.ask(op="generate", prompts=[p], max_tokens=6)  # vLLM's own blocks + the sidecar's last
+        hit = e1.ask(
+            op="generate", prompts=[p], max_tokens=6
+        )  # vLLM's own blocks + the sidecar's last
         assert hit["tokens"] == ref[name]
         assert hit["cached"] == [len(p) - 1], name
         own = (len(p) - 1) // BLOCK
@@ -51,7 +60,7 @@ def test_the_last_block_is_stored_and_loaded(spawn, engines, tiny_model, tmp_pat
         before = hits(sidecar.url)
         got = e2.ask(op="generate", prompts=[p], max_tokens=6, reset=True)
         assert got["tokens"] == ref[name], name
-        assert got["cached"] == [len(p) - 1], name   # every token but the last, from the sidecar
+        assert got["cached"] == [len(p) - 1], name  # every token but the last, from the sidecar
         assert hits(sidecar.url) - before == -(-(len(p) - 1) // BLOCK), name
 
     # the tail prompt, continued past its tail: its full blocks hit, the old tail does not
@@ -59,6 +68,6 @@ def test_the_last_block_is_stored_and_loaded(spawn, engines, tiny_model, tmp_pat
     got = e2.ask(op="generate", prompts=[longer], max_tokens=6, reset=True)
     assert got["cached"] == [3 * BLOCK]
     ref_longer = e2.ask(op="generate", prompts=[longer], max_tokens=6, reset=True)
-    assert ref_longer["cached"] == [len(longer) - 1]   # its own tail was saved by the run before
+    assert ref_longer["cached"] == [len(longer) - 1]  # its own tail was saved by the run before
     assert ref_longer["tokens"] == got["tokens"]
     assert e2.close() == 0

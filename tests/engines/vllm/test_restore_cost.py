@@ -10,6 +10,7 @@ prefix in the host pool still loads.
               and is timed), P2 (judged slower than its prefill: recomputed, counted),
               P1 again (promoted into the host pool by its load: restored)
 """
+
 from __future__ import annotations
 
 import os
@@ -32,17 +33,35 @@ class SlowTierSidecar(SidecarProcess):
     def __init__(self, *args: str, delay_ms: int, port: int, socket: str):
         self.port, self.socket = port, socket
         self.url, self.socket_url = f"http://127.0.0.1:{port}", f"unix://{socket}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KV_SIDECAR_TEST_READ_DELAY_MS": str(delay_ms)}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "KV_SIDECAR_TEST_READ_DELAY_MS": str(delay_ms),
+        }
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the sidecar writes it until it exits)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.vllm.slow_tier", "serve", "--port", str(port),
-             "--socket", socket, *args], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            text=True)
+            [
+                sys.executable,
+                "-m",
+                "tests.engines.vllm.slow_tier",
+                "serve",
+                "--port",
+                str(port),
+                "--socket",
+                socket,
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:
     r = random.Random(seed)
-    return [r.randrange(2, 1024) for _ in range(n)]       # 6 full blocks + 8 tokens
+    return [r.randrange(2, 1024) for _ in range(n)]  # 6 full blocks + 8 tokens
 
 
 def test_a_slow_tier_is_recomputed_and_counted(spawn, engines, tiny_model, tmp_path):
@@ -62,19 +81,22 @@ def test_a_slow_tier_is_recomputed_and_counted(spawn, engines, tiny_model, tmp_p
     slow = SlowTierSidecar(*args, delay_ms=DELAY_MS, port=port, socket=sock).wait_ready(TOKEN)
     try:
         e2 = engines(tiny_model, slow.socket_url, TOKEN, ENGINE_RESTORE_COST="1")
-        for fresh in (q, q2):    # misses: their prefill is timed (the engine's first is not)
+        for fresh in (q, q2):  # misses: their prefill is timed (the engine's first is not)
             assert e2.ask(op="generate", prompts=[fresh], reset=True)["cached"] == [0]
-        got = e2.ask(op="generate", prompts=[p1], reset=True)    # unmeasured tier: optimistic
+        got = e2.ask(op="generate", prompts=[p1], reset=True)  # unmeasured tier: optimistic
         assert got["cached"] == [len(p1) - 1] and got["tokens"] == ref["tokens"][:1]
-        got = e2.ask(op="generate", prompts=[p2], reset=True)    # 7 pages x 250 ms: recomputed
+        got = e2.ask(op="generate", prompts=[p2], reset=True)  # 7 pages x 250 ms: recomputed
         assert got["cached"] == [0] and got["tokens"] == ref["tokens"][1:]
-        got = e2.ask(op="generate", prompts=[p1], reset=True)    # now in the host pool: restored
+        got = e2.ask(op="generate", prompts=[p1], reset=True)  # now in the host pool: restored
         assert got["cached"] == [len(p1) - 1] and got["tokens"] == ref["tokens"][:1]
         assert e2.close() == 0
-        counters = [ns for ns in SidecarClient(slow.url, token=TOKEN).stats()["namespaces"].values()
-                    if ns["restores_skipped"]]
+        counters = [
+            ns
+            for ns in SidecarClient(slow.url, token=TOKEN).stats()["namespaces"].values()
+            if ns["restores_skipped"]
+        ]
         assert len(counters) == 1 and counters[0]["restores_skipped"] == 1
-        assert counters[0]["restore_pages_skipped"] == 7           # 6 full blocks and the tail
+        assert counters[0]["restore_pages_skipped"] == 7  # 6 full blocks and the tail
         assert "kv_sidecar_restores_skipped_total" in SidecarClient(slow.url, token=TOKEN).metrics()
     finally:
         slow.kill()

@@ -1,6 +1,7 @@
 """The scheduler side of the connector with the last block (issue 33), against a real
 sidecar, without an engine: which keys a request asks for, what it loads and what it saves.
 The same paths inside a real vLLM engine are test_last_block.py."""
+
 import hashlib
 import threading
 from types import SimpleNamespace
@@ -18,7 +19,9 @@ BS, N = 32, 16
 
 def tail_key(request, full):
     """Stands for the connector's vLLM-hash tail key: any deterministic name will do here."""
-    digest = hashlib.sha256(repr((request.block_hashes[:full], request.all_token_ids[full * BS:])).encode())
+    digest = hashlib.sha256(
+        repr((request.block_hashes[:full], request.all_token_ids[full * BS :])).encode()
+    )
     return digest.hexdigest() + "-tail"
 
 
@@ -26,10 +29,15 @@ def request(rid, tokens):
     """A vLLM-like request: chained block hashes of its full blocks."""
     hashes, prev = [], b""
     for i in range(len(tokens) // BS):
-        prev = hashlib.sha256(prev + repr(tokens[i * BS:(i + 1) * BS]).encode()).digest()
+        prev = hashlib.sha256(prev + repr(tokens[i * BS : (i + 1) * BS]).encode()).digest()
         hashes.append(prev)
-    return SimpleNamespace(request_id=rid, num_tokens=len(tokens), num_computed_tokens=0,
-                           block_hashes=hashes, all_token_ids=list(tokens))
+    return SimpleNamespace(
+        request_id=rid,
+        num_tokens=len(tokens),
+        num_computed_tokens=0,
+        block_hashes=hashes,
+        all_token_ids=list(tokens),
+    )
 
 
 @pytest.fixture
@@ -57,15 +65,15 @@ def store(w, keys):
 def test_keys_name_the_block_of_the_last_token(setup):
     s, *_ = setup
     toks = list(range(2, 2 + 4 * BS + 7))
-    keys, tail = s.keys_of(request("a", toks))                    # 4 full blocks + 7 tokens
+    keys, tail = s.keys_of(request("a", toks))  # 4 full blocks + 7 tokens
     assert len(keys) == 5 and tail and keys[-1].endswith("-tail")
-    keys, tail = s.keys_of(request("b", toks[:4 * BS]))            # on a block boundary: its key
+    keys, tail = s.keys_of(request("b", toks[: 4 * BS]))  # on a block boundary: its key
     assert len(keys) == 4 and not tail
-    keys, tail = s.keys_of(request("c", toks[:3 * BS + 1]))        # a 1-token tail loads nothing
+    keys, tail = s.keys_of(request("c", toks[: 3 * BS + 1]))  # a 1-token tail loads nothing
     assert len(keys) == 3 and not tail
-    legacy = SchedulerSide(s.client, BS)                            # no tail_key: the old rule
+    legacy = SchedulerSide(s.client, BS)  # no tail_key: the old rule
     legacy.specs = s.specs
-    assert len(legacy.keys_of(request("d", toks[:4 * BS]))[0]) == 3
+    assert len(legacy.keys_of(request("d", toks[: 4 * BS]))[0]) == 3
     legacy.close()
 
 
@@ -75,7 +83,7 @@ def test_a_restore_gives_every_token_but_the_last(setup):
     req = request("r", toks)
     keys, _ = s.keys_of(req)
     store(w, keys)
-    s.prefetch(req)                                                 # asked on arrival
+    s.prefetch(req)  # asked on arrival
     assert s.matched(req, 0) == len(toks) - 1 and s.stats["lookups"] == 1
     s.allocated(req, [7, 8, 9, 10], len(toks) - 1)
     (load,) = s.take_loads()
@@ -92,7 +100,7 @@ def test_an_engine_hit_loads_only_the_last_block(setup):
     req = request("h", toks)
     keys, _ = s.keys_of(req)
     store(w, keys)
-    local = 3 * BS                                                  # vLLM's own cache: never the last token
+    local = 3 * BS  # vLLM's own cache: never the last token
     assert s.matched(req, local) == BS - 1
     s.allocated(req, [1, 2, 3, 4], BS - 1)
     (load,) = s.take_loads()
@@ -104,18 +112,18 @@ def test_the_tail_is_saved_once_the_prompt_is_computed(setup):
     toks = list(range(11, 11 + 2 * BS + 20))
     req = request("t", toks)
     keys, _ = s.keys_of(req)
-    assert s.matched(req, 0) == 0                                   # nothing stored yet
+    assert s.matched(req, 0) == 0  # nothing stored yet
     s.allocated(req, [3, 4, 5], 0)
     assert s.take_loads() == []
-    (first,) = s.saves({"t": BS + 5}, lambda rid: [3, 4, 5])         # chunked prefill: 1 full block so far
+    (first,) = s.saves({"t": BS + 5}, lambda rid: [3, 4, 5])  # chunked prefill: 1 full block so far
     assert first.keys == keys[:1] and first.block_ids == [3]
-    assert first.parent is None and first.tokens == [toks[:BS]]      # for KV events
+    assert first.parent is None and first.tokens == [toks[:BS]]  # for KV events
     req.num_computed_tokens = BS + 5
     (second,) = s.saves({"t": len(toks) - BS - 5}, lambda rid: [3, 4, 5])
-    assert second.keys == keys[1:] and second.block_ids == [4, 5]   # block 1, then the tail
-    assert second.parent == keys[0] and second.tokens == [toks[BS:2 * BS], toks[2 * BS:]]
+    assert second.keys == keys[1:] and second.block_ids == [4, 5]  # block 1, then the tail
+    assert second.parent == keys[0] and second.tokens == [toks[BS : 2 * BS], toks[2 * BS :]]
     req.num_computed_tokens = len(toks)
-    assert s.saves({"t": 1}, lambda rid: [3, 4, 5]) == []            # decoding: saved once
+    assert s.saves({"t": 1}, lambda rid: [3, 4, 5]) == []  # decoding: saved once
     # the tail's block failed to load somewhere: it is saved again
     s.load_failed({5}, lambda rid: [3, 4, 5])
     (again,) = s.saves({"t": 1}, lambda rid: [3, 4, 5])
@@ -128,7 +136,7 @@ def test_a_tail_of_another_prompt_is_no_hit(setup):
     toks = list(range(20, 20 + 2 * BS + 10))
     keys, _ = s.keys_of(request("x", toks))
     store(w, keys)
-    longer = request("y", toks + [7] * 6)                           # same full blocks, longer tail
+    longer = request("y", toks + [7] * 6)  # same full blocks, longer tail
     assert s.matched(longer, 0) == 2 * BS
     shorter = request("z", toks[:-3])
     assert s.matched(shorter, 0) == 2 * BS
@@ -138,13 +146,13 @@ def test_unanswered_lookup_counts_vllms_own_blocks_as_stored(setup):
     """vLLM's cache holds what could load: no wait for the answer, and no save of blocks
     this engine computed (and saved) or loaded before."""
     s, w, client, ns = setup
-    toks = list(range(30, 30 + 3 * BS + 1))                          # 1-token tail: nothing past vLLM's own
+    toks = list(range(30, 30 + 3 * BS + 1))  # 1-token tail: nothing past vLLM's own
     req = request("u", toks)
     gate, held = threading.Event(), threading.Event()
     s.pool.submit(lambda: (held.set(), gate.wait(10)))
     held.wait(5)
     s.prefetch(req)
-    assert s.matched(req, 3 * BS) == 0                              # answered at once, the lookup still queued
+    assert s.matched(req, 3 * BS) == 0  # answered at once, the lookup still queued
     s.allocated(req, [1, 2, 3, 4], 0)
     req.num_computed_tokens = 3 * BS
     assert s.saves({"u": 1}, lambda rid: [1, 2, 3, 4]) == []
@@ -170,11 +178,12 @@ def test_saves_carry_parent_and_tokens_in_bounded_sets(setup, monkeypatch):
     """Each set of a save names the key before its first and its keys' tokens (KV events),
     and a long save is cut so one set's tokens stay under the JSON value cap."""
     import api.engine.vllm_worker as vw
+
     s, w, client, ns = setup
     sent = []
     real = w.client.set
     monkeypatch.setattr(w.client, "set", lambda *a, **kw: (sent.append(kw), real(*a, **kw))[1])
-    monkeypatch.setattr(vw, "MAX_SET_TOKENS", 2 * BS)                # two blocks a set
+    monkeypatch.setattr(vw, "MAX_SET_TOKENS", 2 * BS)  # two blocks a set
     keys = [f"{i:064x}" for i in range(5)]
     toks = [[i] * BS for i in range(5)]
     w.save([Transfer("m", keys, [0, 1, 2, 3, 4], parent="p" * 64, tokens=toks)])

@@ -8,6 +8,7 @@ flags (bench_serve_lib.serve_args) and the tiny model; one fleet for the module.
             200 (misses); restarted on its data dir, a prefix stored before the kill is
             restored again
 """
+
 from __future__ import annotations
 
 import glob
@@ -68,7 +69,7 @@ def fleet(tiny_model, tmp_path_factory):
     finally:
         for s in servers:
             s.stop()
-        state["sidecar"].kill()             # the one running now (a test restarts it)
+        state["sidecar"].kill()  # the one running now (a test restarts it)
 
 
 def test_second_server_restores_the_firsts_prefix(fleet):
@@ -76,17 +77,21 @@ def test_second_server_restores_the_firsts_prefix(fleet):
     a = prompt(1)
     ref = s1.complete(a, 8)
     assert ref["status"] == 200 and len(ref["tokens"]) == 8
-    until_stored(fleet["sidecar"], 4)          # 3 full blocks and the tail
+    until_stored(fleet["sidecar"], 4)  # 3 full blocks and the tail
     before = s2.prompt_tokens()
     got = s2.complete(a, 8)
     assert got["status"] == 200
-    assert got["cached_tokens"] == len(a) - 1, "every token but the last restored over the OpenAI API"
+    assert got["cached_tokens"] == len(a) - 1, (
+        "every token but the last restored over the OpenAI API"
+    )
     assert got["tokens"] == ref["tokens"], "the same greedy text"
     moved = s2.prompt_tokens()["external_kv_transfer"] - before["external_kv_transfer"]
     assert moved == len(a) - 1
 
 
-def load(servers: list, stop: threading.Event, results: list, done: threading.Condition, seed: int) -> None:
+def load(
+    servers: list, stop: threading.Event, results: list, done: threading.Condition, seed: int
+) -> None:
     """Unique prompts, round-robin over the servers, until `stop`; each result recorded."""
     k = 0
     while not stop.is_set():
@@ -102,17 +107,19 @@ def test_sidecar_killed_under_load_then_hits_come_back(fleet):
     kept = [prompt(50 + i) for i in range(3)]
     for p in kept:
         assert s1.complete(p, 4)["status"] == 200
-    until_on_disk(fleet["data"], 4 * 3 + 4)                  # A's 4 and the 3 kept prompts' 4 each
-    ref = [s1.complete(p, 4)["tokens"] for p in kept]   # vLLM's own cache: the same greedy run
+    until_on_disk(fleet["data"], 4 * 3 + 4)  # A's 4 and the 3 kept prompts' 4 each
+    ref = [s1.complete(p, 4)["tokens"] for p in kept]  # vLLM's own cache: the same greedy run
     results: list[dict] = []
     done, stop = threading.Condition(), threading.Event()
-    workers = [threading.Thread(target=load, args=([s1, s2], stop, results, done, 7 + i)) for i in range(2)]
+    workers = [
+        threading.Thread(target=load, args=([s1, s2], stop, results, done, 7 + i)) for i in range(2)
+    ]
     for w in workers:
         w.start()
     try:
         with done:
             assert done.wait_for(lambda: len(results) >= 2, timeout=300)
-        fleet["sidecar"].kill()                              # SIGKILL under load
+        fleet["sidecar"].kill()  # SIGKILL under load
         killed_at = len(results)
         with done:
             assert done.wait_for(lambda: len(results) >= killed_at + 6, timeout=300)
@@ -124,10 +131,11 @@ def test_sidecar_killed_under_load_then_hits_come_back(fleet):
     assert all(len(r["tokens"]) == 2 for r in results)
 
     old = fleet["sidecar"]
-    fleet["sidecar"] = SidecarProcess("--data-dir", fleet["data"], *SIDECAR_ARGS, port=old.port,
-                                      socket=old.socket).wait_ready(TOKEN)
+    fleet["sidecar"] = SidecarProcess(
+        "--data-dir", fleet["data"], *SIDECAR_ARGS, port=old.port, socket=old.socket
+    ).wait_ready(TOKEN)
     hits = []
-    for p, want in zip(kept, ref, strict=True):       # never sent to server 2 before
+    for p, want in zip(kept, ref, strict=True):  # never sent to server 2 before
         got = s2.complete(p, 4)
         assert got["status"] == 200 and got["tokens"] == want
         hits.append(got["cached_tokens"])

@@ -9,6 +9,7 @@ Two engine processes (about a minute each) carry every scenario:
             B's new pages corrupted on disk -> a miss for those blocks, recomputed (same
             tokens) and saved again.
 """
+
 from __future__ import annotations
 
 import glob
@@ -25,8 +26,8 @@ TOKEN = "vllm-test-token"
 
 def prompts() -> tuple[list[int], list[int]]:
     r = random.Random(7)
-    a = [r.randrange(2, 1024) for _ in range(101)]          # 3 full blocks + 5 tokens
-    b = a[:2 * BLOCK] + [r.randrange(2, 1024) for _ in range(70)]  # 4 full blocks + 6
+    a = [r.randrange(2, 1024) for _ in range(101)]  # 3 full blocks + 5 tokens
+    b = a[: 2 * BLOCK] + [r.randrange(2, 1024) for _ in range(70)]  # 4 full blocks + 6
     return a, b
 
 
@@ -77,7 +78,7 @@ def test_engines_share_kv_through_the_sidecar(spawn, engines, tiny_model, tmp_pa
     # engine 2: a new process loads A's prefix from the sidecar
     e2 = engines(tiny_model, sidecar.socket_url, TOKEN)
     got = e2.ask(op="generate", prompts=[a], reset=True)
-    assert got["cached"] == [len(a) - 1]       # 3 blocks and the tail: all but the last token
+    assert got["cached"] == [len(a) - 1]  # 3 blocks and the tail: all but the last token
     assert got["tokens"] == ref_a["tokens"]
 
     # the sidecar restarts on its data dir: A is still there

@@ -17,6 +17,7 @@ mamba_mixer2 conv_ssm_forward `varlen_states[last_chunk_indices_p]`).
             window of the hit; Mamba: the state at the hit) -> the load stops at the
             greatest endpoint every group restores, the same tokens
 """
+
 from __future__ import annotations
 
 import random
@@ -44,13 +45,14 @@ def block_keys(tokens: list[int], spec: dict) -> list[str]:
     """The keys vLLM gives the full blocks of `tokens` (sha256 block hashes, hex)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as kcu
+
     algo, hash_block = spec["layout"].split(":")[-2].split("/")
     fn = get_hash_fn_by_name(algo)
     kcu.init_none_hash(fn)
     hb, bs = int(hash_block), int(spec["page_tokens"])
     parent, keys = None, []
     for i in range(len(tokens) // hb):
-        parent = kcu.hash_block_tokens(fn, parent, tokens[i * hb:(i + 1) * hb], None)
+        parent = kcu.hash_block_tokens(fn, parent, tokens[i * hb : (i + 1) * hb], None)
         if (i + 1) * hb % bs == 0:
             keys.append(bytes(parent).hex())
     return keys
@@ -76,6 +78,7 @@ def settle(url: str, timeout: float = 30.0) -> dict[str, int]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
     from tests.engines.vllm.tiny_hybrid import build
+
     model = build(str(tmp_path / kind), kind)
     data = str(tmp_path / "sidecar-data")
     port = free_port()
@@ -89,7 +92,7 @@ def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
     ref_a = e1.ask(op="generate", prompts=[a])
     ref_c = e1.ask(op="generate", prompts=[c])
     assert ref_a["cached"] == [0] and ref_c["cached"] == [0]
-    e1.ask(op="reset")                       # waits until the saves are reported
+    e1.ask(op="reset")  # waits until the saves are reported
     assert e1.close() == 0
     pools = namespaces(sidecar.url)
     trailing = "swa" if kind in ("gemma3", "gpt_oss") else "mamba"
@@ -105,7 +108,7 @@ def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
     assert got["tokens"] == ref_a["tokens"]
     assert got["cached"] == [want(a)], e2.output()[-4000:]
     stats = SidecarClient(sidecar.url, token=TOKEN).stats()["namespaces"]
-    assert all(stats[p["name"]]["hits"] > 0 for p in pools.values()), stats   # every group loaded
+    assert all(stats[p["name"]]["hits"] > 0 for p in pools.values()), stats  # every group loaded
 
     code, _ = sidecar.terminate()
     assert code == 0
@@ -118,13 +121,13 @@ def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
     keys = block_keys(c, pools["kv"]["spec"])
     client = SidecarClient(sidecar.url, token=TOKEN)
     ns = pools[trailing]["name"]
-    if trailing == "swa":       # window pages [p - w, p): page 4 missing rules out p = 5, 6, 7
+    if trailing == "swa":  # window pages [p - w, p): page 4 missing rules out p = 5, 6, 7
         assert client.exists_each(ns, keys) == [True] * len(keys)
         assert client.delete(ns, [keys[4]]) == 1
         expected = 4 * bs
-    else:                       # the only Mamba state of C: at its last full block
+    else:  # the only Mamba state of C: at its last full block
         last = (len(c) - 1) // bs - 1
-        assert client.exists_each(ns, keys[last:last + 1]) == [True]
+        assert client.exists_each(ns, keys[last : last + 1]) == [True]
         assert client.delete(ns, [keys[last]]) == 1
         expected = 0
     got = e2.ask(op="generate", prompts=[c], reset=True)

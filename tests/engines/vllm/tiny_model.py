@@ -3,6 +3,7 @@
 Deterministic: the same seed gives the same weights, so two engine processes (or two test
 runs) load the same model from the same directory.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,10 @@ SENTENCES = [
 
 SIZES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, max positions
     "tiny": (128, 2, 4, 2, 32, 256, 512),
-    "small": (512, 8, 8, 4, 64, 1536, 4096),   # for time-to-first-token figures
+    "small": (512, 8, 8, 4, 64, 1536, 4096),  # for time-to-first-token figures
     # make bench-engines: a cold 1k-token prompt takes over a second on this CPU
     "bench": (768, 12, 12, 4, 64, 2048, 16384),
-    "share": (128, 2, 4, 2, 32, 256, 16384),   # several engines, long multi-turn prompts
+    "share": (128, 2, 4, 2, 32, 256, 16384),  # several engines, long multi-turn prompts
 }
 
 
@@ -34,11 +35,21 @@ def build(path: str, seed: int = 0, size: str = "tiny") -> str:
     tokenizer(path)
     torch.manual_seed(seed)
     hidden, layers, heads, kv_heads, head_dim, inter, positions = SIZES[size]
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=inter,
-                      num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=positions, initializer_range=0.3, bos_token_id=0,
-                      eos_token_id=1, tie_word_embeddings=False, torch_dtype="float32")
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=positions,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -51,8 +62,11 @@ def tokenizer(path: str) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(SENTENCES * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)

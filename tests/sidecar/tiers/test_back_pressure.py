@@ -5,6 +5,7 @@ an event (a fault injected on purpose), never with sleeps:
     TierWriter.submit     at most `max_pages` (--write-queue-pages) jobs in flight
     Tiering.write_through at most half of a namespace's pages pinned for writing
 """
+
 import asyncio
 import contextlib
 import threading
@@ -59,11 +60,14 @@ def test_submit_waits_while_the_write_queue_is_full():
         writer = TierWriter([tier], threads=1, max_pages=4)
         writer.start()
         try:
-            futs = [await asyncio.wait_for(writer.submit(ID, f"k{i}", b"x" * PAGE), 5)
-                    for i in range(4)]
+            futs = [
+                await asyncio.wait_for(writer.submit(ID, f"k{i}", b"x" * PAGE), 5) for i in range(4)
+            ]
             assert writer.pending == 4
             fifth = asyncio.ensure_future(writer.submit(ID, "k4", b"x" * PAGE))
-            assert await blocked(asyncio.shield(fifth)), "a 5th page went past --write-queue-pages 4"
+            assert await blocked(asyncio.shield(fifth)), (
+                "a 5th page went past --write-queue-pages 4"
+            )
             assert writer.pending == 4
             tier.gate.set()
             assert await asyncio.wait_for(asyncio.gather(*futs), 10) == [True] * 4
@@ -71,6 +75,7 @@ def test_submit_waits_while_the_write_queue_is_full():
         finally:
             tier.gate.set()
             writer.stop()
+
     asyncio.run(main())
 
 
@@ -95,6 +100,7 @@ def test_write_through_pins_at_most_half_a_namespace():
             tier.gate.set()
             writer.stop()
             arena.close()
+
     asyncio.run(main())
 
 
@@ -116,6 +122,7 @@ def test_flush_wakes_when_the_last_batch_ends_before_it_waits():
     """The order that once held a flush to its timeout: the last batch's `_finish` is
     queued on the loop before the flush's wait starts (the flush checked `_outstanding`
     just before). Forced: the batch ends while the flush's first step is still queued."""
+
     async def main():
         tier = GatedTier()
         writer = TierWriter([tier], threads=1, max_pages=4)
@@ -124,13 +131,14 @@ def test_flush_wakes_when_the_last_batch_ends_before_it_waits():
         writer._loop = loop
         await writer.submit(ID, "k", memoryview(bytes(PAGE)))
         assert await asyncio.to_thread(tier.entered.wait, 10)
-        flush = asyncio.ensure_future(writer.flush(5.0))   # its first step is queued
+        flush = asyncio.ensure_future(writer.flush(5.0))  # its first step is queued
         tier.gate.set()
-        assert loop.posted.wait(10)                       # `_finish` queued after it
+        assert loop.posted.wait(10)  # `_finish` queued after it
         t0 = asyncio.get_running_loop().time()
         assert await flush == 0
         assert asyncio.get_running_loop().time() - t0 < 4.0, "the flush waited for its timeout"
         writer.stop()
+
     asyncio.run(main())
 
 
@@ -169,7 +177,7 @@ async def _pool_pinned_for_writing(wait: float):
     try:
         entries = committed(pool, 8)
         assert len(await asyncio.wait_for(tiering.write_through(ID, pool, entries), 5)) == 8
-        assert pool._pinned == 8 and pool.reserve("x") is None   # no slot: all pinned
+        assert pool._pinned == 8 and pool.reserve("x") is None  # no slot: all pinned
         yield pool, tier, tiering
     finally:
         tier.gate.set()
@@ -181,6 +189,7 @@ def test_a_promotion_waits_for_the_writer_to_free_slots():
     """The CI failure of stop 42 (`failed_loads` 2 in the trace replay): a get right after
     a large set found every slot pinned for writing and answered false for pages `exists`
     had just counted. It now waits for the writer; the pages load once a batch is written."""
+
     async def main():
         async with _pool_pinned_for_writing(wait=30.0) as (pool, tier, tiering):
             promote = asyncio.ensure_future(tiering.promote(ID, pool, ["t0", "t1"]))
@@ -190,17 +199,20 @@ def test_a_promotion_waits_for_the_writer_to_free_slots():
             assert await asyncio.wait_for(promote, 10) == 2
             assert pool.contains("t0") and pool.contains("t1")
             pool.invariants()
+
     asyncio.run(main())
 
 
 def test_a_promotion_gives_up_when_the_writer_stays_stuck():
     """A hung tier holds a get at most `room_wait`: then the pages are misses, the slots
     reserved meanwhile are given back, and the pool's counts hold."""
+
     async def main():
         async with _pool_pinned_for_writing(wait=0.3) as (pool, tier, tiering):
             assert await asyncio.wait_for(tiering.promote(ID, pool, ["t0", "t1"]), 10) == 0
             assert not pool.contains("t0") and pool._reserved == 0
             pool.invariants()
+
     asyncio.run(main())
 
 
@@ -208,6 +220,7 @@ def _write_back_store(tmp_path):
     from sidecar.buffers import Sources
     from sidecar.store import Store
     from sidecar.tiers.file_tier import FileTier
+
     arena = Arena(4 << 20)
     host = HostPool(arena, 64 << 10)
     tier = FileTier("file", str(tmp_path / "tier"))
@@ -225,6 +238,7 @@ def test_a_peers_flush_writes_its_own_namespaces_and_the_walk_yields(tmp_path, m
     from sidecar import tiering as tiering_mod
     from sidecar.peer import Peer
     from sidecar.spec import parse_spec
+
     monkeypatch.setattr(tiering_mod, "DIRTY_CHUNK", 8)
     a, b = Peer(1, 1001, 1001), Peer(2, 1002, 1002)
 
@@ -243,6 +257,7 @@ def test_a_peers_flush_writes_its_own_namespaces_and_the_walk_yields(tmp_path, m
                 while True:
                     turns.append(1)
                     await asyncio.sleep(0)
+
             tick = asyncio.ensure_future(ticker())
             await asyncio.sleep(0)
             turns.clear()
@@ -252,10 +267,11 @@ def test_a_peers_flush_writes_its_own_namespaces_and_the_walk_yields(tmp_path, m
             assert await asyncio.wait_for(store.flush(10, a), 20) == 0
             ida, idb = nsa.identity, nsb.identity
             assert tier.count(ida) == 40 and tier.count(idb) == 0
-            assert await asyncio.wait_for(store.flush(10), 20) == 0      # the operator
+            assert await asyncio.wait_for(store.flush(10), 20) == 0  # the operator
             assert tier.count(idb) == 40
         finally:
             writer.stop()
             executor.shutdown()
             arena.close()
+
     asyncio.run(main())

@@ -1,6 +1,7 @@
 """The file tier under faults: temporaries no key can collide with and only abandoned ones
 removed, a shared directory with two writers, ENOSPC (injected and on a real small tmpfs),
 deletes the disk refuses (injected and on a real read-only mount)."""
+
 import errno
 import os
 import subprocess
@@ -17,6 +18,7 @@ ID = "0123456789abcdef0123456789abcdef"
 
 def page(key, size=4096):
     import hashlib
+
     return hashlib.shake_256(key.encode()).digest(size)
 
 
@@ -61,11 +63,15 @@ def test_recovery_removes_only_provably_abandoned_temporaries(tmp_path):
     d = os.path.dirname(t._path(ID, "a"))
     dead = _dead_pid()
     young, old = 5, pagefile.TEMP_MAX_AGE + 60
-    keep = [_fake_temp(d, "other-node-1", "ab" * 16, 4242, young),       # another node, live
-            _fake_temp(d, pagefile.NODE, pagefile.BOOT, os.getpid(), young)]  # a live writer here
-    gone = [_fake_temp(d, "other-node-2", "cd" * 16, 4242, old),          # older than the bound
-            _fake_temp(d, pagefile.NODE, "ef" * 16, os.getpid(), young),  # this node, earlier boot
-            _fake_temp(d, pagefile.NODE, pagefile.BOOT, dead, young)]     # this node, exited pid
+    keep = [
+        _fake_temp(d, "other-node-1", "ab" * 16, 4242, young),  # another node, live
+        _fake_temp(d, pagefile.NODE, pagefile.BOOT, os.getpid(), young),
+    ]  # a live writer here
+    gone = [
+        _fake_temp(d, "other-node-2", "cd" * 16, 4242, old),  # older than the bound
+        _fake_temp(d, pagefile.NODE, "ef" * 16, os.getpid(), young),  # this node, earlier boot
+        _fake_temp(d, pagefile.NODE, pagefile.BOOT, dead, young),
+    ]  # this node, exited pid
     assert FileTier("hf3fs", str(tmp_path), shared=True).recover() == 1
     assert all(os.path.exists(p) for p in keep)
     assert not any(os.path.exists(p) for p in gone)
@@ -93,6 +99,7 @@ def test_a_rescan_on_another_instance_never_removes_a_live_writers_temporary(tmp
         written.set()
         assert release.wait(10)
         return out
+
     monkeypatch.setattr(pagefile, "write_temp", held)
     result = []
     w = threading.Thread(target=lambda: result.append(write(a, "k")))
@@ -112,13 +119,13 @@ def test_shared_directory_delete_and_drop_across_two_nodes(tmp_path):
     a = FileTier("hf3fs", str(tmp_path), shared=True)
     b = FileTier("hf3fs", str(tmp_path), shared=True)
     write(a, "k", "j")
-    assert read(b, "k") == page("k") and b.contains(ID, "j")   # adopted from A's files
+    assert read(b, "k") == page("k") and b.contains(ID, "j")  # adopted from A's files
     assert a.delete(ID, ["k"]) == 1
     assert not os.path.exists(a._path(ID, "k")) and not a.contains(ID, "k")
-    assert read(b, "k") is None and not b.contains(ID, "k")     # B: a miss, then forgotten
+    assert read(b, "k") is None and not b.contains(ID, "k")  # B: a miss, then forgotten
     a.drop(ID)
     assert not os.path.exists(os.path.join(str(tmp_path), ID))  # the directory is gone
-    assert b.recover() == 0 and not b.contains(ID, "j")        # B's next rescan sees nothing
+    assert b.recover() == 0 and not b.contains(ID, "j")  # B's next rescan sees nothing
     assert write(b, "n") == [True] and read(a, "n") == page("n")  # and writing starts again
 
 
@@ -143,6 +150,7 @@ def test_injected_enospc_evicts_least_recent_pages_and_retries(tmp_path, monkeyp
         if len(calls) == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kw)
+
     monkeypatch.setattr(pagefile, "write_temp", full_once)
     assert write(t, "new") == [True]
     assert calls == ["new", "new"] and t.stats.evictions >= 1 and t.stats.write_errors == 0
@@ -156,8 +164,11 @@ def small_fs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
     except FileNotFoundError:
         pytest.skip("no mount command here")
     if r.returncode != 0:
@@ -186,6 +197,7 @@ def test_an_injected_erofs_delete_is_reported_and_the_page_stays(tmp_path, monke
 
     def refuse(path):
         raise OSError(errno.EROFS, "Read-only file system")
+
     monkeypatch.setattr(pagefile, "remove", refuse)
     assert t.delete(ID, ["a"]) == 0
     assert t.contains(ID, "a") and t.stats.delete_errors == 1 and "Read-only" in t.degraded

@@ -1,4 +1,5 @@
 """Page files and the file tier: publish, verify, recover, evict, degrade."""
+
 import errno
 import os
 import subprocess
@@ -16,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def page(key, size=4096):
     import hashlib
+
     return hashlib.shake_256(key.encode()).digest(size)
 
 
@@ -37,7 +39,9 @@ def read(tier, key, size=4096):
 
 def test_round_trip_and_recovery(tmp_path):
     t = FileTier("file", str(tmp_path))
-    assert t.write_batch([(ID, k, memoryview(page(k))) for k in ("a", ".", "..", "x:y")]) == [True] * 4
+    assert (
+        t.write_batch([(ID, k, memoryview(page(k))) for k in ("a", ".", "..", "x:y")]) == [True] * 4
+    )
     assert all(t.contains(ID, k) for k in ("a", ".", "..", "x:y")) and t.count(ID) == 4
     assert read(t, "..") == page("..")
     fresh = FileTier("file", str(tmp_path))
@@ -51,10 +55,17 @@ def test_unpublished_temporaries_are_never_served_and_are_cleaned(tmp_path):
     directory = os.path.dirname(t._path(ID, "b"))
     os.makedirs(directory, exist_ok=True)
     # a process of this node that crashed before the rename: its pid is gone
-    code = ("import os, sys; from sidecar.tiers import pagefile; "
-            "tmp, fd, _ = pagefile.write_temp(sys.argv[1], 'b', b'x' * 4096); print(tmp)")
-    tmp = subprocess.run([sys.executable, "-c", code, directory], check=True, text=True,
-                         capture_output=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout.strip()
+    code = (
+        "import os, sys; from sidecar.tiers import pagefile; "
+        "tmp, fd, _ = pagefile.write_temp(sys.argv[1], 'b', b'x' * 4096); print(tmp)"
+    )
+    tmp = subprocess.run(
+        [sys.executable, "-c", code, directory],
+        check=True,
+        text=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    ).stdout.strip()
     assert os.path.exists(tmp)
     fresh = FileTier("file", str(tmp_path))
     assert fresh.recover() == 1 and not fresh.contains(ID, "b")
@@ -63,8 +74,9 @@ def test_unpublished_temporaries_are_never_served_and_are_cleaned(tmp_path):
 
 # flip_header: the length field; flip_header_sum: the header's own checksum, the one damage
 # that only that checksum catches (every other header field is checked on its own)
-@pytest.mark.parametrize("damage", ["flip_page", "flip_header", "flip_header_sum", "truncate",
-                                    "extend", "wrong_key"])
+@pytest.mark.parametrize(
+    "damage", ["flip_page", "flip_header", "flip_header_sum", "truncate", "extend", "wrong_key"]
+)
 def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
     t = FileTier("file", str(tmp_path))
     t.write_batch([(ID, "a", memoryview(page("a"))), (ID, "b", memoryview(page("b")))])
@@ -116,17 +128,19 @@ def test_a_rescan_between_a_batch_rename_and_its_index_keeps_the_pages(tmp_path,
     fsync_dir = pagefile.fsync_dir
     rescans = []
 
-    def rescan_first(d):   # the batch has renamed every page; it indexes them after this
+    def rescan_first(d):  # the batch has renamed every page; it indexes them after this
         rescans.append(t.recover())
         fsync_dir(d)
+
     monkeypatch.setattr(pagefile, "fsync_dir", rescan_first)
     keys = ["a", "b", "c"]
     assert t.write_batch([(ID, k, memoryview(page(k))) for k in keys]) == [True] * 3
-    assert rescans == [3]   # it saw the three renamed files
+    assert rescans == [3]  # it saw the three renamed files
     assert [read(t, k) for k in keys] == [page(k) for k in keys]
     assert t.used == 3 * size and t.reserved == 0 and not t._publishing
     assert sorted(os.listdir(os.path.dirname(t._path(ID, "a")))) == sorted(
-        os.path.basename(t._path(ID, k)) for k in keys)
+        os.path.basename(t._path(ID, k)) for k in keys
+    )
 
 
 def test_recovery_rebuilds_lru_by_mtime(tmp_path):
@@ -150,12 +164,14 @@ def test_enospc_and_vanished_directory_degrade(tmp_path, monkeypatch):
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(pagefile, "write_temp", full)
     assert t.write_batch([(ID, "a", memoryview(page("a")))]) == [False]
     assert t.stats.write_errors == 1 and "No space" in t.degraded
     monkeypatch.undo()
     assert t.write_batch([(ID, "a", memoryview(page("a")))]) == [True]
     import shutil
+
     shutil.rmtree(tmp_path / "tier")  # the directory vanishes under the tier
     assert read(t, "a") is None and not t.contains(ID, "a")
     assert t.write_batch([(ID, "b", memoryview(page("b")))]) == [True]  # made again
@@ -171,9 +187,12 @@ def test_shared_tier_adopts_pages_written_by_another_node(tmp_path):
     assert not b.contains(other, "k")  # another spec never collides
 
 
-@pytest.mark.parametrize("damage", [None, "flip_page", "flip_header", "flip_header_sum", "truncate"])
+@pytest.mark.parametrize(
+    "damage", [None, "flip_page", "flip_header", "flip_header_sum", "truncate"]
+)
 def test_aligned_pages_use_the_direct_layout_and_are_verified(tmp_path, damage):
     import mmap
+
     src, dst = mmap.mmap(-1, 8192), mmap.mmap(-1, 8192)  # page-aligned, like arena slots
     src.write(page("a", 8192))
     assert pagefile.direct_ok(memoryview(src))
@@ -182,8 +201,10 @@ def test_aligned_pages_use_the_direct_layout_and_are_verified(tmp_path, damage):
     path = t._path(ID, "a")
     size = os.path.getsize(path)
     if size != pagefile.BLOCK + 8192:
-        pytest.skip(f"O_DIRECT refused by {fs_type(tmp_path)} at {tmp_path} (the buffered layout "
-                    "was written): the direct layout is not exercised here")
+        pytest.skip(
+            f"O_DIRECT refused by {fs_type(tmp_path)} at {tmp_path} (the buffered layout "
+            "was written): the direct layout is not exercised here"
+        )
     data = bytearray(Path(path).read_bytes())
     if damage == "flip_page":
         data[pagefile.BLOCK + 5] ^= 1

@@ -1,6 +1,7 @@
 """The index `recover` rebuilds (file_tier.py): pages found on disk are kept as a list
 oldest mtime first, ahead of the LRU of pages added or read since; eviction takes the
 least recent of both, exactly as one LRU would."""
+
 import os
 import tempfile
 from collections import OrderedDict
@@ -37,19 +38,31 @@ def read(tier: FileTier, ident: str, key: str) -> bool:
 
 
 def test_a_recovered_page_read_becomes_the_most_recent(tmp_path):
-    for age, key in enumerate("abcd"):     # a newest, d oldest
+    for age, key in enumerate("abcd"):  # a newest, d oldest
         publish(str(tmp_path), IDS[0], key, age)
     t = FileTier("file", str(tmp_path), capacity=4 * SIZE)
     assert t.recover() == 4 and t.used == 4 * SIZE
-    assert read(t, IDS[0], "d")            # the oldest, read: now the most recent
+    assert read(t, IDS[0], "d")  # the oldest, read: now the most recent
     assert t.write_batch([(IDS[0], k, memoryview(page(k))) for k in "ef"]) == [True, True]
     assert {k: t.contains(IDS[0], k) for k in "abcdef"} == {
-        "a": True, "b": False, "c": False, "d": True, "e": True, "f": True}
+        "a": True,
+        "b": False,
+        "c": False,
+        "d": True,
+        "e": True,
+        "f": True,
+    }
     assert t.pages() == 4 and t.used == 4 * SIZE
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["read", "write", "delete", "evict"]),
-                         st.sampled_from(IDS), st.sampled_from("abcdefgh")), max_size=25)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["read", "write", "delete", "evict"]),
+        st.sampled_from(IDS),
+        st.sampled_from("abcdefgh"),
+    ),
+    max_size=25,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -111,6 +124,7 @@ def test_a_large_disk_reads_no_file_for_the_default_size(monkeypatch, tmp_path):
 
     from sidecar import datadir
     from sidecar.config import Config
+
     for i in range(3):
         publish(str(tmp_path), IDS[0], f"k{i}", i)
     stats = []
@@ -119,14 +133,17 @@ def test_a_large_disk_reads_no_file_for_the_default_size(monkeypatch, tmp_path):
 
     class Disk:
         f_bavail, f_frsize = 10**9, 4096
+
     monkeypatch.setattr(datadir.os, "statvfs", lambda path: Disk)
     config = replace(Config(), data_dir=str(tmp_path))
     assert datadir.file_tier_size(config)[0] == 64 * 2**30 and stats == []
-    Disk.f_bavail = 1000                   # a small disk: what the tier holds counts, all of it
+    Disk.f_bavail = 1000  # a small disk: what the tier holds counts, all of it
     size, why = datadir.file_tier_size(config)
     pages = [p for p in stats if p.endswith(".pg")]
     held = sum(real_lstat(p).st_blocks * 512 for p in pages)
-    assert len(pages) == 3 and size == int(0.9 * (1000 * 4096 + held)) and f"{held} bytes held" in why
+    assert (
+        len(pages) == 3 and size == int(0.9 * (1000 * 4096 + held)) and f"{held} bytes held" in why
+    )
 
 
 def test_bench_recovery_runs_small(capsys, tmp_path):
@@ -134,7 +151,11 @@ def test_bench_recovery_runs_small(capsys, tmp_path):
     import orjson
 
     from loadtest import bench_recovery
-    assert bench_recovery.main(["--pages", "2000", "--rounds", "1", "--dir", str(tmp_path), "--json"]) == 0
+
+    assert (
+        bench_recovery.main(["--pages", "2000", "--rounds", "1", "--dir", str(tmp_path), "--json"])
+        == 0
+    )
     res = orjson.loads(capsys.readouterr().out.splitlines()[-1])
     assert res["pages"] == 2000 and 0 < res["recover_s"] < res["ready_s"]
     assert 50 < res["index_bytes_per_page"] < res["peak_bytes_per_page"]
