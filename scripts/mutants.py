@@ -391,6 +391,14 @@ MUTANTS = [
         "timeout_graceful_shutdown=None,",
         ("tests/sidecar/test_process.py::test_shutdown_timeout_bounds_the_drain",),
     ),
+    # -- inline uploads in flight: an owner's part of the segments (issue 43, item 6) ------
+    M(
+        "uploads: trickling uploads in flight uncapped",
+        "sidecar/store.py",
+        "        if self.uploads[owner] >= max(1, segments // UPLOADS_OWNER_SHARE) or sum(",
+        "        if False and sum(",
+        ("tests/api/test_uploads.py",),
+    ),
     # -- pipelining: one request at a time, heads counted from their first byte (issue 43: 1)
     M(
         "pipelining: the next request parsed before the answer is out",

@@ -10,6 +10,7 @@ import asyncio
 import ctypes
 import logging
 import secrets
+from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from sidecar.errors import (
 from sidecar.joints import Joints
 from sidecar.keys import check_key, check_keys
 from sidecar.lookup import Lookup
-from sidecar.namespace import Counters, Namespace
+from sidecar.namespace import Counters, Namespace, Owner
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
 from sidecar.tenancy import (
@@ -54,6 +55,10 @@ log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64  # an engine registers a few (one per pool and rank)
 MAX_BUFFERS = 1024  # each is a mapping or an open fd
 MAX_BUFFERS_PER_UID = 256  # one uid's share: the others keep room
+# inline uploads (`PUT .../pages/{key}`) hold a reserved slot while their body arrives, and a
+# busy slot keeps its whole segment from any reclaim: at most an eighth of the segments an
+# owner, half in all, so a trickling uploader never holds what another owner grows into
+UPLOADS_OWNER_SHARE, UPLOADS_SHARE = 8, 2
 
 
 class Store:
@@ -72,6 +77,7 @@ class Store:
         self.copier = Copier(2 * copy_parallel, copy_parallel)  # one uid: half the threads
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
+        self.uploads: Counter[Owner] = Counter()  # inline uploads holding a slot, by owner
         self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
         sources.leases.on_end = self.release_lent
         self.dir = Directory.empty()
@@ -433,6 +439,7 @@ class Store:
         ns = self.namespace(name)
         check_key(key)
         size = ns.spec.page_bytes
+        self._check_uploads(ns.owner)
         r = ns.pool.reserve(key)
         if r is None and self.tiering.backlogged():
             r = await self._reserve_after_writes(ns, key)
@@ -446,6 +453,7 @@ class Store:
             ns.counters.no_room += 1
             raise NoRoom(f"no room for a page in namespace {name!r}: every slot is in use")
         ok, credits = False, 0
+        self.uploads[ns.owner] += 1
         try:
             got = await self._fill(r, body, size)
             if got != size:
@@ -455,6 +463,7 @@ class Store:
             credits = await self.tiering.admit(ns.identity, ns.pool, 1)
             ok = True
         finally:
+            self.uploads[ns.owner] -= 1
             if ok:
                 ok = ns.pool.commit(r)
             else:
@@ -465,6 +474,18 @@ class Store:
         ns.counters.bytes_in += size
         self.totals.bytes_in += size
         return True
+
+    def _check_uploads(self, owner: Owner) -> None:
+        """429 when `owner` (or every owner together) holds as many uploads in flight as
+        its part of the segments allows (UPLOADS_OWNER_SHARE, UPLOADS_SHARE)."""
+        segments = self.host_pool.n_segments
+        if self.uploads[owner] >= max(1, segments // UPLOADS_OWNER_SHARE) or sum(
+            self.uploads.values()
+        ) >= max(1, segments // UPLOADS_SHARE):
+            raise TooMany(
+                "too many page uploads in flight; finish or send them whole "
+                "(or move pages with buffers: POST .../set)"
+            )
 
     async def _fill(self, e: Entry, body: AsyncIterator[bytes], size: int) -> int:
         got, dst = 0, self._base + e.offset
