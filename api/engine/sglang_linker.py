@@ -54,14 +54,17 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 from sglang.srt.runtime_context import get_parallel
 
 from api.engine.client import ENGINE_URL, SidecarClient, SidecarError, SidecarUnavailable
-from api.engine.restore_cost import HOST, RestoreCost
+from api.engine.restore_cost import HOST
 from api.engine.sglang_linker_cuda import DevicePool, direct_pool, gate
 from api.engine.sglang_linker_pools import (
     PoolLayout,
     device_pool_group,
     is_mla,
+    merge_items,
     page_rows,
     plan_staging,
+    restore_cost_of,
+    tp_rank_of,
 )
 from api.engine.sglang_pools import namespace_name, namespace_spec
 from api.engine.shm import SharedBuffer
@@ -101,7 +104,7 @@ class SidecarLinker(UnifiedCacheLinker):
             kvcache, params, self.page_size, components
         )
         self.pools = self.pool_group.entry_map
-        self.tp_rank, self.tp_size = _tp_rank(params)
+        self.tp_rank, self.tp_size = tp_rank_of(params)
         self.layouts = {n: PoolLayout.of(n, e) for n, e in self.pools.items()}
         size = plan_staging(
             list(self.layouts.values()),
@@ -148,7 +151,7 @@ class SidecarLinker(UnifiedCacheLinker):
         }
         self._down_until = 0.0
         self._last_warning = 0.0
-        self.cost = _restore_cost(extra)
+        self.cost = restore_cost_of(extra)
         self._register_quietly()
         self.threads = [
             threading.Thread(target=fn, daemon=True, name=f"kv-sidecar-{what}-tp{self.tp_rank}")
@@ -380,7 +383,7 @@ class SidecarLinker(UnifiedCacheLinker):
     def _load_batch(self, index: int, batch: dict) -> None:
         """Every page of the batch into its device slots, then every layer is done; any page
         missing (evicted, corrupt, sidecar down) fails the whole counter index."""
-        items = _merge(batch.values())
+        items = merge_items(batch.values())
         started = time.monotonic()
         try:
             for round_items in self._rounds(items):
@@ -465,7 +468,7 @@ class SidecarLinker(UnifiedCacheLinker):
         try:
             for _, events in tasks:
                 gate(events)
-            merged = _merge(items for items, _ in tasks)
+            merged = merge_items(items for items, _ in tasks)
             if not merged:
                 return [True] * len(tasks)
             self._register()  # which pools go direct is settled before any staging copy
@@ -585,41 +588,3 @@ class SidecarLinker(UnifiedCacheLinker):
             log.info("kv-sidecar linker stats: %s", self.stats)
         except Exception as exc:
             self._failed("close", exc)
-
-
-def _restore_cost(extra: dict) -> RestoreCost | None:
-    """The linker's restore cost (`restore_cost`, on by default). SGLang's forward times do
-    not reach the linker: the prefill rate is `prefill_tokens_per_s` when given, and until
-    then every restore is worth it (loads are still timed)."""
-    if str(extra.get("restore_cost", True)).lower() in ("0", "false", "no", "off"):
-        return None
-    cost = RestoreCost(probe_s=float(extra.get("restore_probe_s", 60.0)))
-    if extra.get("prefill_tokens_per_s"):
-        cost.prefill.add(float(extra["prefill_tokens_per_s"]))
-    return cost
-
-
-def _merge(requests) -> list:
-    """One (pool, keys, rows) per pool for a whole batch of requests, in request order."""
-    merged: dict = {}
-    for items in requests:
-        for name, keys, rows in items:
-            k, r = merged.setdefault(name, ([], []))
-            k.extend(keys)
-            r.extend(rows)
-    return [(name, k, r) for name, (k, r) in merged.items()]
-
-
-def _tp_rank(params) -> tuple[int, int]:
-    """The attention-TP rank and size (the group the tree reduces hits over)."""
-    group = params.attn_tp_cache_group or params.tp_cache_group
-    if (
-        group is not None
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
-        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(
-            group=group
-        )
-    parallel = get_parallel()
-    return int(getattr(parallel, "tp_rank", 0) or 0), int(getattr(parallel, "tp_size", 1) or 1)

@@ -39,7 +39,9 @@ import orjson
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache import linker_pool_assembler as lpa
+from sglang.srt.runtime_context import get_parallel
 
+from api.engine.restore_cost import RestoreCost
 from api.engine.sglang_linker_cuda import page_views
 
 SUPPORTED = (PoolName.KV, PoolName.SWA, PoolName.MAMBA)
@@ -244,3 +246,41 @@ def page_rows(layout: PoolLayout, transfer) -> list[int] | None:
         return None
     rows = layout.entry.prepare_locations(indices)
     return rows if len(rows) == len(transfer.keys) else None
+
+
+def restore_cost_of(extra: dict) -> RestoreCost | None:
+    """The linker's restore cost (`restore_cost`, on by default). SGLang's forward times do
+    not reach the linker: the prefill rate is `prefill_tokens_per_s` when given, and until
+    then every restore is worth it (loads are still timed)."""
+    if str(extra.get("restore_cost", True)).lower() in ("0", "false", "no", "off"):
+        return None
+    cost = RestoreCost(probe_s=float(extra.get("restore_probe_s", 60.0)))
+    if extra.get("prefill_tokens_per_s"):
+        cost.prefill.add(float(extra["prefill_tokens_per_s"]))
+    return cost
+
+
+def merge_items(requests) -> list:
+    """One (pool, keys, rows) per pool for a whole batch of requests, in request order."""
+    merged: dict = {}
+    for items in requests:
+        for name, keys, rows in items:
+            k, r = merged.setdefault(name, ([], []))
+            k.extend(keys)
+            r.extend(rows)
+    return [(name, k, r) for name, (k, r) in merged.items()]
+
+
+def tp_rank_of(params) -> tuple[int, int]:
+    """The attention-TP rank and size (the group the tree reduces hits over)."""
+    group = params.attn_tp_cache_group or params.tp_cache_group
+    if (
+        group is not None
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+    ):
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(
+            group=group
+        )
+    parallel = get_parallel()
+    return int(getattr(parallel, "tp_rank", 0) or 0), int(getattr(parallel, "tp_size", 1) or 1)
