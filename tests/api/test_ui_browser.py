@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import requests
 
 from tests.api.test_ui import traffic
 
@@ -22,6 +21,14 @@ BROWSER = next(
 # a longer run for the README's picture than for the check
 WANT_SAMPLES = 40 if os.environ.get("UI_SCREENSHOT") else 3
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no headless chromium installed")
+
+
+TOKEN = "s3cret"
+
+
+def login_url(srv) -> str:
+    """The server's URL with the browser login (user `sidecar`, the token as password)."""
+    return srv.url.replace("http://", f"http://sidecar:{TOKEN}@", 1)
 
 
 def chromium(url: str, profile, *args: str) -> subprocess.CompletedProcess:
@@ -56,8 +63,10 @@ def charts(dom: str) -> dict[str, int]:
 
 @pytest.fixture
 def busy_sidecar(make_server, tmp_path):
-    """A sidecar with a file tier, a few seconds of samples of live traffic, traffic going on."""
-    srv = make_server(file_tier=True, data_dir=str(tmp_path / "tier"))
+    """A sidecar with a file tier, a few seconds of samples of live traffic, traffic going on.
+    A token: the browser logs in as the operator, who sees every tenant's namespaces (anonymous
+    TCP would see only its own: the engines' namespaces here are their uid's)."""
+    srv = make_server(file_tier=True, data_dir=str(tmp_path / "tier"), token=TOKEN)
     client = srv.client()
     client.put_namespace("kv", 4096, model="m")
     client.put_namespace("draft", 4096, model="m-draft", host_capacity_bytes=64 * 4096)
@@ -70,7 +79,7 @@ def busy_sidecar(make_server, tmp_path):
     try:
         deadline = time.time() + 10 + 2 * WANT_SAMPLES
         while time.time() < deadline:
-            samples = requests.get(srv.url + "/v1/samples", timeout=5).json()["samples"]
+            samples = srv.tcp_client().request("GET", "/v1/samples")[1]["samples"]
             if sum(s["gbps_in"] > 0 for s in samples) >= WANT_SAMPLES:
                 break
             time.sleep(0.2)
@@ -83,7 +92,7 @@ def busy_sidecar(make_server, tmp_path):
 
 @pytest.mark.slow
 def test_status_page_draws_every_chart(busy_sidecar, tmp_path):
-    url = busy_sidecar.url + "/ui"
+    url = login_url(busy_sidecar) + "/ui"
     out = chromium(url, tmp_path / "profile-dom", "--dump-dom")
     assert out.returncode == 0, out.stderr[-2000:]
     drawn = charts(out.stdout)
@@ -141,3 +150,18 @@ def test_a_browser_logs_in_with_the_token(make_server, tmp_path):
     assert set(charts(out.stdout)) == set(CHARTS)
     docs = chromium(f"http://sidecar:s3cret@{host}/docs", tmp_path / "profile-docs", "--dump-dom")
     assert docs.stdout.count('class="opblock ') >= 10
+
+
+@pytest.mark.slow
+def test_anonymous_browser_sees_no_other_tenants_fill(make_server, tmp_path):
+    """Without a token a browser is anonymous TCP, a tenant of its own: the engine's
+    namespace (its uid's) draws no line of fill and its name is nowhere on the page."""
+    srv = make_server()
+    srv.client().put_namespace("secret-customer", 4096, model="m", host_capacity_bytes=64 * 4096)
+    srv.tcp_client().put_namespace("mine", 4096, model="m", host_capacity_bytes=64 * 4096)
+    time.sleep(2.5)  # two samples of the 1 s sampler
+    out = chromium(srv.url + "/ui", tmp_path / "profile-anon", "--dump-dom")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "secret-customer" not in out.stdout
+    fill = re.search(r'<svg\b[^>]*data-chart="fill"[^>]*>.*?</svg>', out.stdout, re.S).group(0)
+    assert 'data-series="mine"' in fill
