@@ -395,9 +395,16 @@ MUTANTS = [
     M(
         "uploads: trickling uploads in flight uncapped",
         "sidecar/store.py",
-        "        if self.uploads[owner] >= max(1, segments // UPLOADS_OWNER_SHARE) or sum(",
+        "        if mine >= max(1, cap) or sum(",
         "        if False and sum(",
         ("tests/api/test_uploads.py",),
+    ),
+    M(
+        "uploads: an owner's uploads in flight past its owner share",
+        "sidecar/store.py",
+        "        cap = min(hp.n_segments // UPLOADS_OWNER_SHARE, int(hp.owner_share()))",
+        "        cap = hp.n_segments // UPLOADS_OWNER_SHARE",
+        ("tests/api/test_uploads.py::test_an_uploader_holds_no_more_than_its_owner_share",),
     ),
     # -- pipelining: one request at a time, heads counted from their first byte (issue 43: 1)
     M(

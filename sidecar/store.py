@@ -56,8 +56,9 @@ MAX_BUFFERS_PER_NAMESPACE = 64  # an engine registers a few (one per pool and ra
 MAX_BUFFERS = 1024  # each is a mapping or an open fd
 MAX_BUFFERS_PER_UID = 256  # one uid's share: the others keep room
 # inline uploads (`PUT .../pages/{key}`) hold a reserved slot while their body arrives, and a
-# busy slot keeps its whole segment from any reclaim: at most an eighth of the segments an
-# owner, half in all, so a trickling uploader never holds what another owner grows into
+# busy slot keeps its whole segment from any reclaim: an owner at most an eighth of the
+# segments and its owner share (never below one), half in all, so a trickling uploader
+# never holds what another owner grows into
 UPLOADS_OWNER_SHARE, UPLOADS_SHARE = 8, 2
 
 
@@ -477,11 +478,14 @@ class Store:
 
     def _check_uploads(self, owner: Owner) -> None:
         """429 when `owner` (or every owner together) holds as many uploads in flight as
-        its part of the segments allows (UPLOADS_OWNER_SHARE, UPLOADS_SHARE)."""
-        segments = self.host_pool.n_segments
-        if self.uploads[owner] >= max(1, segments // UPLOADS_OWNER_SHARE) or sum(
-            self.uploads.values()
-        ) >= max(1, segments // UPLOADS_SHARE):
+        its part of the segments allows: the smaller of 1/UPLOADS_OWNER_SHARE of them and
+        the floor of the owner share the pools grow by (`HostPool.owner_share`: more than
+        eight owners make it the smaller), at least one; 1/UPLOADS_SHARE of them in all."""
+        hp, mine = self.host_pool, self.uploads[owner]
+        cap = min(hp.n_segments // UPLOADS_OWNER_SHARE, int(hp.owner_share()))
+        if mine >= max(1, cap) or sum(self.uploads.values()) >= max(
+            1, hp.n_segments // UPLOADS_SHARE
+        ):
             raise TooMany(
                 "too many page uploads in flight; finish or send them whole "
                 "(or move pages with buffers: POST .../set)"
