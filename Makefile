@@ -189,6 +189,13 @@ bench: $(VENV)/.installed
 	$(PY) -m loadtest.bench $(ARGS)
 	$(PY) -m loadtest.bench_socket
 
+# A vLLM CPU restore (exists + get into a layer-major KV memfd) against memcpy, quiet and
+# beside 2 CPU burners (issue 44); ARGS= passes loadtest.bench_restore's flags
+.PHONY: bench-restore
+bench-restore: $(VENV)/.installed
+	$(PY) -m loadtest.bench_restore $(ARGS)
+	$(PY) -m loadtest.bench_restore --busy 2 $(ARGS)
+
 # The file tier's index rebuilt from 1,000,000 page files (written in a temp dir, removed
 # after): in process, memory per page, and process start to ready (target < 10 s)
 .PHONY: bench-recovery prometheus

@@ -1059,6 +1059,20 @@ MUTANTS = [
             "tests/api/test_trust_round4.py::test_tcp_sees_only_its_own_names_unless_it_is_the_operator[None]",
         ),
     ),
+    M(
+        "views: every tenant's copy times shown to a peer",
+        "sidecar/report.py",
+        "    if who is OPERATOR:  # every tenant's copies",
+        "    if True:  # every tenant's copies",
+        ("tests/api/test_copy_times.py::test_copy_times_are_the_operators_to_see",),
+    ),
+    M(
+        "copier: a move's copy time counted without its jobs' end",
+        "sidecar/lanes.py",
+        "            job.ended = time.monotonic()\n",
+        "",
+        ("tests/api/test_copy_times.py::test_a_moves_time_is_split_into_wait_copy_and_settle",),
+    ),
     # -- never slower than recomputing (issue 44; api/engine/restore_cost.py) -------------
     M(
         "restore cost: a restore slower than its prefill still loads",

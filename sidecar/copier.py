@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,19 @@ log = logging.getLogger("kv_sidecar.store")
 COPY_DEADLINE = 30.0  # seconds a request waits for its copy (--copy-deadline)
 
 
+@dataclass(slots=True)
+class CopyTimes:
+    """Where the moves that completed spent their time, summed (the operator's
+    `/v1/stats` "copies"): `wait_s` from the request's submit to its first job running on
+    a copy thread (the hand-off), `copy_s` from there to its last job's end, `settle_s`
+    from that end to the loop running it (the wake-up back)."""
+
+    moves: int = 0
+    wait_s: float = 0.0
+    copy_s: float = 0.0
+    settle_s: float = 0.0
+
+
 @dataclass(slots=True, eq=False)
 class _Move:
     """The jobs of one request's copy: settles once, when the last of them has ended."""
@@ -36,12 +50,18 @@ class _Move:
     buf: Buffer
     settle: Callable[[bool], None]
     finished: asyncio.Future
+    times: CopyTimes
+    submitted: float = 0.0
+    first: float = float("inf")  # the earliest start of its jobs
+    last: float = 0.0  # the latest end
     jobs: list[Job] = field(default_factory=list)
     left: int = 0
     failed: bool = False
     abandoned: bool = False  # past its deadline, or its request was cancelled
 
     def job_ended(self, job: Job) -> None:
+        if job.started:
+            self.first, self.last = min(self.first, job.started), max(self.last, job.ended)
         if job.error is not None:
             self.failed = True
             if isinstance(job.error, CopyFailed):
@@ -54,6 +74,12 @@ class _Move:
         self.jobs = []  # each job's `done` is this move's method: the cycle ends here, and
         self.buf.release_ref()  # the request's objects go by reference count, not the GC
         ok = not (self.failed or self.abandoned)
+        if ok:
+            t = self.times
+            t.moves += 1
+            t.wait_s += self.first - self.submitted
+            t.copy_s += self.last - self.first
+            t.settle_s += time.monotonic() - self.last
         self.settle(ok)
         if not self.finished.done():
             self.finished.set_result(ok)
@@ -78,6 +104,7 @@ class Copier:
         self.lanes = Lanes("kv-copy", threads, per_owner)
         self.parallel = max(1, min(parallel, per_owner))
         self.deadline = deadline
+        self.times = CopyTimes()
 
     async def copy(
         self,
@@ -99,7 +126,7 @@ class Copier:
             settle(False)
             return False
         loop = asyncio.get_running_loop()
-        move = _Move(buf, settle, loop.create_future())
+        move = _Move(buf, settle, loop.create_future(), self.times, time.monotonic())
         try:
             jobs = copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.parallel)
         except BaseException:

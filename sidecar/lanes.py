@@ -44,6 +44,7 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     started: float = 0.0  # time.monotonic() when a thread took it (0: not yet)
+    ended: float = 0.0  # time.monotonic() when its `fn` returned or raised
     stuck: bool = False
 
 
@@ -232,6 +233,7 @@ class Lanes:
                 job.result = job.fn()
             except BaseException as exc:  # reported to the loop; the thread goes on
                 job.error = exc
+            job.ended = time.monotonic()
             assert self.loop is not None, "set by submit, which queued this job"
             with contextlib.suppress(RuntimeError):  # the loop is closed (shutdown): nobody waits
                 self.loop.call_soon_threadsafe(self._ended, job)

@@ -60,6 +60,8 @@ def stats(store: Store, who: Caller = OPERATOR) -> dict[str, Any]:
         "controls": store.controls.summary(who),
         "cost": cost.measure(store, who),
     }
+    if who is OPERATOR:  # every tenant's copies: the operator's to see
+        out["copies"] = asdict(store.copier.times)
     if store.events is not None:
         pub = store.events.publisher
         out["events"] = {
