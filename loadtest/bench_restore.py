@@ -130,6 +130,19 @@ def copies(stats: SidecarClient) -> dict:
     return {k: float(got.get(k, 0)) for k in ("moves", "wait_s", "copy_s", "settle_s")}
 
 
+def schedstat(pid: int) -> tuple[float, float]:
+    """(on a CPU, waiting for one) seconds so far, summed over the process's threads."""
+    run = wait = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                fields = f.read().split()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+        run, wait = run + int(fields[0]), wait + int(fields[1])
+    return run / 1e9, wait / 1e9
+
+
 def burners(n: int) -> list[subprocess.Popen]:
     """`n` processes that each burn one CPU until killed (the busy machine)."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
@@ -158,6 +171,11 @@ class Bench:
         self.keys = keys_of(pages)
         self.memcpy = Memcpy(top * MIB, args.threads or os.cpu_count() or 1)
         self.buffer_id = ""
+        self.quiet: dict[int, float] = {}
+
+    def nbytes(self, mib: int) -> int:
+        """The bytes of a restore of `mib` MiB: whole pages."""
+        return mib * MIB // self.layout.page_bytes * self.layout.page_bytes
 
     def setup(self) -> None:
         """Namespace, buffer, every page set from the KV blocks 1..pages; then one restore
@@ -174,21 +192,26 @@ class Bench:
         assert self.engine.exists(NAMESPACE, self.keys) == n
         assert all(self.engine.get(NAMESPACE, self.keys, self.buffer_id, blocks))
         check(lay, self.kv.address, range(1, n + 1))
+        for mib in self.args.sizes:  # before any burner starts: the issue's quiet memcpy
+            size = self.nbytes(mib)
+            self.quiet[mib] = statistics.median(self.memcpy.one(size) for _ in range(5))
 
     def round(self, mib: int) -> dict:
         """One paired measurement of `mib` MiB: memcpy (median of 3), the split copy, and
         a restore (exists + get) with the sidecar's copy timings around the get."""
-        n = mib * MIB // self.layout.page_bytes
-        nbytes = n * self.layout.page_bytes
+        nbytes = self.nbytes(mib)
+        n = nbytes // self.layout.page_bytes
         one = statistics.median(self.memcpy.one(nbytes) for _ in range(3))
         split = statistics.median(self.memcpy.split(nbytes) for _ in range(3))
         keys, blocks = self.keys[:n], list(range(1, n + 1))
         before = copies(self.operator)
+        s0 = schedstat(self.sidecar.proc.pid)
         t0 = time.perf_counter()
         hit = self.engine.exists(NAMESPACE, keys)
         t1 = time.perf_counter()
         loaded = self.engine.get(NAMESPACE, keys, self.buffer_id, blocks)
         t2 = time.perf_counter()
+        s1 = schedstat(self.sidecar.proc.pid)
         after = copies(self.operator)
         assert hit == n and all(loaded), "a restore missed"
         server = {k: after[k] - before[k] for k in after}
@@ -203,6 +226,9 @@ class Bench:
             "wait_s": server["wait_s"],
             "copy_s": server["copy_s"],
             "settle_s": server["settle_s"],
+            "cpu_s": s1[0] - s0[0],
+            "runq_s": s1[1] - s0[1],
+            "quiet_memcpy_s": self.quiet[mib],
             "load": loadavg(),
         }
 
@@ -220,46 +246,53 @@ def limit_s(nbytes: int, memcpy_s: float) -> float:
 
 
 def summary(runs: list[dict], mib: int) -> dict:
-    """Medians over the rounds of one size (ratios paired by round, then the median)."""
+    """Medians over the rounds of one size; ratios paired by round, then their median."""
     rows = [r for r in runs if r["mib"] == mib]
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "mib"}
-    med["restore_s"] = statistics.median(r["exists_s"] + r["get_s"] for r in rows)
-    med["limit_s"] = statistics.median(limit_s(r["bytes"], r["memcpy_s"]) for r in rows)
-    med["ratio"] = statistics.median(
-        (r["exists_s"] + r["get_s"]) / limit_s(r["bytes"], r["memcpy_s"]) for r in rows
+
+    def med(f) -> float:
+        return statistics.median(f(r) for r in rows)
+
+    out = {k: med(lambda r, k=k: r[k]) for k in rows[0] if k != "mib"}
+    out["restore_s"] = med(lambda r: r["exists_s"] + r["get_s"])
+    out["rest_s"] = med(lambda r: r["get_s"] - r["wait_s"] - r["copy_s"] - r["settle_s"])
+    out["limit_s"] = med(lambda r: limit_s(r["bytes"], r["memcpy_s"]))
+    out["ratio"] = med(lambda r: (r["exists_s"] + r["get_s"]) / limit_s(r["bytes"], r["memcpy_s"]))
+    out["get_ratio"] = med(lambda r: r["get_s"] / limit_s(r["bytes"], r["memcpy_s"]))
+    out["quiet_ratio"] = med(
+        lambda r: (r["exists_s"] + r["get_s"]) / limit_s(r["bytes"], r["quiet_memcpy_s"])
     )
-    med["get_ratio"] = statistics.median(
-        r["get_s"] / limit_s(r["bytes"], r["memcpy_s"]) for r in rows
-    )
-    med["rest_s"] = statistics.median(
-        r["get_s"] - r["wait_s"] - r["copy_s"] - r["settle_s"] for r in rows
-    )
-    med["rounds"] = len(rows)
-    return med
+    out["copy_x"] = med(lambda r: r["copy_s"] / r["memcpy_s"])
+    out["rounds"] = len(rows)
+    return out
 
 
 def report(runs: list[dict], args: argparse.Namespace) -> list[dict]:
-    ms = 1e3
+    """Print the table; the summary rows."""
+    loads = [r["load"] for r in runs]
     print(
-        f"\n{args.rounds} rounds, --busy {args.busy}, load {min(r['load'] for r in runs):.1f}-"
-        f"{max(r['load'] for r in runs):.1f}, {os.cpu_count()} CPUs; medians in ms "
-        f"(GB/s); limit = bytes / (0.8 x memcpy) + 5 ms"
+        f"\n{args.rounds} rounds, --busy {args.busy}, load {min(loads):.1f}-{max(loads):.1f}, "
+        f"{os.cpu_count()} CPUs. Medians, ms (GB/s). limit = bytes / (0.8 x memcpy) + 5 ms, "
+        f"memcpy of the same round (quiet: measured before --busy started)"
     )
     print(
-        "  MiB | memcpy 1t | memcpy Nt | exists | get    | wait  copy   settle rest  "
-        "| restore        | limit  | restore/limit get/limit"
+        "  MiB | memcpy 1t  | Nt    | exists | get: wait  copy  settle rest | restore     "
+        "| sidecar cpu runq | limit | restore/limit   | /quiet limit | copy/memcpy"
     )
     out = []
     for mib in args.sizes:
         s = summary(runs, mib)
         gb = s["bytes"] / 1e9
+
+        def ms(key: str, width: int = 5, s: dict = s) -> str:
+            return f"{s[key] * 1e3:{width}.1f}"
+
         print(
-            f"  {mib:3} | {s['memcpy_s'] * ms:5.1f} ({gb / s['memcpy_s']:4.1f}) | "
-            f"{s['split_s'] * ms:5.1f}     | {s['exists_s'] * ms:5.2f}  | {s['get_s'] * ms:6.1f} | "
-            f"{s['wait_s'] * ms:4.2f} {s['copy_s'] * ms:6.1f} {s['settle_s'] * ms:5.2f} "
-            f"{s['rest_s'] * ms:5.2f} | {s['restore_s'] * ms:6.1f} ({gb / s['restore_s']:4.1f}) | "
-            f"{s['limit_s'] * ms:6.1f} | {s['ratio']:.2f}x "
-            f"{'met' if s['ratio'] <= 1 else 'NOT met':7} {s['get_ratio']:.2f}x"
+            f"  {mib:3} | {ms('memcpy_s')} ({gb / s['memcpy_s']:4.1f}) | {ms('split_s')} | "
+            f"{s['exists_s'] * 1e3:6.2f} | {s['wait_s'] * 1e3:8.2f} {ms('copy_s')} "
+            f"{s['settle_s'] * 1e3:6.2f} {s['rest_s'] * 1e3:4.2f} | {ms('restore_s')} "
+            f"({gb / s['restore_s']:4.1f}) | {ms('cpu_s', 11)} {ms('runq_s', 4)} | "
+            f"{ms('limit_s')} | {s['ratio']:.2f}x {'met' if s['ratio'] <= 1 else 'NOT met':7} | "
+            f"{s['quiet_ratio']:.2f}x        | {s['copy_x']:.2f}x"
         )
         out.append({"mib": mib, "busy": args.busy, **s})
     return out
