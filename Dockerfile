@@ -14,10 +14,11 @@ COPY loadtest ./loadtest
 # extra (pyzmq, msgspec) serves --kv-events
 ARG EXTRAS=gpu,events
 # gcc for KV events' packer (sidecar/_evpack.c; optional: without it events pack in Python,
-# slower), removed once it is built
+# slower) and the copy of a plan's runs (sidecar/_kvcopy.c; without it, memmove a run at a
+# time from Python), removed once they are built
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
- && python -I -c "import sidecar._evpack" \
+ && python -I -c "import sidecar._evpack, sidecar._kvcopy" \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --home /data kv \
  && mkdir -p /data /run/kv-sidecar && chown kv:kv /data /run/kv-sidecar \

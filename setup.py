@@ -1,5 +1,6 @@
-"""The one compiled part: KV events' packer (sidecar/_evpack.c). Optional: without a C
-compiler the install goes on and sidecar/events.py packs the same bytes in Python."""
+"""The compiled parts: KV events' packer (sidecar/_evpack.c) and the copy of a plan's runs
+(sidecar/_kvcopy.c). Optional: without a C compiler the install goes on, sidecar/events.py
+packs the same bytes in Python and sidecar/transports/shm.py copies with ctypes.memmove."""
 
 from setuptools import Extension, setup
 
@@ -7,6 +8,9 @@ setup(
     ext_modules=[
         Extension(
             "sidecar._evpack", ["sidecar/_evpack.c"], optional=True, extra_compile_args=["-O2"]
-        )
+        ),
+        Extension(
+            "sidecar._kvcopy", ["sidecar/_kvcopy.c"], optional=True, extra_compile_args=["-O2"]
+        ),
     ]
 )

@@ -29,6 +29,12 @@ from collections.abc import Sequence
 from sidecar.errors import BadRequest, Forbidden, GeometryMismatch, TooMany
 from sidecar.transports.base import CopyFailed
 
+try:  # C (sidecar/_kvcopy.c), built at install where a compiler is: the runs without the GIL
+    from sidecar import _kvcopy
+except ImportError:  # no compiler at install: ctypes.memmove a run at a time
+    _kvcopy = None  # type: ignore[assignment]
+
+STREAM_MIN = 4 << 20  # plans of this many bytes and more bypass the cache (_kvcopy.c)
 _memmove = ctypes.memmove
 _libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL around these calls
 _pread, _pwrite = _libc.pread, _libc.pwrite
@@ -182,7 +188,11 @@ class ShmMapping:
 
 
 def run_plan(plan: Sequence[tuple[int, int, int]]) -> int:
-    """Execute (dst, src, n) copies with memmove; return the bytes moved."""
+    """Execute (dst, src, n) copies; return the bytes moved. In C where built: one call,
+    the GIL released for the whole plan, and a large plan's stores streamed past the
+    cache (a restore's destination is written, not read); else memmove a run at a time."""
+    if _kvcopy is not None and type(plan) is list:
+        return _kvcopy.run_plan(plan, STREAM_MIN)
     moved = 0
     for dst, src, n in plan:
         _memmove(dst, src, n)
