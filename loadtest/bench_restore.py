@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,9 +163,14 @@ class Bench:
         pages = top * MIB // self.layout.page_bytes
         self.layout = Layout(args.layers, args.run_kib << 10, pages + 2)
         pool = (pages * self.layout.page_bytes >> 20) + 64
-        os.environ["SIDECAR_TOKEN"] = TOKEN  # TCP with the token: the operator's stats
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench-restore-")
+        token = os.path.join(self.tmp.name, "token")  # TCP with it: the operator's stats
+        with open(token, "w") as f:
+            f.write(TOKEN)
         extra = ["--copy-threads", str(args.copy_threads)] if args.copy_threads else []
-        self.sidecar: Proc = start_sidecar("--no-file-tier", "--host-pool", f"{pool}MiB", *extra)
+        self.sidecar: Proc = start_sidecar(
+            "--no-file-tier", "--host-pool", f"{pool}MiB", "--token-file", token, *extra
+        )
         self.engine = SidecarClient(self.sidecar.socket_url, token=TOKEN)
         self.operator = SidecarClient(self.sidecar.url, token=TOKEN)
         self.kv = SharedBuffer(self.layout.size, name="kv-vllm-cache")
@@ -238,6 +244,7 @@ class Bench:
         self.operator.close()
         self.sidecar.stop()
         self.kv.close()
+        self.tmp.cleanup()
 
 
 def limit_s(nbytes: int, memcpy_s: float) -> float:
@@ -314,8 +321,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def run(args: argparse.Namespace) -> list[dict]:
+    """The rounds (the warm-up ones dropped), the table printed; the summary rows."""
     bench = Bench(args)
     busy: list[subprocess.Popen] = []
     try:
@@ -332,11 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"runs": runs, "summary": rows}, f, indent=1)
+        return rows
     finally:
         for p in busy:
             p.kill()
             p.wait()
         bench.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse(argv))
     return 0
 
 

@@ -64,3 +64,36 @@ def test_bench_stalls_runs_each_scenario_against_its_limit():
     res = bench_stalls.run(pages=4096, keys=256)
     assert set(res) == {"full_pool", "neighbour", "drop"}
     assert all(r["ms"] > 0 and r["limit_ms"] > 0 and r["ratio"] > 0 for r in res.values())
+
+
+def test_bench_restore_times_each_restore_beside_its_burners():
+    """`python -m loadtest.bench_restore` end to end at small sizes (figures unchecked):
+    every restore is one move the sidecar timed, and the burners are gone after it."""
+    from loadtest import bench_restore
+
+    args = bench_restore.parse(
+        ["--sizes", "1,2", "--rounds", "2", "--layers", "3", "--run-kib", "16", "--busy", "1"]
+    )
+    rows = bench_restore.run(args)
+    assert [r["mib"] for r in rows] == [1, 2] and all(r["rounds"] == 2 for r in rows)
+    assert all(r["copy_s"] > 0 and r["memcpy_s"] > 0 and r["limit_s"] > 0.005 for r in rows)
+    assert all(r["bytes"] == r["mib"] * 2**20 // (3 * 16384) * 3 * 16384 for r in rows)
+    assert not _children_running("while True: pass")
+
+
+def _children_running(code: str) -> list[int]:
+    """Pids of this process's children whose command line holds `code`."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == os.getpid() and code.encode() in cmd:
+            found.append(int(pid))
+    return found
