@@ -978,6 +978,29 @@ MUTANTS = [
             "tests/api/test_trust_review.py::test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys",
         ),
     ),
+    M(
+        "pins kept: a pin restored into another owner's namespace of the same name",
+        "sidecar/pin_store.py",
+        '    return f"{identity}\\n{ref}".encode()',
+        "    return ref.encode()",
+        (
+            "tests/api/test_pins_kept.py::test_another_owner_making_the_same_name_after_a_restart_gets_no_pins",
+        ),
+    ),
+    M(
+        "pins kept: a TTL's end left in the record (back after a restart)",
+        "sidecar/controls.py",
+        "        self.expired += n\n        self._touch(ended)\n",
+        "        self.expired += n\n",
+        ("tests/api/test_pins_kept.py::test_an_unpin_a_ttls_end_and_a_delete_stick_across_a_restart",),
+    ),
+    M(
+        "pins kept: a damaged record restored",
+        "sidecar/pin_store.py",
+        "    if magic != MAGIC or digest != xxhash.xxh3_64_intdigest(scope(identity, ref) + body):",
+        "    if magic != MAGIC:",
+        ("tests/api/test_pins_kept.py::test_a_damaged_record_is_ignored_counted_and_removed",),
+    ),
     # -- who shares with a group; anonymous TCP a tenant (issue 43: 2, 5) ------------------
     M(
         "tenancy: a name means a shared namespace its caller never joined",

@@ -20,6 +20,7 @@ from sidecar.copier import Copier
 from sidecar.leases import LeaseRegistry, LendServer, fd_socket_path
 from sidecar.metrics import RequestStats
 from sidecar.peer import bind_unix, group_id
+from sidecar.pin_store import Keeper, PinStore
 from sidecar.samples import Sampler
 from sidecar.store import Store
 from sidecar.tenancy import OPERATOR, Caller
@@ -122,6 +123,9 @@ class Context:
         store = Store(host_pool, executor, sources, parallel, tiering)
         store.copier = Copier(config.copy_threads, parallel, config.copy_deadline)
         store.operator_tcp = config.token is not None  # else TCP is anyone on the node
+        if config.file_tier:  # operators' pins kept across a restart (sidecar/pin_store.py)
+            saved = PinStore(os.path.join(config.data_dir, "pins"))
+            store.controls.keeper = Keeper(store.controls, saved)
         ctx = cls(config, arena, host_pool, store, executor)
         for tier in tiers:
             tier.attach(arena.address, arena.size)
@@ -249,6 +253,7 @@ class Context:
             await self.loop.run_in_executor(None, self.tiering.writer.stop, timeout)
         for tier in self.tiering.tiers:
             await self.loop.run_in_executor(None, tier.close)
+        await self.store.controls.close(timeout)  # the pins stay kept: no delete below
         for name in list(self.store.namespaces):
             self.store.delete_namespace(name)
         if self.events is not None:

@@ -22,8 +22,11 @@ pinned pages hold: at most PIN_SHARE of the owner's fair share (`bound_segments`
 before any page is pinned (all or nothing, 507 `pin_bound`) and again while pins exist
 (owners coming shrink the share: the newest pins go first). A pin ends at its TTL, at unpin,
 or when its page or namespace is deleted. A pinned page no tier holds is queued for the
-tiers at once (`Tiering.write_first`). Pins live in memory: after a restart their pages are
-in the file tier (written first) and a warm brings them back.
+tiers at once (`Tiering.write_first`). With a data dir, pins outlive a restart: each
+namespace's pins (key, expiry as wall-clock time) are kept in the data dir (sidecar/
+pin_store.py; a pin or unpin answers once they are); a namespace re-created with the same
+spec and owner after a restart gets them back (`restore`: promoted, as a warm does, and
+pinned for what is left of their TTL, oldest first under the bound).
 
 Warm: a job promotes pages from any tier (file, 3FS, Mooncake) into the host pool,
 WARM_CHUNK at a time (`Tiering.promote`), its progress in `/v1/warm/{job}` and `/v1/stats`.
@@ -46,6 +49,7 @@ from sidecar.errors import BadRequest, Forbidden, JobNotFound, NamespaceNotFound
 from sidecar.keys import check_key, check_keys
 from sidecar.lookup import Lookup
 from sidecar.namespace import Namespace
+from sidecar.pin_store import Keeper
 from sidecar.tenancy import OPERATOR, Caller, Directory, owner_of
 from sidecar.tiering import Tiering
 
@@ -155,6 +159,8 @@ class Controls:
         self._heap: list[tuple[float, int, str, str]] = []
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
+        self.keeper: Keeper | None = None  # with a data dir: pins kept across a restart
+        self.dropped: dict[Namespace, asyncio.Future] = {}  # their records going (`settled`)
 
     # -- who ---------------------------------------------------------------------------
     def owned(self, ref: str, who: Caller) -> Namespace:
@@ -242,6 +248,7 @@ class Controls:
             "missing": len(sel.keys) - pinned,
             "ttl": ttl,
             "queued_for_tiers": queued,
+            "persisted": await self._kept(ns),
             **self.usage(ns.owner),
         }
 
@@ -308,7 +315,7 @@ class Controls:
             if i:
                 await asyncio.sleep(0)
             n += sum(self._release(ref, k) for k in keys[i : i + CHUNK])
-        return {"unpinned": n, **self.usage(ns.owner)}
+        return {"unpinned": n, "persisted": await self._kept(ns), **self.usage(ns.owner)}
 
     def listing(self, ref: str, who: Caller, label: str) -> dict[str, Any]:
         """One namespace's pins (the first LIST_MAX), with the owner's usage."""
@@ -323,6 +330,7 @@ class Controls:
             "namespace": label,
             "pins": shown,
             "more": max(len(mine) - LIST_MAX, 0),
+            "restoring": self.keeper is not None and ns in self.keeper.restoring,
             "pages": len(mine),
             "bytes": len(mine) * ns.spec.page_bytes,
             # the owner's pins of every namespace: for it and the operator, not its sharers
@@ -350,22 +358,59 @@ class Controls:
             "warm": warm,
             "expired": self.expired,
             "released_over_bound": self.released,
+            "kept": None if self.keeper is None else self.keeper.describe(),
         }
 
     # -- hooks from the store ------------------------------------------------------------
     def forget(self, ref: str, keys: list[str]) -> None:
         """Pages are being deleted: their pins end first (their slots then free at once)."""
-        if ref in self.pins:
-            for k in keys:
-                self._release(ref, k)
+        if ref in self.pins and sum(self._release(ref, k) for k in keys):
+            self._touch({ref})
 
     def forget_namespace(self, ns: Namespace) -> None:
-        """A namespace is being dropped: its pins end (its pool then drains), its jobs stop."""
+        """A namespace is being dropped: its pins end (its pool then drains), its restore
+        and jobs stop; its kept pins go (a shutdown, `close`d first, keeps them)."""
+        restoring = self.keeper is not None and self.keeper.stop(ns)
+        kept = restoring or ns.ref in self.pins
         for k in list(self.pins.get(ns.ref, ())):
             self._release(ns.ref, k)
+        fut = self._keep(ns) if kept else None
+        if fut is not None:
+            self.dropped[ns] = fut
         for job in self.jobs.values():
             if job.ns is ns and job.task is not None:
                 job.task.cancel()
+
+    # -- kept across a restart (sidecar/pin_store.py) -----------------------------------
+    def _keep(self, ns: Namespace) -> asyncio.Future | None:
+        return None if self.keeper is None else self.keeper.keep(ns)
+
+    async def _kept(self, ns: Namespace) -> bool:
+        """Keep `ns`'s pins as they are now: whether the data dir holds them (False: none)."""
+        fut = self._keep(ns)
+        return fut is not None and await fut
+
+    def _touch(self, refs: set[str]) -> None:
+        for ref in refs:
+            ns = self.store.namespaces.get(ref)
+            if ns is not None:
+                self._keep(ns)
+
+    def created(self, ns: Namespace) -> None:
+        """A namespace was made: the pins kept for it come back (with a data dir)."""
+        if self.keeper is not None:
+            self.keeper.restore(ns)
+
+    async def settled(self, ns: Namespace) -> None:
+        """After `forget_namespace`: once its kept pins are gone (a delete sticks)."""
+        fut = self.dropped.pop(ns, None)
+        if fut is not None:
+            await fut
+
+    async def close(self, timeout: float) -> None:
+        """Shutdown: pins kept as they are; the namespaces it then drops keep theirs."""
+        if self.keeper is not None:
+            await self.keeper.close(timeout)
 
     # -- expiry and bounds ---------------------------------------------------------------
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -385,7 +430,7 @@ class Controls:
         """End every pin whose TTL passed by `now` (CHUNK of them a loop turn at most: the
         rest at the next tick); the pins ended."""
         n = seen = 0
-        heap = self._heap
+        heap, ended = self._heap, set()
         while heap and heap[0][0] <= now and seen < CHUNK:
             _, seq, ref, key = heapq.heappop(heap)
             seen += 1
@@ -396,8 +441,10 @@ class Controls:
                 heapq.heappush(heap, (pin.expires, seq, ref, key))
                 continue
             self._release(ref, key)
+            ended.add(ref)
             n += 1
         self.expired += n
+        self._touch(ended)
         return n
 
     def _compact(self) -> None:
@@ -413,7 +460,7 @@ class Controls:
     def enforce(self) -> int:
         """Owners whose pins hold more segments than their bound (the share shrank as
         owners came) lose their newest pins until within it; the pins ended."""
-        n, bounds = 0, self._bounds()
+        n, bounds, ended = 0, self._bounds(), set()
         for owner in list(self.segs):
             bound = bounds(owner)
             if len(self.segs[owner]) <= bound:
@@ -431,7 +478,9 @@ class Controls:
                 if owner not in self.segs or len(self.segs[owner]) <= bound:
                     break
                 n += self._release(ref, k)
+                ended.add(ref)
         self.released += n
+        self._touch(ended)
         return n
 
     # -- evict -----------------------------------------------------------------------------

@@ -144,6 +144,7 @@ class Store:
         self.dir.add(ns)
         if self.events is not None:
             self.events.watch(ns, self.tiering.tiers)
+        self.controls.created(ns)  # pins kept for it across a restart come back
         return ns, True
 
     def namespace(self, ref: str) -> Namespace:
@@ -186,7 +187,9 @@ class Store:
 
     async def drop_tiers(self, ns: Namespace) -> int:
         """Remove a deleted namespace's tier pages (its queued writes cancelled first),
-        unless another namespace has its identity; return the pages a tier kept (failed)."""
+        unless another namespace has its identity; return the pages a tier kept (failed).
+        Its pins kept in the data dir go first."""
+        await self.controls.settled(ns)
         if any(o.identity == ns.identity for o in self.namespaces.values()):
             return 0
         return await self.tiering.drop(ns.identity)

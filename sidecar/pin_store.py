@@ -1,0 +1,418 @@
+"""Operators' pins kept across a restart: each namespace's pins in the data dir.
+
+    <data dir>/pins/<digest of the record's scope>.pins        0600, in a 0700 directory
+
+    offset 0       8              16
+    +--------------+--------------+---------------------------------------------------+
+    | magic        | xxh3(scope   | JSON: {"identity", "ref", "pins": [[key, expiry   |
+    | KVSPINS\\x01  |  + body)     |        as wall-clock seconds], ...]} (the body)   |
+    +--------------+--------------+---------------------------------------------------+
+
+A record belongs to one namespace: its scope is the namespace's tier identity (spec, name
+and `owner_tag`: uid, share group, operator or anonymous TCP) and its ref (name@uid). The
+scope names the file and keys its checksum, so a namespace reads only a record written for
+its own scope: another owner's namespace of the same name (a uid's, or anonymous TCP's on a
+sidecar restarted without its token) never gets its pins, and a renamed, planted, torn or
+damaged file is ignored, removed, logged and counted (`damaged`); start-up never reads one.
+
+Written as the file tier writes a page: a unique temporary name (`pagefile.temp_name`),
+fsync, rename, fsync of the directory; a record with no pin left is removed. Writes run on
+lane threads (sidecar/lanes.py: one at a time an owner), never on the event loop, and are
+coalesced: one write in flight a record; changes meanwhile mark it dirty and one more write
+then takes the state of that moment. A restore holds its record (`load` ... `release`) so
+no write replaces it before it is read. The first job sweeps the directory: abandoned
+temporaries, records older than TTL_MAX (every pin in them has expired), and the oldest
+past MAX_FILES go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+import xxhash
+
+from sidecar.keys import check_key
+from sidecar.lanes import Job, Lanes
+from sidecar.namespace import Namespace
+from sidecar.tiers import pagefile
+
+log = logging.getLogger("kv_sidecar.pins")
+MAGIC = b"KVSPINS\x01"
+HEAD = struct.Struct("<8sQ")
+SUFFIX = ".pins"
+PERSIST_MAX = 65536  # pins a record keeps (a namespace's oldest); the rest live in memory only
+MAX_BYTES = HEAD.size + 64 + PERSIST_MAX * 160  # a key is at most 128 characters
+MAX_FILES = 4096  # records kept (`tenancy.MAX_NAMESPACES`); the oldest past it go
+MAX_AGE = 7 * 86400.0  # controls.TTL_MAX: a record older holds only expired pins
+THREADS = 2
+CHUNK = 64  # pins a restore promotes and pins a step (controls.WARM_CHUNK)
+
+Pins = list[tuple[str, float]]  # (key, expiry in wall-clock seconds), oldest pin first
+
+
+def scope(identity: str, ref: str) -> bytes:
+    """Whose record it is: the namespace's tier identity (spec and owner) and its ref."""
+    return f"{identity}\n{ref}".encode()
+
+
+def encode(identity: str, ref: str, pins: Pins) -> bytes:
+    body = orjson.dumps({"identity": identity, "ref": ref, "pins": pins})
+    return HEAD.pack(MAGIC, xxhash.xxh3_64_intdigest(scope(identity, ref) + body)) + body
+
+
+def decode(raw: bytes, identity: str, ref: str) -> Pins | None:
+    """The pins of a record written for (identity, ref), None when it is not one."""
+    if len(raw) < HEAD.size or len(raw) > MAX_BYTES:
+        return None
+    magic, digest = HEAD.unpack_from(raw)
+    body = raw[HEAD.size :]
+    if magic != MAGIC or digest != xxhash.xxh3_64_intdigest(scope(identity, ref) + body):
+        return None
+    try:
+        pins = orjson.loads(body)["pins"]
+        out = [(check_key(k), float(t)) for k, t in pins]
+    except Exception:  # any shape but the one written: not a record
+        return None
+    return out if len(out) <= PERSIST_MAX else None
+
+
+@dataclass(slots=True, eq=False)
+class _Record:
+    identity: str
+    ref: str
+    owner: Hashable
+    source: Callable[[], Pins] = list
+    dirty: bool = False
+    held: int = 0  # restores reading or applying it: no write starts
+    task: asyncio.Task | None = None
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+
+class PinStore:
+    """Every namespace's pin record under `root` (the event loop's side: state lives here,
+    files are touched on lane threads only)."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.lanes = Lanes("kv-pins", THREADS, 1)
+        self.records: dict[str, _Record] = {}  # file name -> record in use
+        self.closed = False
+        self.written = 0
+        self.write_errors = 0
+        self.damaged = 0
+        self._swept = False
+        self._lock = threading.Lock()
+
+    def _name(self, identity: str, ref: str) -> str:
+        return hashlib.sha256(scope(identity, ref)).hexdigest()[:32] + SUFFIX
+
+    def _record(self, identity: str, ref: str, owner: Hashable) -> _Record:
+        name = self._name(identity, ref)
+        rec = self.records.get(name)
+        if rec is None:
+            rec = self.records[name] = _Record(identity, ref, owner)
+        return rec
+
+    # -- on the loop -----------------------------------------------------------------
+    async def load(self, identity: str, ref: str, owner: Hashable) -> Pins:
+        """Hold the record (writes wait until `release`) and read it once no write of it
+        is in flight: its pins, [] when there is none or it is damaged."""
+        rec = self._record(identity, ref, owner)
+        rec.held += 1
+        while rec.task is not None:
+            await asyncio.shield(rec.task)
+        path = os.path.join(self.root, self._name(identity, ref))
+        job = await self._run(owner, lambda: self._read(path, identity, ref))
+        if job.error is not None:
+            log.error("pins of %s: cannot read %s: %s", ref, path, job.error)
+            return []
+        return job.result
+
+    def release(self, identity: str, ref: str, source: Callable[[], Pins], dirty: bool) -> None:
+        """A restore ended: writes of the record may go (one now when `dirty`)."""
+        rec = self.records[self._name(identity, ref)]
+        rec.held -= 1
+        rec.source = source
+        rec.dirty |= dirty
+        self._kick(rec)
+
+    def changed(
+        self, identity: str, ref: str, owner: Hashable, source: Callable[[], Pins]
+    ) -> asyncio.Future:
+        """The pins of (identity, ref) changed: `source()` gives them (on the loop). The
+        future answers True once a write that began after this call kept them."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.closed:
+            fut.set_result(False)
+            return fut
+        rec = self._record(identity, ref, owner)
+        rec.source, rec.dirty = source, True
+        rec.waiters.append(fut)
+        self._kick(rec)
+        return fut
+
+    def _kick(self, rec: _Record) -> None:
+        if rec.task is None and not rec.held and not self.closed:
+            if rec.dirty:
+                rec.task = asyncio.get_running_loop().create_task(self._write_loop(rec))
+            elif not rec.waiters:
+                self.records.pop(self._name(rec.identity, rec.ref), None)
+
+    async def _write_loop(self, rec: _Record) -> None:
+        try:
+            while rec.dirty and not rec.held and not self.closed:
+                rec.dirty = False
+                waiters, rec.waiters = rec.waiters, []
+                pins = rec.source()
+                path = os.path.join(self.root, self._name(rec.identity, rec.ref))
+                write = functools.partial(self._write, path, rec.identity, rec.ref, pins)
+                job = await self._run(rec.owner, write)
+                ok = job.error is None
+                if ok:
+                    self.written += 1
+                else:
+                    self.write_errors += 1
+                    log.error("pins of %s: cannot write %s: %s", rec.ref, path, job.error)
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(ok)
+        finally:
+            rec.task = None
+            if self.closed:
+                for w in rec.waiters:
+                    if not w.done():
+                        w.set_result(False)
+            else:
+                self._kick(rec)
+
+    async def _run(self, owner: Hashable, fn: Callable[[], object]) -> Job:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def done(job: Job) -> None:
+            if not fut.done():
+                fut.set_result(job)
+
+        self.lanes.submit(owner, fn, done)
+        return await fut
+
+    async def close(self, timeout: float) -> None:
+        """Let the writes in flight and those due end (at most `timeout` s), then write no
+        more: the namespaces a shutdown drops keep their records."""
+        tasks = [r.task for r in self.records.values() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        self.closed = True
+        self.lanes.close()
+
+    # -- on lane threads -------------------------------------------------------------
+    def _read(self, path: str, identity: str, ref: str) -> Pins:
+        self._sweep()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            pins = None  # a link where a record goes: not one of ours
+        else:
+            try:
+                st = os.fstat(fd)
+                ok = stat.S_ISREG(st.st_mode) and st.st_size <= MAX_BYTES
+                pins = decode(os.pread(fd, MAX_BYTES + 1, 0), identity, ref) if ok else None
+            finally:
+                os.close(fd)
+        if pins is None:
+            with self._lock:
+                self.damaged += 1
+            log.warning("pins of %s: %s is damaged or not this namespace's; ignored", ref, path)
+            pagefile._unlink(path)
+            return []
+        return pins
+
+    def _write(self, path: str, identity: str, ref: str, pins: Pins) -> None:
+        """Publish the record of `pins` at `path` (none: remove it), durable once this
+        returns."""
+        self._sweep()
+        if not pins:
+            if pagefile.remove(path):
+                pagefile.fsync_dir(self.root)
+            return
+        self._make_dir()
+        tmp = os.path.join(self.root, pagefile.temp_name())
+        data = encode(identity, ref, pins)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            pagefile._unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            pagefile._unlink(tmp)
+            raise
+        pagefile.fsync_dir(self.root)
+
+    def _make_dir(self) -> None:
+        """The records' directory, 0700; one already there must be a real directory."""
+        try:
+            os.mkdir(self.root, 0o700)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(self.root).st_mode):
+                raise OSError(errno.ENOTDIR, f"{self.root} is a link or not a directory") from None
+
+    def _sweep(self) -> None:
+        """Once: abandoned temporaries, records older than MAX_AGE, the oldest past
+        MAX_FILES."""
+        with self._lock:
+            if self._swept:
+                return
+            self._swept = True
+        now, records = time.time(), []
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(self.root, name))
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if name.endswith(SUFFIX) and now - st.st_mtime <= MAX_AGE:
+                    records.append((st.st_mtime, name))
+                elif name.endswith(SUFFIX) or pagefile.abandoned(name, st.st_mtime, now):
+                    pagefile._unlink(os.path.join(self.root, name))
+        records.sort()
+        for _, name in records[: max(len(records) - MAX_FILES, 0)]:
+            pagefile._unlink(os.path.join(self.root, name))
+
+
+class Pinner(Protocol):
+    """What a keeper restores through: the controls (`sidecar.controls.Controls`), named by
+    this protocol so that the controls import the keeper and not the reverse."""
+
+    store: Any  # its `namespaces` (by ref) and `tiering`
+    pins: dict[str, dict[str, Any]]  # ns ref -> key -> pin (its `expires`: loop time)
+
+    def bound_segments(self, owner: Hashable) -> int: ...
+
+    def _hold(self, ref: str, ns: Namespace, key: str, expires: float, bound: int) -> bool: ...
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+
+class Keeper:
+    """The controls' pins as kept (`keep`: a namespace's pins now, in a coalesced write)
+    and brought back into a namespace made again (`restore`), on the event loop."""
+
+    def __init__(self, ctl: Pinner, saved: PinStore):
+        self.ctl, self.saved = ctl, saved
+        self.restoring: dict[Namespace, asyncio.Task] = {}
+        self.restores: Counter = Counter()  # pins a restore brought back or dropped, by why
+
+    def snapshot(self, ns: Namespace) -> Pins:
+        """`ns`'s pins as kept: (key, wall-clock expiry), oldest first; none once dropped."""
+        if self.ctl.store.namespaces.get(ns.ref) is not ns:
+            return []
+        now, wall = asyncio.get_running_loop().time(), time.time()
+        mine = itertools.islice(self.ctl.pins.get(ns.ref, {}).items(), PERSIST_MAX)
+        return [(k, wall + p.expires - now) for k, p in mine]
+
+    def keep(self, ns: Namespace) -> asyncio.Future:
+        """Keep `ns`'s pins as they are now: the future answers whether the data dir does."""
+        return self.saved.changed(ns.identity, ns.ref, ns.owner, lambda: self.snapshot(ns))
+
+    def restore(self, ns: Namespace) -> None:
+        self.restoring[ns] = asyncio.get_running_loop().create_task(self._restore(ns))
+
+    def stop(self, ns: Namespace) -> bool:
+        """`ns` is being dropped: its restore stops (its record then goes); whether one ran."""
+        task = self.restoring.pop(ns, None)
+        if task is not None:
+            task.cancel()
+        return task is not None
+
+    async def _restore(self, ns: Namespace) -> None:
+        kept: Pins = []
+        try:
+            kept = await self.saved.load(ns.identity, ns.ref, ns.owner)
+            await self._bring_back(ns, kept)
+        except Exception:  # logged: a restore that failed leaves the namespace unpinned
+            log.exception("restoring the pins of %s failed", ns.ref)
+        finally:
+            if self.restoring.get(ns) is asyncio.current_task():
+                del self.restoring[ns]
+            gone = self.ctl.store.namespaces.get(ns.ref) is not ns
+            self.saved.release(ns.identity, ns.ref, lambda: self.snapshot(ns), bool(kept) or gone)
+
+    async def _bring_back(self, ns: Namespace, kept: Pins) -> None:
+        """Pin `kept` in `ns` again: the expired dropped; the rest promoted from the tiers
+        CHUNK a step (as a warm does) and pinned for what is left of their TTL, oldest
+        first, each under the owner's bound (past it the newest are dropped)."""
+        ctl, loop, wall = self.ctl, asyncio.get_running_loop(), time.time()
+        live = [(k, min(t - wall, MAX_AGE)) for k, t in kept if t > wall]
+        self.restores["expired"] += len(kept) - len(live)
+        tiering = ctl.store.tiering
+        for i in range(0, len(live), CHUNK):
+            part = live[i : i + CHUNK]
+            missing = [k for k, _ in part if not ns.pool.contains(k)]
+            if missing and tiering.enabled and not ns.pool.closed:
+                ns.counters.tier_hits += await tiering.promote(ns.identity, ns.pool, missing)
+            if ctl.store.namespaces.get(ns.ref) is not ns:
+                return
+            now, bound = loop.time(), ctl.bound_segments(ns.owner)
+            for k, left in part:
+                if k in ctl.pins.get(ns.ref, ()):  # pinned again meanwhile
+                    why = "restored"
+                elif k not in ns.pool.ready:
+                    why = "missing"  # in no tier any more
+                elif ctl._hold(ns.ref, ns, k, now + left, bound):
+                    why = "restored"
+                else:
+                    why = "over_bound"
+                self.restores[why] += 1
+            ctl._arm(loop)
+
+    async def close(self, timeout: float) -> None:
+        """Shutdown: writes due end (at most `timeout` s), then none: the namespaces a
+        shutdown drops keep their records; restores stop (their records untouched)."""
+        await self.saved.close(timeout)
+        for task in self.restoring.values():
+            task.cancel()
+        await asyncio.gather(*self.restoring.values(), return_exceptions=True)
+
+    def describe(self) -> dict[str, int]:
+        """Counters for `/v1/pins` and `/v1/stats`: pins restored, or dropped at a restore
+        (expired, in no tier, over the bound); records written, failed, found damaged."""
+        r, s = self.restores, self.saved
+        return {
+            "restored": r["restored"],
+            "restore_expired": r["expired"],
+            "restore_missing": r["missing"],
+            "restore_over_bound": r["over_bound"],
+            "records_written": s.written,
+            "record_write_errors": s.write_errors,
+            "records_damaged": s.damaged,
+        }
