@@ -42,6 +42,7 @@ class Tiering:
         self.dropping: dict[str, asyncio.Future] = {}  # identities whose tier pages go now
         self.room_wait = 5.0  # seconds a promotion waits for the writer to free slots
         self.room_waits = 0  # promotions that waited so (a counter for /v1/stats)
+        self.loading: dict[tuple[str, str], asyncio.Future] = {}  # (pool, key) being promoted
 
     @property
     def enabled(self) -> bool:
@@ -311,7 +312,8 @@ class Tiering:
     # -- promotion --------------------------------------------------------------------
     async def promote(self, identity: str, pool: PagePool, keys: list[str]) -> int:
         """Load the keys found only in a tier into the host pool; return how many loaded
-        (none once the namespace is gone: its pool is closed)."""
+        (none once the namespace is gone: its pool is closed). Keys another promotion is
+        loading (a warm, a pin restored after a restart) are waited for, not missed."""
         if pool.closed:
             return 0
         keys = [k for k in keys if not pool.contains(k)]
@@ -321,9 +323,20 @@ class Tiering:
             if t is not None
         ]
         todo = await self._reserve_room(pool, found)
-        if not todo:
-            return 0
+        # (no await from here to `_load` registering this call's keys: two promotions
+        # never wait for each other)
+        others = {f for k, _ in found if (f := self.loading.get((pool.name, k))) is not None}
+        loaded = await self._load(identity, pool, todo) if todo else 0
+        if others:
+            await asyncio.wait(others)
+        return loaded
+
+    async def _load(self, identity: str, pool: PagePool, todo: list) -> int:
+        """Read reserved slots [(tier, entry)] from their tiers; commit those read whole."""
         loop = asyncio.get_running_loop()
+        mine = loop.create_future()
+        for _, r in todo:
+            self.loading[(pool.name, r.key)] = mine
         parts = self._parts(todo)
         futs = [
             loop.run_in_executor(
@@ -346,6 +359,9 @@ class Tiering:
                     pool.commit(r)
                 else:
                     pool.abort(r)
+                if self.loading.get((pool.name, r.key)) is mine:
+                    del self.loading[(pool.name, r.key)]
+            mine.set_result(None)
         return sum(results)
 
     async def _reserve_room(self, pool: PagePool, found: list[tuple[str, Tier]]) -> list:
