@@ -995,6 +995,13 @@ MUTANTS = [
         ("tests/api/test_pins_kept.py::test_an_unpin_a_ttls_end_and_a_delete_stick_across_a_restart",),
     ),
     M(
+        "pins kept: a get misses a page the restore is promoting",
+        "sidecar/tiering.py",
+        "        if others:\n            await asyncio.wait(others)\n",
+        "",
+        ("tests/api/test_pins_kept.py::test_a_get_during_a_restore_waits_for_the_page_not_a_miss",),
+    ),
+    M(
         "pins kept: a damaged record restored",
         "sidecar/pin_store.py",
         "    if magic != MAGIC or digest != xxhash.xxh3_64_intdigest(scope(identity, ref) + body):",

@@ -6,13 +6,18 @@ import hashlib
 import os
 import threading
 
+import pytest
+
 from api.engine.client import SidecarClient
+from loadtest.redteam import as_user
 from sidecar import controls
 from sidecar.tiers.file_tier import FileTier
 from tests.conftest import Gate, wait_for
 
 PAGE = 16384
 TOKEN = "op-t0ken"
+OTHER = 65532
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="a tenant of another uid needs root")
 
 
 def data(key: str) -> bytes:
@@ -118,6 +123,30 @@ def test_another_owner_making_the_same_name_after_a_restart_gets_no_pins(make_se
     op2 = back.tcp_client(timeout=30)
     op2.put_namespace("kv", PAGE)
     assert sorted(p["key"] for p in restored(op2)["pins"]) == ["a", "b"]
+
+
+def _other_uid(url: str) -> dict:
+    """Another uid makes "kv" of the same spec after the restart: what it gets."""
+    c = SidecarClient(url, timeout=30)
+    c.put_namespace("kv", PAGE)
+    pins = restored(c)
+    return {"pins": pins["pages"], "host": c.stats()["namespaces"]["kv"]["pages"]["host"]}
+
+
+@root_only
+def test_another_uid_making_the_same_name_after_a_restart_gets_no_pins(make_server, tmp_path):
+    srv = tiered(make_server, tmp_path, socket_mode=0o666)
+    c = srv.client(timeout=30)  # uid 0: its "kv" is kv@0
+    c.put_namespace("kv", PAGE)
+    stored(c, ["a", "b"])
+    assert post(c, "/v1/namespaces/kv/pin", {"keys": ["a", "b"], "ttl": 600})["persisted"]
+    srv.stop()
+    again = tiered(make_server, tmp_path, socket_mode=0o666)
+    os.chmod(os.path.dirname(again.config.socket), 0o755)
+    assert as_user(_other_uid, again.socket_url, uid=OTHER) == {"pins": 0, "host": 0}
+    c2 = again.client(timeout=30)
+    c2.put_namespace("kv", PAGE)
+    assert sorted(p["key"] for p in restored(c2)["pins"]) == ["a", "b"]
 
 
 def test_a_damaged_record_is_ignored_counted_and_removed(make_server, tmp_path):
