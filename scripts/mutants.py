@@ -992,7 +992,9 @@ MUTANTS = [
         "sidecar/controls.py",
         "        self.expired += n\n        self._touch(ended)\n",
         "        self.expired += n\n",
-        ("tests/api/test_pins_kept.py::test_an_unpin_a_ttls_end_and_a_delete_stick_across_a_restart",),
+        (
+            "tests/api/test_pins_kept.py::test_an_unpin_a_ttls_end_and_a_delete_stick_across_a_restart",
+        ),
     ),
     M(
         "pins kept: a get misses a page the restore is promoting",
