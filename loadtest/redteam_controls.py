@@ -143,6 +143,65 @@ def huge_chains(t: Target, stop: threading.Event) -> dict:
     return {"held": got["requests"] > 5 and got["5xx"] == 0 and got["413"] > 0, **got}
 
 
+# -- pin records in the data dir kept busy (sidecar/pin_store.py) ------------------------------
+def _pin_flood(url: str, stop_flag: str) -> dict:
+    """Pin and unpin in 8 namespaces without pause: each answer waits for a record write."""
+    import os
+
+    c = SidecarClient(url, token=TOKEN, timeout=120)
+    for i in range(8):
+        c.put_namespace(f"f{i}", PAGE)
+        c.put_page(f"f{i}", "k", b"f" * PAGE)
+    open(stop_flag + ".go", "w").close()  # the neighbour pins from now on
+    counts = {"requests": 0, "5xx": 0}
+    while not os.path.exists(stop_flag):
+        for i in range(8):
+            for verb in ("pin", "unpin"):
+                s = _status(lambda i=i, verb=verb: _post(c, f"f{i}", verb, {"keys": ["k"]}))
+                counts["requests"] += 1
+                counts["5xx"] += s >= 500
+    return counts
+
+
+def _kept_pins(url: str, go: str) -> dict:
+    """A neighbour pins 20 pages one at a time once the flood runs: each kept, and how
+    long each answer took."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (another process's flag: polled)
+    c = SidecarClient(url, token=TOKEN, timeout=120)
+    c.put_namespace("mine", PAGE)
+    took, kept = [], 0  # (reported as pins_kept: "kept" is the runner's verdict)
+    for i in range(20):
+        c.put_page("mine", f"m{i}", b"m" * PAGE)
+        t0 = time.perf_counter()
+        kept += bool(_post(c, "mine", "pin", {"keys": [f"m{i}"], "ttl": 600})["persisted"])
+        took.append(time.perf_counter() - t0)
+    took.sort()
+    return {"pins_kept": kept, "median_ms": took[10] * 1000, "max_ms": took[-1] * 1000}
+
+
+def pin_records_flood(t: Target, stop: threading.Event) -> dict:
+    import os
+
+    flag = os.path.join(t.workdir, "stop-pins")
+    got: dict = {}
+    flood = threading.Thread(
+        target=lambda: got.update(as_user(_pin_flood, t.socket_url, flag, uid=OTHER, timeout=600))
+    )
+    flood.start()
+    try:
+        mine = as_user(_kept_pins, t.socket_url, flag + ".go", uid=NOBODY, timeout=600)
+    finally:
+        open(flag, "w").close()
+        flood.join(600)
+    ok = mine["pins_kept"] == 20 and mine["max_ms"] < 2000 and got.get("5xx", 1) == 0
+    return {"held": ok and got["requests"] > 0, **mine, "flood": got}
+
+
 ATTACKS = [
     Attack(47, "controls: a tenant pins, evicts and warms another's namespace", others_namespace),
     Attack(
@@ -152,4 +211,9 @@ ATTACKS = [
         seconds=120,
     ),
     Attack(47, "controls: the largest chains to pin, warm and evict, without pause", huge_chains),
+    Attack(
+        47,
+        "pins kept: a tenant's pin and unpin flood keeps the records' disk busy",
+        pin_records_flood,
+    ),
 ]
