@@ -178,26 +178,24 @@ class PinStore:
         try:
             while rec.dirty and not rec.held and not self.closed:
                 rec.dirty = False
-                waiters, rec.waiters = rec.waiters, []
-                pins = rec.source()
-                path = os.path.join(self.root, self._name(rec.identity, rec.ref))
-                write = functools.partial(self._write, path, rec.identity, rec.ref, pins)
-                job = await self._run(rec.owner, write)
-                ok = job.error is None
-                if ok:
-                    self.written += 1
-                else:
-                    self.write_errors += 1
-                    log.error("pins of %s: cannot write %s: %s", rec.ref, path, job.error)
-                for w in waiters:
-                    if not w.done():
-                        w.set_result(ok)
+                waiters, rec.waiters, ok = rec.waiters, [], False
+                try:
+                    path = os.path.join(self.root, self._name(rec.identity, rec.ref))
+                    pins = rec.source()
+                    write = functools.partial(self._write, path, rec.identity, rec.ref, pins)
+                    job = await self._run(rec.owner, write)
+                    ok = job.error is None
+                    if ok:
+                        self.written += 1
+                    else:
+                        self.write_errors += 1
+                        log.error("pins of %s: cannot write %s: %s", rec.ref, path, job.error)
+                finally:
+                    _answer(waiters, ok)
         finally:
             rec.task = None
             if self.closed:
-                for w in rec.waiters:
-                    if not w.done():
-                        w.set_result(False)
+                _answer(rec.waiters, False)
             else:
                 self._kick(rec)
 
@@ -218,6 +216,8 @@ class PinStore:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
         self.closed = True
+        for rec in self.records.values():  # (held by a restore: never written now)
+            _answer(rec.waiters, False)
         self.lanes.close()
 
     # -- on lane threads -------------------------------------------------------------
@@ -307,6 +307,12 @@ class PinStore:
         records.sort()
         for _, name in records[: max(len(records) - MAX_FILES, 0)]:
             pagefile._unlink(os.path.join(self.root, name))
+
+
+def _answer(waiters: list[asyncio.Future], ok: bool) -> None:
+    for w in waiters:
+        if not w.done():
+            w.set_result(ok)
 
 
 class Pinner(Protocol):
