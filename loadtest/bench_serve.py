@@ -175,7 +175,7 @@ def run_level(
             "misses": delta.misses,
             "bytes_out": delta.bytes_out,
             "agree": sl.counters_agree(
-                delta.hits, int(src["external_kv_transfer"]), loads, fl.BLOCK
+                delta.hits + delta.misses, int(src["external_kv_transfer"]), loads, fl.BLOCK
             )
             if arm.sidecars
             else None,

@@ -179,9 +179,11 @@ def level_summary(recs: Sequence[dict], warmup: int) -> dict:
 
 
 def counters_agree(sidecar_pages: int, external_tokens: int, loads: int, block: int) -> bool:
-    """The sidecar's page hits against vLLM's external_kv_transfer tokens: each load of e
-    tokens reads ceil(e / block) pages (a partial last page is the prompt's tail), so
-    pages x block - tokens lies in [0, block x loads)."""
+    """The pages the connectors asked the sidecar for (its get hits and misses) against
+    vLLM's external_kv_transfer tokens: each load of e tokens reads ceil(e / block) pages (a
+    partial last page is the prompt's tail), so pages x block - tokens lies in
+    [0, block x loads). vLLM counts a load's tokens when it schedules it, so a page evicted
+    between the lookup and the load (a get miss, the block recomputed) is in both."""
     gap = sidecar_pages * block - external_tokens
     return 0 <= gap < block * max(loads, 1) if sidecar_pages or external_tokens else True
 

@@ -113,6 +113,10 @@ def test_counters_agree_within_a_page_a_load():
     assert not sl.counters_agree(3, 127, loads=1, block=32)  # fewer pages than tokens
     assert not sl.counters_agree(6, 127, loads=1, block=32)  # pages nobody counted
     assert sl.counters_agree(0, 0, loads=0, block=32)
+    # the split arm's run: 756 pages hit, 39 evicted between lookup and load (recomputed),
+    # 25,356 tokens vLLM counted as external when it scheduled the loads
+    assert sl.counters_agree(756 + 39, 25356, loads=40, block=32)
+    assert not sl.counters_agree(756, 25356, loads=40, block=32)
 
 
 def row(arm: str, level: int, p50: float, p99: float, rps: float) -> dict:
