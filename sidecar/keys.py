@@ -34,8 +34,10 @@ def _batch_ok(keys: list) -> bool:
     n, size = len(keys), len(keys[0])
     if raw.translate(None, _ALLOWED) != _SEPARATORS[: n - 1]:
         return False
-    if 0 < size <= MAX_KEY and len(raw) == n * (size + 1) - 1:
-        return raw[size :: size + 1] == _SEPARATORS[: n - 1]
+    stride = 0 < size <= MAX_KEY and len(raw) == n * (size + 1) - 1
+    if stride and raw[size :: size + 1] == _SEPARATORS[: n - 1]:
+        return True
+    # mixed lengths (some can sum to the stride's total: ["ab", "a", "abc"])
     return all(keys) and max(map(len, keys)) <= MAX_KEY
 
 

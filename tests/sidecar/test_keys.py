@@ -33,6 +33,9 @@ def test_batch_check_matches_the_key_check(keys):
 
 def test_examples():
     assert _batch_ok(["a" * 128, "0-9._:A"])
+    # mixed lengths whose total is the one-length stride's: valid, not a false refusal
+    assert _batch_ok(["ab", "a", "abc"])
+    assert _batch_ok(["a" * 3, "a" * 1, "a" * 5, "a" * 3])
     for bad in (["", "a"], ["a", ""], [""], ["a\nb"], ["a", "b\n"], ["a" * 129], ["é"], [None]):
         assert not _batch_ok(bad), bad
 
