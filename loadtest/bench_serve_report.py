@@ -88,10 +88,12 @@ def report(outdir: Path, plot: bool = True) -> str:
     ]
     for n in sorted({r["engines"] for r in rows}):
         mine = [r for r in rows if r["engines"] == n]
+        ttfts = {
+            (r["arm"], r["policy"], r["users_per_engine"]): kept_ttfts(outdir, r) for r in mine
+        }
         for policy in sorted({r["policy"] for r in mine}):
-            parts.append(
-                f"\nTargets, {n} engines, {policy}:\n" + sl.targets_text(sl.targets(mine, policy))
-            )
+            ts = sl.targets(mine, policy, ttfts=ttfts)
+            parts.append(f"\nTargets, {n} engines, {policy}:\n" + sl.targets_text(ts))
     errors = sum(r["errors"] for r in rows)
     parts.append(f"\nErrors in all: {errors} (must be 0)")
     text = "\n".join(parts) + "\n"
@@ -99,6 +101,18 @@ def report(outdir: Path, plot: bool = True) -> str:
     if plot:
         cdf_plots(outdir, rows)
     return text
+
+
+def kept_ttfts(outdir: Path, row: dict) -> list[float]:
+    """A row's requests' TTFTs (s), the warm-up (the first request of each user) dropped."""
+    path = (
+        outdir
+        / f"requests-{row['arm']}-{row['engines']}-{row['policy']}-{row['users_per_engine']}.jsonl"
+    )
+    if not path.exists():
+        return []
+    recs = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda x: x["end"])
+    return sorted(x["ttft"] for x in recs[row["users"] :] if x.get("ttft") is not None)
 
 
 def cdf_plots(outdir: Path, rows: list[dict]) -> None:
@@ -114,14 +128,7 @@ def cdf_plots(outdir: Path, rows: list[dict]) -> None:
     for arm in sorted({r["arm"] for r in rows}):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in (r for r in rows if r["arm"] == arm):
-            path = (
-                outdir
-                / f"requests-{arm}-{r['engines']}-{r['policy']}-{r['users_per_engine']}.jsonl"
-            )
-            recs = sorted(
-                (json.loads(x) for x in path.read_text().splitlines()), key=lambda x: x["end"]
-            )
-            ttft = sorted(x["ttft"] for x in recs[r["users"] :] if x.get("ttft") is not None)
+            ttft = kept_ttfts(outdir, r)
             if ttft:
                 ax.plot(
                     [t * 1e3 for t in ttft],

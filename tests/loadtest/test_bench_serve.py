@@ -5,6 +5,7 @@ and the report's figures and targets."""
 from __future__ import annotations
 
 import json
+import random
 
 from loadtest import bench_serve_lib as sl
 
@@ -147,3 +148,31 @@ def test_targets_ratios_and_verdicts():
     assert ts["shared p99 TTFT / no connector's at 4 users/engine"]["met"] is True
     missing = sl.targets([row("shared", 4, 0.4, 1.0, 10)])
     assert missing[0]["met"] is None and "no figure" in sl.targets_text(missing)
+
+
+def test_ratio_interval_tells_chance_from_a_difference():
+    rnd = random.Random(3)
+    base = [rnd.uniform(0.1, 1.0) for _ in range(100)] + [5.0, 6.0]
+    same = [rnd.uniform(0.1, 1.0) for _ in range(100)] + [5.5, 4.8]
+    lo, hi = sl.ratio_interval(same, base, 99)
+    assert lo < 1.0 < hi  # two tails of the same law: chance
+    assert sl.ratio_interval(same, base, 99) == (lo, hi)  # a fixed seed
+    lo, hi = sl.ratio_interval([2 * x for x in base], base, 50)
+    assert 1.4 < lo <= 2.0 <= hi < 2.8  # clear of 1: a difference
+    assert sl.ratio_interval([], base, 99) is None
+
+
+def test_targets_show_an_interval_that_holds_the_limit():
+    rows = [row("shared", 1, 0.2, 0.9, 3), row("none", 1, 0.3, 0.8, 2)]
+    rnd = random.Random(5)
+    ttfts = {
+        ("shared", "rr", 1): [rnd.uniform(0.1, 0.9) for _ in range(100)],
+        ("none", "rr", 1): [rnd.uniform(0.1, 0.8) for _ in range(100)],
+    }
+    ts = sl.targets(rows, ttfts=ttfts)
+    p99 = next(t for t in ts if t["target"].startswith("shared p99"))
+    assert p99["met"] is False and p99["interval"] is not None
+    text = sl.targets_text(ts)
+    lo, hi = p99["interval"]
+    assert (lo <= 1.0 <= hi) == ("within chance" in text)
+    assert sl.targets(rows)[-1]["interval"] is None  # no request lists: no interval
