@@ -75,6 +75,21 @@ MUTANTS = [
         'OPEN_PATHS = ("/healthz", "/openapi.json")',
         ("tests/api/test_errors.py::test_token_guards_every_route_but_healthz",),
     ),
+    # -- keys: the batch check agrees with the one-key check ----------------------------
+    M(
+        "keys: a stride mismatch refuses a valid mixed-length batch",
+        "sidecar/keys.py",
+        "    if stride and raw[size :: size + 1] == _SEPARATORS[: n - 1]:\n        return True",
+        "    if stride:\n        return raw[size :: size + 1] == _SEPARATORS[: n - 1]",
+        ("tests/sidecar/test_keys.py::test_examples",),
+    ),
+    M(
+        "keys: the stride shortcut skips the characters' check",
+        "sidecar/keys.py",
+        "    if raw.translate(None, _ALLOWED) != _SEPARATORS[: n - 1]:",
+        "    if False:",
+        ("tests/sidecar/test_keys.py",),
+    ),
     # -- pages on disk: verify on read ---------------------------------------------------
     M(
         "pagefile: the header's own checksum not checked",
