@@ -220,7 +220,7 @@ def targets(
     met (None where an arm or level is missing), and with `ttfts` ({(arm, policy, level):
     kept TTFTs}) the ratio's 95% interval for the TTFT targets."""
     at = {(r["arm"], r["policy"], r["users_per_engine"]): r for r in rows}
-    shared, lm, none = (at.get((a, policy, level)) for a in ("shared", "lmcache", "none"))
+    shared, lm = (at.get((a, policy, level)) for a in ("shared", "lmcache"))
     ttfts = ttfts or {}
 
     def one(name: str, a: float | None, b: float | None, limit: float, above: bool = False) -> dict:
@@ -228,34 +228,20 @@ def targets(
         met = None if ratio is None else (ratio >= limit if above else ratio <= limit)
         return {"target": name, "ratio": ratio, "limit": limit, "met": met, "interval": None}
 
-    def spread(t: dict, arm: str, lvl: int, q: float) -> dict:
-        a, b = ttfts.get(("shared", policy, lvl)), ttfts.get((arm, policy, lvl))
-        t["interval"] = ratio_interval(a, b, q) if a and b else None
+    def ttft(arm: str, lvl: int, q: int, limit: float) -> dict:
+        """shared's TTFT percentile q over `arm`'s at `lvl`, with its interval."""
+        mine, theirs, key = ("shared", policy, lvl), (arm, policy, lvl), f"ttft_p{q}_s"
+        s, o = at.get(mine), at.get(theirs)
+        who = "LMCache's" if arm == "lmcache" else "no connector's"
+        t = one(
+            f"shared p{q} TTFT / {who} at {lvl} users/engine", s and s[key], o and o[key], limit
+        )
+        t["interval"] = ratio_interval(ttfts.get(mine, []), ttfts.get(theirs, []), q)
         return t
 
     out = [
-        spread(
-            one(
-                f"shared p50 TTFT / LMCache's at {level} users/engine",
-                shared and shared["ttft_p50_s"],
-                lm and lm["ttft_p50_s"],
-                TARGET_P50_VS_LMCACHE,
-            ),
-            "lmcache",
-            level,
-            50,
-        ),
-        spread(
-            one(
-                f"shared p50 TTFT / no connector's at {level} users/engine",
-                shared and shared["ttft_p50_s"],
-                none and none["ttft_p50_s"],
-                TARGET_P50_VS_NONE,
-            ),
-            "none",
-            level,
-            50,
-        ),
+        ttft("lmcache", level, 50, TARGET_P50_VS_LMCACHE),
+        ttft("none", level, 50, TARGET_P50_VS_NONE),
         one(
             f"shared req/s / LMCache's at {level} users/engine",
             shared and shared["req_s"],
@@ -264,15 +250,9 @@ def targets(
             above=True,
         ),
     ]
-    for (arm, pol, lvl), r in sorted(at.items()):
-        if arm == "shared" and pol == policy and (arm, pol, lvl) and ("none", pol, lvl) in at:
-            p99 = one(
-                f"shared p99 TTFT / no connector's at {lvl} users/engine",
-                r["ttft_p99_s"],
-                at[("none", pol, lvl)]["ttft_p99_s"],
-                1.0,
-            )
-            out.append(spread(p99, "none", lvl, 99))
+    for arm, pol, lvl in sorted(at):
+        if arm == "shared" and pol == policy and ("none", pol, lvl) in at:
+            out.append(ttft("none", lvl, 99, 1.0))
     return out
 
 
