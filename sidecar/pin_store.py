@@ -259,7 +259,7 @@ class PinStore:
         data = encode(identity, ref, pins)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            pagefile._write_all(fd, [data])  # the page files' own loop over short writes
+            pagefile.write_all(fd, [data])
             os.fsync(fd)
         except BaseException:
             os.close(fd)

@@ -173,7 +173,7 @@ def write_temp(directory: str, key: str, page, mode: int = 0o600) -> tuple[str, 
             block = _header_block()
             block[:] = head
             head = block
-        _write_all(fd, [memoryview(head), view])
+        write_all(fd, [memoryview(head), view])
     except BaseException:
         os.close(fd)
         _unlink(tmp)
@@ -188,7 +188,8 @@ def _header_block() -> mmap.mmap:
     return block
 
 
-def _write_all(fd: int, bufs: list) -> None:
+def write_all(fd: int, bufs: list) -> None:
+    """Write every byte of `bufs` to `fd`, looping over short writes (page files, pin records)."""
     want = sum(len(b) for b in bufs)
     done = 0
     while done < want:
