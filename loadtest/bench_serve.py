@@ -187,6 +187,15 @@ def run_level(
     }
 
 
+def binds(args, i: int, n: int) -> dict:
+    """Engine `i`'s OpenMP binding: its own share of the cores (`--omp-bind split`), or every
+    core as vLLM's default (`all`), as every arm of one run is bound alike."""
+    if args.omp_bind == "all":
+        return {}
+    cores = fl.core_share(i, n, sorted(os.sched_getaffinity(0)))
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores}
+
+
 def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
     with ExitStack() as stack:
         arm = Arm(name, args, n, stack)
@@ -194,7 +203,10 @@ def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
         python = args.lmcache_python if name == "lmcache" else None
         env = {"PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"} if name == "lmcache" else {}
         servers = [
-            fl.Server(model, arm.connector(i), extra, python=python, env=env) for i in range(n)
+            fl.Server(
+                model, arm.connector(i), extra, python=python, env={**env, **binds(args, i, n)}
+            )
+            for i in range(n)
         ]
         for s in servers:
             stack.callback(s.stop)
@@ -237,6 +249,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-seconds", type=int, default=3600, help="Locust's limit per level")
     ap.add_argument("--lmcache-python", default=None)
+    ap.add_argument(
+        "--omp-bind",
+        default="split",
+        choices=["split", "all"],
+        help="each engine's OpenMP threads on its own share of the cores, or all on every core",
+    )
     ap.add_argument("--locust", default=str(Path(ROOT) / ".venv" / "bin" / "locust"))
     ap.add_argument("--trace", default=TRACE)
     args = ap.parse_args(argv)

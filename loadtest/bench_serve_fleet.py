@@ -34,6 +34,21 @@ def sizing(max_model_len: int, kv_bytes: int) -> list[str]:
     ]
 
 
+def core_share(i: int, n: int, cpus: Sequence[int]) -> str:
+    """Engine `i` of `n`'s OpenMP cores (VLLM_CPU_OMP_THREADS_BIND): the cores split into `n`
+    contiguous shares, round the ring when engines outnumber cores. vLLM's own default binds
+    every engine to the same cores, so on a small machine n engines spin n x threads there.
+
+        cpus 0 1 2 3, n=2: engine 0 -> "0,1", engine 1 -> "2,3"
+        cpus 0 1,     n=4: engines 0..3 -> "0", "1", "0", "1"
+    """
+    if not cpus or n < 1 or not 0 <= i < n:
+        raise ValueError(f"no core share for engine {i} of {n} on {list(cpus)}")
+    size = max(1, len(cpus) // n)
+    start = (i * size) % len(cpus)
+    return ",".join(str(c) for c in list(cpus)[start : start + size])
+
+
 class Server:
     """One `vllm serve` child (loadtest.bench_serve_cli); `wait()` until /health answers."""
 
@@ -52,7 +67,9 @@ class Server:
         full.update(
             {
                 "HF_HUB_OFFLINE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+                    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))))
+                ),
                 "PYTHONUNBUFFERED": "1",
                 **(env or {}),
             }

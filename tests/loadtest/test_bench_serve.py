@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
+from loadtest import bench_serve_fleet as fl
 from loadtest import bench_serve_lib as sl
 
 ROWS = [  # two conversations (shared prefixes of 2+ blocks) and one lone request
@@ -176,3 +179,13 @@ def test_targets_show_an_interval_that_holds_the_limit():
     lo, hi = p99["interval"]
     assert (lo <= 1.0 <= hi) == ("within chance" in text)
     assert sl.targets(rows)[-1]["interval"] is None  # no request lists: no interval
+
+
+def test_core_shares_split_the_cores_and_wrap_round_the_ring():
+    assert [fl.core_share(i, 2, [0, 1, 2, 3]) for i in range(2)] == ["0,1", "2,3"]
+    assert [fl.core_share(i, 4, [0, 1]) for i in range(4)] == ["0", "1", "0", "1"]
+    assert [fl.core_share(i, 3, [4, 5, 6, 7]) for i in range(3)] == ["4", "5", "6"]
+    assert fl.core_share(0, 1, [0, 1]) == "0,1"
+    for bad in ((2, 2, [0, 1]), (0, 0, [0]), (0, 1, [])):
+        with pytest.raises(ValueError):
+            fl.core_share(*bad)
