@@ -6,8 +6,10 @@ conversations of the trace, the sidecar beside no connector and LMCache at equal
 
 For each fleet size and arm one fleet starts (the flags of deploy/engine-vllm.yaml, each
 engine's KV cache `--kv-mib`: small, so vLLM's own cache evicts), then every policy and level
-runs in turn, each on conversations of its own (users = level x engines), `--requests`
-requests in all, the first `--warmup` x users dropped. Arms, each with `--pool-mib` in all
+runs in turn, each on conversations of its own (users = level x engines): each user plays
+`--warmup` + ceil(`--requests` / users) requests, its first `--warmup` dropped, so every
+arm serves the same requests on the same engines. Each engine's OpenMP threads run on its
+own share of the cores (`--omp-bind split`; `all`: every engine on every core). Arms, each with `--pool-mib` in all
 beneath the engines: `none`; `shared` (one sidecar); `split` (one sidecar per engine, 1/N
 each); `lmcache` (LMCache 0.5.6's MP server, shared, L1 the same size).
 Out: DIR/bench-serve.jsonl (one row per fleet, arm, policy, level), DIR/requests-*.jsonl (every
@@ -123,7 +125,7 @@ def run_level(
         "model": model,
         "policy": policy,
         "out": str(out),
-        "requests": args.requests + args.warmup * users,
+        "per_user": sl.per_user(args.requests, users, args.warmup),
         "users": [
             [{"cid": c.cid, "turns": [list(vars(t).values()) for t in c.turns]} for c in mine]
             for mine in sl.assign(convs, users, offset)
@@ -168,7 +170,8 @@ def run_level(
         "policy": policy,
         "users_per_engine": level,
         "users": users,
-        **sl.level_summary(recs, args.warmup * users),
+        **sl.level_summary(recs, args.warmup),
+        "warmup": args.warmup,
         "vllm_tokens": src,
         "sidecar": {
             "hits": delta.hits,
@@ -276,8 +279,8 @@ def main(argv=None) -> int:
         "kv_mib": args.kv_mib,
         "pool_mib": args.pool_mib,
         "scale": args.scale,
-        "requests": args.requests,
         "cpus": os.cpu_count(),
+        "omp_bind": args.omp_bind,
     }
 
     def emit(row: dict) -> None:

@@ -101,9 +101,17 @@ def assign(convs: Sequence[Conversation], users: int, offset: int = 0) -> list[l
     return [pool[u::users] for u in range(users)]
 
 
+def per_user(requests: int, users: int, warmup: int) -> int:
+    """Requests each user plays: its `warmup` and its share of `requests` (rounded up)."""
+    if users < 1 or requests < 0 or warmup < 0:
+        raise ValueError(f"no plan for {requests} requests, {users} users, warm-up {warmup}")
+    return warmup + -(-requests // users)
+
+
 def route(policy: str, seq: int, cid: int, engines: int) -> int:
-    """Round-robin: the request's global sequence number; sticky: the conversation's
-    sha256 (never Python's hash()), so a conversation stays on one engine."""
+    """Round-robin: `seq` (a user's request number plus the user's index: the same engine
+    for the same request in every arm, users staggered); sticky: the conversation's sha256
+    (never Python's hash()), so a conversation stays on one engine."""
     if policy == "rr":
         return seq % engines
     if policy == "sticky":
@@ -156,9 +164,9 @@ def sidecar_connector(socket_url: str, manifest: Sequence[str] = ()) -> dict:
 
 
 def level_summary(recs: Sequence[dict], warmup: int) -> dict:
-    """One level's figures from its request records (in completion order): the first
-    `warmup` records are dropped; req/s and tokens/s over the kept requests' span."""
-    kept = list(recs[warmup:])
+    """One level's figures from its request records: each user's first `warmup` (`n` below
+    it) are dropped; req/s and tokens/s over the kept requests' span."""
+    kept = [r for r in recs if r["n"] >= warmup]
     ok = [r for r in kept if not r.get("error")]
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
     e2e = [r["e2e"] for r in ok]
@@ -186,6 +194,38 @@ def counters_agree(sidecar_pages: int, external_tokens: int, loads: int, block: 
     between the lookup and the load (a get miss, the block recomputed) is in both."""
     gap = sidecar_pages * block - external_tokens
     return 0 <= gap < block * max(loads, 1) if sidecar_pages or external_tokens else True
+
+
+def paired_ratio_interval(
+    pairs: Sequence[tuple[float, float]], q: float, rounds: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """As `ratio_interval`, for two arms that served the same requests: (a, b) per request,
+    the pairs resampled together, so the requests' own spread (a long cold prompt is slow in
+    every arm) does not count as chance between the arms."""
+    if not pairs:
+        return None
+    rnd = random.Random(seed)
+    got = []
+    for _ in range(rounds):
+        pick = rnd.choices(pairs, k=len(pairs))
+        pa = lib.percentile([a for a, _ in pick], q)
+        pb = lib.percentile([b for _, b in pick], q)
+        if pa is not None and pb:
+            got.append(pa / pb)
+    got.sort()
+    return got[int(0.025 * len(got))], got[min(len(got) - 1, int(0.975 * len(got)))]
+
+
+def interval(a: Sequence[float] | dict, b: Sequence[float] | dict, q: float):
+    """The ratio's interval: paired where both are {request: TTFT} over the same requests,
+    else the arms resampled apart."""
+    if isinstance(a, dict) and isinstance(b, dict) and a and a.keys() == b.keys():
+        return paired_ratio_interval([(a[k], b[k]) for k in sorted(a)], q)
+    return ratio_interval(list(_values(a)), list(_values(b)), q)
+
+
+def _values(x: Sequence[float] | dict) -> Sequence[float]:
+    return list(x.values()) if isinstance(x, dict) else x
 
 
 def ratio_interval(
@@ -218,7 +258,7 @@ def targets(
 ) -> list[dict]:
     """The issue's targets from the report rows of one run: each with its ratio, limit and
     met (None where an arm or level is missing), and with `ttfts` ({(arm, policy, level):
-    kept TTFTs}) the ratio's 95% interval for the TTFT targets."""
+    kept TTFTs, a list or {request: TTFT}}) the ratio's 95% interval for the TTFT targets."""
     at = {(r["arm"], r["policy"], r["users_per_engine"]): r for r in rows}
     shared, lm = (at.get((a, policy, level)) for a in ("shared", "lmcache"))
     ttfts = ttfts or {}
@@ -236,7 +276,7 @@ def targets(
         t = one(
             f"shared p{q} TTFT / {who} at {lvl} users/engine", s and s[key], o and o[key], limit
         )
-        t["interval"] = ratio_interval(ttfts.get(mine, []), ttfts.get(theirs, []), q)
+        t["interval"] = interval(ttfts.get(mine, []), ttfts.get(theirs, []), q)
         return t
 
     out = [

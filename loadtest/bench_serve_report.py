@@ -103,16 +103,22 @@ def report(outdir: Path, plot: bool = True) -> str:
     return text
 
 
-def kept_ttfts(outdir: Path, row: dict) -> list[float]:
-    """A row's requests' TTFTs (s), the warm-up (the first request of each user) dropped."""
+def kept_ttfts(outdir: Path, row: dict) -> dict:
+    """A row's requests' TTFTs (s) by (user, n), each user's warm-up (`n` below the row's
+    `warmup`) dropped, as are failed requests."""
     path = (
         outdir
         / f"requests-{row['arm']}-{row['engines']}-{row['policy']}-{row['users_per_engine']}.jsonl"
     )
     if not path.exists():
-        return []
-    recs = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda x: x["end"])
-    return sorted(x["ttft"] for x in recs[row["users"] :] if x.get("ttft") is not None)
+        return {}
+    recs = (json.loads(x) for x in path.read_text().splitlines())
+    warmup = row.get("warmup", 1)
+    return {
+        (x["user"], x["n"]): x["ttft"]
+        for x in recs
+        if x["n"] >= warmup and x.get("ttft") is not None and not x.get("error")
+    }
 
 
 def cdf_plots(outdir: Path, rows: list[dict]) -> None:
@@ -128,7 +134,7 @@ def cdf_plots(outdir: Path, rows: list[dict]) -> None:
     for arm in sorted({r["arm"] for r in rows}):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in (r for r in rows if r["arm"] == arm):
-            ttft = kept_ttfts(outdir, r)
+            ttft = sorted(kept_ttfts(outdir, r).values())
             if ttft:
                 ax.plot(
                     [t * 1e3 for t in ttft],

@@ -5,9 +5,12 @@
 Each user plays its conversations of the trace (bench_serve_lib.assign) turn by turn: turn
 k's prompt is turn k-1's prompt and the answer the engine streamed, then the turn's new user
 tokens. Streamed /v1/completions, greedy, the answer's length exactly; TTFT at the first
-streamed token. Routing: `rr` (each request to the next engine) or `sticky` (a conversation
-keeps its engine). After `requests` requests in all the run quits; every request is one JSON
-line in the plan's `out` (warm-up included: the report drops it).
+streamed token. Routing: `rr` (each of a user's requests to the next engine, users staggered)
+or `sticky` (a conversation keeps its engine). Each user plays exactly `per_user` requests,
+then the run quits: every arm serves the same requests on the same engines, whatever its
+speed, so the arms' percentiles compare like with like and pair request by request. Every
+request is one JSON line in the plan's `out`, `n` its number within its user (warm-up
+included: the report drops each user's first).
 """
 
 from __future__ import annotations
@@ -43,22 +46,24 @@ class ConversationUser(User):
     def on_start(self) -> None:
         self.uid = next(_users)
         self.convs = _conversations(self.uid)
-        self.ci, self.k, self.prompt, self.answer = 0, 0, [], []
+        self.ci, self.k, self.n, self.prompt, self.answer = 0, 0, 0, [], []
 
     @task
     def turn(self) -> None:
-        seq = next(_seq)
-        if seq >= PLAN["requests"]:
+        if self.n >= PLAN["per_user"]:
             raise StopUser()
+        seq = next(_seq)
         conv = self.convs[self.ci % len(self.convs)]
         prompt = sl.next_prompt(self.prompt, self.answer, conv, self.k)
-        engine = PLAN["engines"][sl.route(PLAN["policy"], seq, conv.cid, len(PLAN["engines"]))]
+        which = sl.route(PLAN["policy"], self.uid + self.n, conv.cid, len(PLAN["engines"]))
+        engine = PLAN["engines"][which]
         got = stream_completion(
             "127.0.0.1", engine, PLAN["model"], prompt, conv.turns[self.k].max_tokens
         )
         rec = {
             "seq": seq,
             "user": self.uid,
+            "n": self.n,
             "cid": conv.cid,
             "turn": self.k,
             "engine": engine,
@@ -85,9 +90,12 @@ class ConversationUser(User):
             f.write(json.dumps(rec) + "\n")
         _done.append(rec)
         self.prompt, self.answer = prompt, got["tokens"]
-        self.k += 1
+        self.k, self.n = self.k + 1, self.n + 1
         if self.k == len(conv.turns) or "error" in got:
             self.ci, self.k, self.prompt, self.answer = self.ci + 1, 0, [], []
-        if len(_done) == PLAN["requests"] and self.environment.runner is not None:
+        if (
+            len(_done) == PLAN["per_user"] * len(PLAN["users"])
+            and self.environment.runner is not None
+        ):
             # from a greenlet of its own: quit() stops every user, this one too, midway
             gevent.spawn(self.environment.runner.quit)

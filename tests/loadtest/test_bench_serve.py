@@ -62,6 +62,17 @@ def test_routes_and_assignment():
     assert [[c.cid for c in u] for u in users] == [[1, 4, 7], [2, 5, 8], [3, 6, 9]]
 
 
+def test_every_arm_plays_the_same_requests_on_the_same_engines():
+    assert sl.per_user(64, 16, 1) == 5 and sl.per_user(65, 16, 1) == 6
+    assert sl.per_user(0, 3, 2) == 2
+    for bad in ((64, 0, 1), (-1, 4, 1), (4, 4, -1)):
+        with pytest.raises(ValueError):
+            sl.per_user(*bad)
+    # rr from (user, n) alone: user u's n-th request on engine (u + n) % engines
+    plan = [[sl.route("rr", u + n, 0, 4) for n in range(3)] for u in range(2)]
+    assert plan == [[0, 1, 2], [1, 2, 3]]
+
+
 def test_serve_args_keep_the_manifests_flags():
     manifest = sl.manifest_args()
     conn = sl.sidecar_connector("unix:///tmp/x.sock")
@@ -85,8 +96,9 @@ def test_serve_args_keep_the_manifests_flags():
     assert not any(a.startswith("--kv-transfer-config") for a in bare)
 
 
-def rec(start: float, ttft: float, e2e: float, out: int = 4, error: str = "") -> dict:
+def rec(start: float, ttft: float, e2e: float, out: int = 4, error: str = "", n: int = 1) -> dict:
     return {
+        "n": n,
         "start": start,
         "end": start + e2e,
         "ttft": ttft,
@@ -100,8 +112,8 @@ def rec(start: float, ttft: float, e2e: float, out: int = 4, error: str = "") ->
 
 def test_level_summary_drops_the_warm_up_and_counts_errors():
     recs = (
-        [rec(0, 9.0, 9.0)]
-        + [rec(10 + i, 0.1 * (i + 1), 1.0) for i in range(10)]
+        [rec(10 + i, 0.1 * (i + 1), 1.0) for i in range(10)]
+        + [rec(0, 9.0, 9.0, n=0)]  # a user's first, whenever it ended
         + [rec(20, 0, 1, error="500")]
     )
     s = sl.level_summary(recs, warmup=1)
@@ -181,6 +193,19 @@ def test_targets_show_an_interval_that_holds_the_limit():
     assert sl.targets(rows)[-1]["interval"] is None  # no request lists: no interval
 
 
+def test_paired_interval_sees_a_difference_the_requests_spread_hides():
+    rnd = random.Random(7)
+    base = [rnd.uniform(0.05, 10.0) for _ in range(60)]  # cheap turns and long cold prompts
+    faster = [x * rnd.uniform(0.55, 0.65) for x in base]  # 0.6x of each, request by request
+    apart = sl.ratio_interval(faster, base, 50)
+    keyed = lambda xs: {(i, 1): x for i, x in enumerate(xs)}  # noqa: E731
+    lo, hi = sl.interval(keyed(faster), keyed(base), 50)
+    assert 0.5 < lo <= 0.6 <= hi < 0.7  # paired: tight round the true 0.6
+    assert hi - lo < (apart[1] - apart[0]) / 2
+    assert sl.interval(keyed(faster), {(0, 1): 1.0}, 50) is not None  # other requests: apart
+    assert sl.paired_ratio_interval([], 50) is None
+
+
 def test_core_shares_split_the_cores_and_wrap_round_the_ring():
     assert [fl.core_share(i, 2, [0, 1, 2, 3]) for i in range(2)] == ["0,1", "2,3"]
     assert [fl.core_share(i, 4, [0, 1]) for i in range(4)] == ["0", "1", "0", "1"]
@@ -189,3 +214,20 @@ def test_core_shares_split_the_cores_and_wrap_round_the_ring():
     for bad in ((2, 2, [0, 1]), (0, 0, [0]), (0, 1, [])):
         with pytest.raises(ValueError):
             fl.core_share(*bad)
+
+
+def test_report_keys_each_kept_request_by_user_and_number(tmp_path):
+    from loadtest import bench_serve_report as rep
+
+    row = {"arm": "shared", "engines": 2, "policy": "rr", "users_per_engine": 1, "warmup": 1}
+    lines = [
+        {"user": 0, "n": 0, "ttft": 9.0},  # warm-up
+        {"user": 0, "n": 1, "ttft": 0.2},
+        {"user": 1, "n": 1, "ttft": 0.3},
+        {"user": 1, "n": 2, "ttft": None, "error": "500"},
+    ]
+    (tmp_path / "requests-shared-2-rr-1.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines)
+    )
+    assert rep.kept_ttfts(tmp_path, row) == {(0, 1): 0.2, (1, 1): 0.3}
+    assert rep.kept_ttfts(tmp_path, {**row, "arm": "none"}) == {}
