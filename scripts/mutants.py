@@ -1253,10 +1253,19 @@ MUTANTS = [
     M(
         "bench-serve: the warm-up counted",
         "loadtest/bench_serve_lib.py",
-        "kept = list(recs[warmup:])",
+        'kept = [r for r in recs if r["n"] >= warmup]',
         "kept = list(recs)",
         (
             "tests/loadtest/test_bench_serve.py::test_level_summary_drops_the_warm_up_and_counts_errors",
+        ),
+    ),
+    M(
+        "bench-serve: a user's warm-up taken from its measured share",
+        "loadtest/bench_serve_lib.py",
+        "return warmup + -(-requests // users)",
+        "return max(warmup, -(-requests // users))",
+        (
+            "tests/loadtest/test_bench_serve.py::test_every_arm_plays_the_same_requests_on_the_same_engines",
         ),
     ),
 ]
