@@ -9,8 +9,8 @@ engine's KV cache `--kv-mib`: small, so vLLM's own cache evicts), then every pol
 runs in turn, each on conversations of its own (users = level x engines): each user plays
 `--warmup` + ceil(`--requests` / users) requests, its first `--warmup` dropped, so every
 arm serves the same requests on the same engines. Each engine's OpenMP threads run on its
-own share of the cores (`--omp-bind split`; `all`: every engine on every core). Arms, each with `--pool-mib` in all
-beneath the engines: `none`; `shared` (one sidecar); `split` (one sidecar per engine, 1/N
+own share of the cores (`--omp-bind split`; `all`: every engine on every core). Arms, each
+with `--pool-mib` in all beneath the engines: `none`; `shared` (one sidecar); `split` (one sidecar per engine, 1/N
 each); `lmcache` (LMCache 0.5.6's MP server, shared, L1 the same size).
 Out: DIR/bench-serve.jsonl (one row per fleet, arm, policy, level), DIR/requests-*.jsonl (every
 request); `python -m loadtest.bench_serve_report DIR` prints the tables and targets and draws
@@ -195,8 +195,7 @@ def binds(args, i: int, n: int) -> dict:
     core as vLLM's default (`all`), as every arm of one run is bound alike."""
     if args.omp_bind == "all":
         return {}
-    cores = fl.core_share(i, n, sorted(os.sched_getaffinity(0)))
-    return {"VLLM_CPU_OMP_THREADS_BIND": cores}
+    return {"VLLM_CPU_OMP_THREADS_BIND": fl.core_share(i, n, fl.cores())}
 
 
 def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:

@@ -34,6 +34,11 @@ def sizing(max_model_len: int, kv_bytes: int) -> list[str]:
     ]
 
 
+def cores() -> list[int]:
+    """The cores this process may run on, in order (engines inherit them)."""
+    return sorted(os.sched_getaffinity(0))
+
+
 def core_share(i: int, n: int, cpus: Sequence[int]) -> str:
     """Engine `i` of `n`'s OpenMP cores (VLLM_CPU_OMP_THREADS_BIND): the cores split into `n`
     contiguous shares, round the ring when engines outnumber cores. vLLM's own default binds
@@ -68,7 +73,7 @@ class Server:
             {
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
-                    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))))
+                    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores()))
                 ),
                 "PYTHONUNBUFFERED": "1",
                 **(env or {}),

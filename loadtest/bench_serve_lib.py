@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,16 +204,12 @@ def paired_ratio_interval(
     every arm) does not count as chance between the arms."""
     if not pairs:
         return None
-    rnd = random.Random(seed)
-    got = []
-    for _ in range(rounds):
+
+    def draw(rnd: random.Random) -> tuple[list[float], list[float]]:
         pick = rnd.choices(pairs, k=len(pairs))
-        pa = lib.percentile([a for a, _ in pick], q)
-        pb = lib.percentile([b for _, b in pick], q)
-        if pa is not None and pb:
-            got.append(pa / pb)
-    got.sort()
-    return got[int(0.025 * len(got))], got[min(len(got) - 1, int(0.975 * len(got)))]
+        return [a for a, _ in pick], [b for _, b in pick]
+
+    return _bootstrap(draw, q, rounds, seed)
 
 
 def interval(a: Sequence[float] | dict, b: Sequence[float] | dict, q: float):
@@ -239,11 +235,24 @@ def ratio_interval(
     than that chance."""
     if not a or not b:
         return None
+    return _bootstrap(
+        lambda rnd: (rnd.choices(a, k=len(a)), rnd.choices(b, k=len(b))), q, rounds, seed
+    )
+
+
+def _bootstrap(
+    draw: Callable[[random.Random], tuple[list[float], list[float]]],
+    q: float,
+    rounds: int,
+    seed: int,
+) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of percentile(a, q) / percentile(b, q) over `rounds`
+    resamples (a, b) = draw(rnd), one seeded generator for all."""
     rnd = random.Random(seed)
     got = []
     for _ in range(rounds):
-        pa = lib.percentile(rnd.choices(a, k=len(a)), q)
-        pb = lib.percentile(rnd.choices(b, k=len(b)), q)
+        sa, sb = draw(rnd)
+        pa, pb = lib.percentile(sa, q), lib.percentile(sb, q)
         if pa is not None and pb:
             got.append(pa / pb)
     got.sort()
