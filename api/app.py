@@ -22,6 +22,7 @@ from api.guard import Guard
 from sidecar import __version__
 from sidecar.config import Config
 from sidecar.context import Context
+from sidecar.credentials import Credentials
 from sidecar.metrics import RequestStats
 
 log = logging.getLogger("kv_sidecar")
@@ -62,9 +63,10 @@ def create_app(config: Config) -> FastAPI:
     app.include_router(routes_controls.router)  # pin, unpin, evict, warm, /v1/cost
     for exc, handler in HANDLERS.items():
         app.add_exception_handler(exc, handler)
-    app.add_middleware(Guard, token=config.token, max_body=config.max_body, stats=requests)
+    creds = Credentials.of(config.token, config.tenant_tokens_file)
+    app.add_middleware(Guard, credentials=creds, max_body=config.max_body, stats=requests)
     # the hot routes, ahead of FastAPI's layers, behind a Guard of their own (same metrics)
     app.hot = Guard(
-        FastPath(app.state), token=config.token, max_body=config.max_body, stats=requests
+        FastPath(app.state), credentials=creds, max_body=config.max_body, stats=requests
     )
     return app

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.types import Scope
 
 from sidecar.context import Context
+from sidecar.credentials import TENANT_KEY
 from sidecar.errors import NotReady
 from sidecar.peer import PEER_KEY
 from sidecar.tenancy import Caller
@@ -20,21 +21,21 @@ async def context(request: Request) -> Context:
 
 
 def who(ctx: Context, scope: Scope) -> Caller:
-    """Who asks (sidecar/tenancy.py): the engine socket's peer, else the operator (TCP
-    behind a token) or an anonymous TCP caller."""
-    return ctx.store.caller(scope.get(PEER_KEY))
+    """Who asks (sidecar/tenancy.py): the engine socket's peer, else on TCP a tenant (its
+    token), the operator (the operator's token) or an anonymous TCP caller."""
+    return ctx.store.caller(scope.get(PEER_KEY), scope.get(TENANT_KEY))
 
 
 def ref(ctx: Context, scope: Scope, name: str) -> str:
     """The namespace `name` means to the caller of this request (404 when none)."""
-    return ctx.store.resolve(name, ctx.store.caller(scope.get(PEER_KEY)))
+    return ctx.store.resolve(name, who(ctx, scope))
 
 
 def observer(ctx: Context, scope: Scope) -> Caller:
     """Whose namespaces /v1/stats, /metrics, /v1/cost and /v1/samples name: the caller's
-    (a peer's or anonymous TCP's own; every one for the operator). Totals without names
-    are the node's for everyone."""
-    return ctx.store.caller(scope.get(PEER_KEY))
+    (a peer's or a tenant's own; every one for the operator). Totals without names are the
+    node's for everyone."""
+    return who(ctx, scope)
 
 
 def ready(state: Any) -> Context:

@@ -1,33 +1,37 @@
-"""Pure ASGI middleware in front of every route: bearer token, body size, request metrics."""
+"""Pure ASGI middleware in front of every route: TCP credentials, body size, request metrics.
+
+The engine socket's callers are who the kernel says (SO_PEERCRED): no token is asked for
+there, and one sent is not honoured (sidecar/credentials.py). On loopback TCP, once any
+credential is configured, a request shows the operator's token or a tenant's (Bearer, or
+HTTP Basic for a browser: user `sidecar` or the tenant's name) or is answered 401.
+"""
 
 from __future__ import annotations
 
-import base64
-import hmac
+import logging
 import time
 
 from api.errors import error_body
 from sidecar.connections import CONN_KEY
+from sidecar.credentials import TENANT_KEY, Credentials
 from sidecar.errors import PayloadTooLarge
 from sidecar.metrics import RequestStats
+from sidecar.peer import PEER_KEY
+from sidecar.tenancy import OPERATOR
 
+log = logging.getLogger("kv_sidecar")
 OPEN_PATHS = ("/healthz",)
-BROWSER_USER = (
-    b"sidecar"  # a browser may send the token as HTTP Basic: user `sidecar`, password TOKEN
-)
 
 
 class Guard:
     """Rejects unauthenticated (401) and oversized (413) requests before any route runs."""
 
-    def __init__(self, app, token: str | None, max_body: int, stats: RequestStats):
+    def __init__(self, app, credentials: Credentials, max_body: int, stats: RequestStats):
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token else None
-        self.basic = (
-            b"Basic " + base64.b64encode(BROWSER_USER + b":" + token.encode()) if token else None
-        )
+        self.credentials = credentials
         self.max_body = max_body
         self.stats = stats
+        self.warned = False  # an engine sent the operator's token on the engine socket
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -58,13 +62,17 @@ class Guard:
                 length = value
             elif name == b"authorization":
                 auth = value
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            conn = scope.get(CONN_KEY)  # a TCP connection yet to show the token
-            assert self.basic is not None, "a token makes both forms (Bearer and Basic)"
-            auth = auth or b""
-            if not (
-                hmac.compare_digest(auth, self.expected) or hmac.compare_digest(auth, self.basic)
-            ):
+        if PEER_KEY in scope:  # the engine socket: the peer's credentials, never a token
+            if auth is not None and not self.warned and self.credentials.role(auth) is OPERATOR:
+                self.warned = True
+                log.warning(
+                    "an engine sent the operator's token on the engine socket, where no "
+                    "token is needed or honoured: take it out of the engines' config"
+                )
+        elif self.credentials.guarded and scope["path"] not in OPEN_PATHS:
+            conn = scope.get(CONN_KEY)  # a TCP connection yet to show a credential
+            role = self.credentials.role(auth) if auth is not None else None
+            if role is None:
                 if conn is not None:
                     conn.unauthorized()  # closed once this answer is out
                 return (
@@ -72,6 +80,8 @@ class Guard:
                     "unauthorized",
                     "missing or wrong 'Authorization: Bearer <token>'",
                 ), False
+            if role is not OPERATOR:
+                scope[TENANT_KEY] = role
             if conn is not None:
                 conn.authenticated()
         if length is not None:

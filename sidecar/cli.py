@@ -20,10 +20,17 @@ _FLAGS = [
     (
         "--token",
         "token",
-        "require 'Authorization: Bearer TOKEN' on every request but /healthz "
-        "(visible in ps: prefer --token-file or SIDECAR_TOKEN)",
+        "the operator's token: loopback TCP requires 'Authorization: Bearer TOKEN' on "
+        "every request but /healthz; the engine socket never takes it (visible in ps: "
+        "prefer --token-file or SIDECAR_TOKEN)",
     ),
-    ("--token-file", "token_file", "read the token from this file"),
+    ("--token-file", "token_file", "read the operator's token from this file"),
+    (
+        "--tenant-tokens",
+        "tenant_tokens_file",
+        "a private file of `NAME TOKEN` lines: TCP callers with a tenant's token act as "
+        "that tenant (its own namespaces only), never as the operator",
+    ),
     (
         "--socket",
         "socket",

@@ -81,6 +81,8 @@ class Config:
     port: int = 8411
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None  # read once at start; beats nothing else (see load)
+    # TCP tenants' own tokens, `NAME TOKEN` a line (sidecar/credentials.py): never the operator
+    tenant_tokens_file: str | None = None
     socket: str = field(default_factory=_default_socket)  # "" : no engine socket
     socket_mode: int = 0o660  # the engine socket's (and fd socket's) mode
     socket_group: str | None = None  # and group: the engines' users belong to it
@@ -136,6 +138,11 @@ class Config:
     max_mapped: int = 64 * 2**40  # bytes of engine memory mapped, every uid together
     max_mapped_per_uid: int = 16 * 2**40  # and by one uid's buffers (429 beyond)
     log_level: str = "info"
+
+    @property
+    def tcp_guarded(self) -> bool:
+        """Whether TCP asks for a credential (the operator's token or a tenant's)."""
+        return self.token is not None or self.tenant_tokens_file is not None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -122,7 +122,9 @@ class Context:
         parallel = min(config.copy_threads, os.cpu_count() or 1)
         store = Store(host_pool, executor, sources, parallel, tiering)
         store.copier = Copier(config.copy_threads, parallel, config.copy_deadline)
-        store.operator_tcp = config.token is not None  # else TCP is anyone on the node
+        # TCP without a tenant's token is the operator when its token is set; with no
+        # credential configured at all, TCP is anyone on the node (the anonymous tenant)
+        store.operator_tcp = config.token is not None
         if config.file_tier:  # operators' pins kept across a restart (sidecar/pin_store.py)
             saved = PinStore(os.path.join(config.data_dir, "pins"))
             store.controls.keeper = Keeper(store.controls, saved)

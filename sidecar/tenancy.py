@@ -1,15 +1,18 @@
 """Who owns a namespace, and which namespace a name means to whom.
 
 A namespace made on the engine socket belongs to the peer's uid; one made on loopback TCP
-belongs to the operator (a token set), else to the anonymous TCP tenant (TCP_TENANT: anyone
-on the node, capped and shown only its own like any uid). Names are per owner: two uids may
-each have a "kv", and neither can take (squat) a name the other will use. Inside the store a
+belongs to the operator (its token shown), to a TCP tenant (a token of `--tenant-tokens`
+shown: `TcpTenant`, owner "tcp:NAME"), else to the anonymous TCP tenant (TCP_TENANT, no
+token configured at all: anyone on the node, capped and shown only its own like any uid).
+Names are per owner: two uids may each have a "kv", and neither can take (squat) a name
+the other will use. Inside the store a
 namespace is known by its `ref`:
 
     made by          ref          who reaches it by its name
     uid 1000         kv@1000      peers of uid 1000; peers in `share_gid` (when the spec
                                   names one); the operator
     TCP, token       kv           the operator; peers in `share_gid`
+    TCP, tenant A    kv@tcp:A     TCP callers with A's token; the operator
     TCP, no token    kv           anonymous TCP (one sidecar has one of these two kinds)
 
 `share_gid: G` is taken only from a member of G (its primary gid or a supplementary one as
@@ -24,6 +27,7 @@ that PUT an equal spec join it.
                              (a PUT of its spec), else none
     operator (TCP, token)    the operator's kv, else the only kv of any owner (two or
                              more: 409, name one as kv@UID)
+    TCP tenant A (its token)               its own kv only (kv@tcp:A)
     anonymous (TCP, no token configured)   its own kv only (TCP_TENANT's)
 
 To anyone else a namespace does not exist (404 on every route, absent from listings and
@@ -66,25 +70,43 @@ class _Anonymous:
         return "ANONYMOUS"
 
 
+@dataclass(frozen=True, slots=True)
+class TcpTenant:
+    """TCP with a tenant's token (`--tenant-tokens`, sidecar/credentials.py): a tenant
+    like a uid, known by the name the tenants file gives it; never the operator."""
+
+    name: str
+
+    @property
+    def owner(self) -> str:
+        return f"{TCP_TENANT}:{self.name}"
+
+
 OPERATOR, ANONYMOUS = _Operator(), _Anonymous()
 TCP_TENANT = "tcp"  # the owner of what anonymous TCP makes: a tenant (uids are ints)
-Caller = Peer | _Operator | _Anonymous
+Caller = Peer | _Operator | _Anonymous | TcpTenant
 MISSING = "@"  # a ref no namespace has: what an unknown name resolves to where 0 is the answer
 
 
-def caller(peer: Peer | None, operator_tcp: bool) -> Caller:
+def caller(peer: Peer | None, operator_tcp: bool, tenant: TcpTenant | None = None) -> Caller:
     """The caller of a request with `peer` (None: TCP), on a sidecar whose TCP callers are
-    the operator when `operator_tcp` (a token is configured)."""
+    the operator when `operator_tcp` (the Guard let it in with the operator's token),
+    unless it showed a tenant's token (`tenant`). The engine socket never takes a token:
+    its peer's credentials are its identity."""
     if peer is not None:
         return peer
+    if tenant is not None:
+        return tenant
     return OPERATOR if operator_tcp else ANONYMOUS
 
 
 def owner_of(who: Caller) -> Owner:
     """The owner a namespace made by `who` gets: a peer's uid, None for the operator,
-    TCP_TENANT for anonymous TCP."""
+    TCP_TENANT for anonymous TCP, "tcp:NAME" for a TCP tenant with its own token."""
     if isinstance(who, Peer):
         return who.uid
+    if isinstance(who, TcpTenant):
+        return who.owner
     return None if who is OPERATOR else TCP_TENANT
 
 
@@ -103,7 +125,9 @@ def owner_tag(owner: Owner, share_gid: int | None) -> str:
         return f"gid:{share_gid}"
     if owner is None:
         return "operator"
-    return "tcp" if owner == TCP_TENANT else f"uid:{owner}"
+    if isinstance(owner, str):  # anonymous TCP ("tcp") or a TCP tenant ("tcp:NAME")
+        return owner
+    return f"uid:{owner}"
 
 
 def check_share(who: Caller, share_gid: int | None) -> None:
@@ -159,10 +183,13 @@ class Directory:
                 return ref
             shared = self.shared(name, who)
             return shared.ref if shared is not None else MISSING
+        if who is not OPERATOR:  # anonymous TCP or a TCP tenant: its own names only
+            owner = owner_of(who)
+            ref = ref_of(name, owner)
+            ns = self.by_ref.get(ref)
+            return ref if ns is not None and ns.owner == owner else MISSING
         if name in self.by_ref:
-            return name if (who is OPERATOR or self.by_ref[name].owner == TCP_TENANT) else MISSING
-        if who is not OPERATOR:
-            return MISSING
+            return name
         same = self.by_name.get(name, ())
         if len(same) > 1:
             raise Conflict(
@@ -205,7 +232,7 @@ class Directory:
             return True
         if isinstance(who, Peer):
             return self.ref(ns.name, who) == ns.ref
-        return ns.owner == TCP_TENANT
+        return ns.owner == owner_of(who)
 
     def label(self, ns: Namespace, who: Caller) -> str:
         """The name `who` knows `ns` by: its name, or its ref for the operator when

@@ -3,6 +3,8 @@
 A query string sends a hot request to FastAPI instead (`?each=0` changes nothing else), so
 the same body can be asked of both paths on one live server."""
 
+import http.client
+
 import orjson
 import pytest
 
@@ -12,9 +14,13 @@ from tests.conftest import UnixHTTPConnection
 PAGE = 4096
 
 
-def post(server, path, body, headers=None):
-    """On the engine socket, where the buffer's owner is known."""
-    conn = UnixHTTPConnection(server.config.socket, 10)
+def post(server, path, body, headers=None, tcp=False):
+    """On the engine socket, where the buffer's owner is known (or on loopback TCP)."""
+    conn = (
+        http.client.HTTPConnection("127.0.0.1", server.config.port, timeout=10)
+        if tcp
+        else UnixHTTPConnection(server.config.socket, 10)
+    )
     conn.request("POST", path, body=body, headers=headers or {})
     resp = conn.getresponse()
     out = resp.status, resp.getheader("content-type"), resp.read()
@@ -72,10 +78,10 @@ def test_fast_path_and_fastapi_answer_the_same_bytes(server, buffer):
 def test_fast_path_sits_inside_the_guard(make_server):
     server = make_server(token="s3cret", max_json_body=1024)
     auth = {"Authorization": "Bearer s3cret"}
-    status, _, body = post(server, "/v1/namespaces/kv/exists", b'{"keys": []}')
+    status, _, body = post(server, "/v1/namespaces/kv/exists", b'{"keys": []}', tcp=True)
     assert status == 401 and orjson.loads(body)["error"]["code"] == "unauthorized"
     status, _, body = post(
-        server, "/v1/namespaces/kv/exists", b'{"keys": ["' + b"a" * 2000 + b'"]}', auth
+        server, "/v1/namespaces/kv/exists", b'{"keys": ["' + b"a" * 2000 + b'"]}', auth, tcp=True
     )
     assert status == 413 and orjson.loads(body)["error"]["code"] == "payload_too_large"
     client = server.client()

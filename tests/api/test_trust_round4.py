@@ -232,15 +232,29 @@ def test_anonymous_tcp_and_the_operator_never_share_tier_identity(make_server):
     assert anonymous["identity"] != operator["identity"]
 
 
+class _HeldBuffer:
+    """A stand-in for a registered buffer (no GPU here): counted, released with its namespace."""
+
+    released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
 @pytest.mark.parametrize("token", [None, TOKEN])
 def test_anonymous_tcp_buffers_count_against_one_tenants_share(make_server, token):
-    """TCP registers only CUDA IPC handles; anonymous TCP holds at most a uid's buffers.
-    The 256 it holds are set in the quota (no GPU here): the next is 429 before the
+    """TCP registers only CUDA IPC handles; anonymous TCP holds at most a uid's buffers,
+    counted over its namespaces (as a TCP tenant's; issue 52). The 256 it holds are
+    stand-ins (no GPU here): the next is 429 before the
     transport is looked at; the operator, uncapped, gets to the transport (403 for shm)."""
     srv = make_server(token=token)
     tcp = srv.tcp_client()
     tcp.put_namespace("tool", PAGE)
-    srv.ctx.store.sources.quota.buffers[None] = 256
+    for i in range(4):  # 256 buffers in the same owner's other namespaces (64 a namespace)
+        tcp.put_namespace(f"tool{i}", PAGE)
+        srv.ctx.store.namespaces[f"tool{i}"].buffers.update(
+            {f"b{j}": _HeldBuffer() for j in range(64)}
+        )
     body = {
         "transport": "shm",
         "size": PAGE,

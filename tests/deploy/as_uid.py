@@ -169,7 +169,7 @@ class Sidecar:
         self.out.seek(0)
         return self.out.read().decode(errors="replace")[-3000:]
 
-    def engine_put(self, token: str) -> bytes:
+    def engine_put(self, token: str | None) -> bytes:
         """An engine's calls on the engine socket: a namespace, a page set, the page got."""
         c = SidecarClient(f"unix://{self.socket}", token=token)
         c.put_namespace("kv", 4096, model="m")
