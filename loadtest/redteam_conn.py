@@ -1,4 +1,4 @@
-"""Red-team attacks on connections (issue 26, items 2, 3, 6 and 10), for
+"""Red-team attacks on connections (issue 26, items 2, 3, 6 and 10; issue 52, item 3), for
 `python -m loadtest.redteam`. Each runs against a fresh root sidecar (loadtest/redteam.py);
 the attacker is a child process of uid nobody, the victim engine one of another uid.
 A child cannot see the runner's `stop` event: `_shared_stop` mirrors it into one a forked
@@ -9,6 +9,8 @@ from __future__ import annotations
 import array
 import contextlib
 import multiprocessing as mp
+import re
+import selectors
 import socket
 import struct
 import threading
@@ -303,6 +305,107 @@ def unread_answers(t: Target, stop: threading.Event) -> dict:
     return {"held": out["cut"] == out["connections"] == 64, **out}
 
 
+# -- 52: page PUTs in 1-byte chunks on both listeners -------------------------------------
+TINY_CHUNKS = b"1\r\nx\r\n" * (64 * 1024 // 6)  # 64 KiB a connection: 10,922 chunks
+CHUNKED_PUT = (
+    b"PUT /v1/namespaces/%s/pages/%s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+FLOODS_ENGINE, FLOODS_TCP = 32, 16
+
+
+def tiny_chunk_round(
+    path: str, url: str, tag: str, n_engine: int = FLOODS_ENGINE, n_tcp: int = FLOODS_TCP
+) -> list[tuple[bytes, float | None]]:
+    """One round: `n_engine` connections on the engine socket (page PUTs to namespace `eng`,
+    keys `<tag><i>`) and `n_tcp` on TCP (namespace `anon`), all opened first, then each
+    sends its PUT in 1-byte chunks as fast as the server takes them, reading what comes
+    back until the server closes (30 s at most): [(what came back, seconds to the close, or
+    None when it stayed open)]."""
+    conns = []
+    for i in range(n_engine + n_tcp):
+        s = _unix(path) if i < n_engine else _tcp(url)
+        s.setblocking(False)
+        ns = b"eng" if i < n_engine else b"anon"
+        conns.append((s, CHUNKED_PUT % (ns, b"%s%d" % (tag.encode(), i)) + TINY_CHUNKS))
+    got = [bytearray() for _ in conns]
+    sent, closed_at = [0] * len(conns), [None] * len(conns)
+    sel = selectors.DefaultSelector()
+    for i, (s, _) in enumerate(conns):
+        sel.register(s, selectors.EVENT_READ | selectors.EVENT_WRITE, i)
+    t0 = time.monotonic()
+    while sel.get_map() and time.monotonic() - t0 < 30:
+        for key, events in sel.select(1):
+            i = key.data
+            s, payload = conns[i]
+            if events & selectors.EVENT_READ:
+                try:
+                    data = s.recv(1 << 16)
+                except BlockingIOError:
+                    data = None
+                except OSError:
+                    data = b""
+                if data == b"":  # closed by the server
+                    closed_at[i] = time.monotonic() - t0
+                    sel.unregister(s)
+                    s.close()
+                    continue
+                got[i] += data or b""
+            if events & selectors.EVENT_WRITE:
+                try:
+                    sent[i] += s.send(payload[sent[i] : sent[i] + (1 << 16)])
+                except BlockingIOError:
+                    pass
+                except OSError:  # the server stopped reading: what it answered is read
+                    sent[i] = len(payload)
+                if sent[i] >= len(payload):
+                    sel.modify(s, selectors.EVENT_READ, i)
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()  # type: ignore[union-attr]
+    return [(bytes(g), c) for g, c in zip(got, closed_at, strict=True)]
+
+
+def refused_chunks(got: bytes, closed_at: float | None) -> bool:
+    """Answered 4xx only (the app may answer first, a 429 or 422), the last answer 400
+    `chunks_too_small`, and closed by the server."""
+    statuses = [int(x) for x in re.findall(rb"HTTP/1.1 (\d{3}) ", got)]
+    return (
+        closed_at is not None
+        and bool(statuses)
+        and all(400 <= x < 500 for x in statuses)
+        and re.search(rb'"code": ?"chunks_too_small"', got.rsplit(b"HTTP/1.1 ", 1)[-1]) is not None
+    )
+
+
+def _tiny_chunks(url: str, path: str, stop) -> dict:
+    engine, anon = SidecarClient(f"unix://{path}"), SidecarClient(url)
+    engine.put_namespace("eng", 4096)
+    anon.put_namespace("anon", 4096)
+    rounds, out, keys = 0, [], []
+    while not stop.is_set():
+        out += tiny_chunk_round(path, url, f"r{rounds}-")
+        keys.append(f"r{rounds}-")
+        rounds += 1
+    n = FLOODS_ENGINE + FLOODS_TCP
+    stored = sum(
+        engine.exists_each("eng", [f"{k}{i}" for i in range(FLOODS_ENGINE)]).count(True)
+        + anon.exists_each("anon", [f"{k}{i}" for i in range(FLOODS_ENGINE, n)]).count(True)
+        for k in keys
+    )
+    return {
+        "rounds": rounds,
+        "connections": len(out),
+        "not_refused": sum(not refused_chunks(g, c) for g, c in out),
+        "slowest_close_s": round(max((c or 99.0 for _, c in out), default=0), 2),
+        "stored": stored,
+    }
+
+
+def tiny_chunks(t: Target, stop: threading.Event) -> dict:
+    out = as_user(_tiny_chunks, t.url, t.socket, _shared_stop(stop))
+    held = out["connections"] > 0 and out["not_refused"] == 0 and out["stored"] == 0
+    return {"held": held, **out}
+
+
 ATTACKS = [
     Attack(2, "fd_on_http_engine_socket", fd_on_http_socket, seconds=3.0),
     Attack(3, "head_48mib", huge_head, seconds=6.0),
@@ -324,4 +427,5 @@ ATTACKS = [
         token=None,
         sidecar_args=("--write-timeout", "2"),
     ),
+    Attack(52, "tiny_chunks_both_listeners", tiny_chunks, seconds=5.0, token=None),
 ]

@@ -28,6 +28,7 @@ log = logging.getLogger("kv_sidecar")
 
 TCP, ENGINE = "tcp", "engine"
 CONN_KEY = "kv.conn"  # scope key: the connection, while it still has to show the token
+CLOSING_KEY = "kv.closing"  # scope key: a callable, true once the connection is going away
 SO_PASSRIGHTS = 83  # Linux 6.16+ (x86-64 and asm-generic); not in Python's socket module
 LOG_PERIOD = 10.0  # seconds between two log lines about refused or closed connections
 

@@ -16,10 +16,15 @@ from typing import Any, cast
 import httptools
 import uvicorn
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from sidecar.config import Config
-from sidecar.connections import CONN_KEY, ENGINE, TCP, Registry, refuse_fd_passing
+from sidecar.connections import CLOSING_KEY, CONN_KEY, ENGINE, TCP, Registry, refuse_fd_passing
+from sidecar.credentials import Credentials
 from sidecar.datadir import UnusableDir, check_dirs
 from sidecar.peer import PEER_KEY, bind_unix, peer_of, unlink_if_ours
 
@@ -45,6 +50,23 @@ CHUNKED_PIECE = 128
 HEAD_END = b"\r\n\r\n"
 _BLANK_LINES = re.compile(rb"[\r\n]*")  # what the parser skips between two requests
 
+# Chunked bodies (issue 52, item 3). A chunk costs Python two parser callbacks whatever its
+# size, so the framing of a body is bounded by its data, two ways:
+CHUNK_MIN_AVG = 1024
+"""Each chunk spends CHUNK_MIN_AVG bytes of its body's credit and each data byte earns one
+back; the credit starts at, and never exceeds, CHUNKS_AHEAD * CHUNK_MIN_AVG. A chunk header
+with no credit left is refused, 400 `chunks_too_small`, and the connection closed. So any run
+of k chunks carries at least (k - CHUNKS_AHEAD) * CHUNK_MIN_AVG bytes of data: at most one
+chunk a KiB (two callbacks) once CHUNKS_AHEAD are spent, whatever came before, which also
+bounds the Python work of one read (256 KiB: 64 + 256 chunks at most). Real clients send
+chunks of KiBs (http.client and httpx: what the caller yields; aiohttp, curl: 16-64 KiB)."""
+CHUNKS_AHEAD = 64
+"""Chunks a body may send beyond what its data pays for (a small body in a few tiny chunks)."""
+FRAMING_SHARE = 64
+"""Chunk-size lines, extensions and trailers of one body share one `max_head` budget (not one
+each), which grows by one byte every FRAMING_SHARE data bytes: 1 KiB chunks earn 16 bytes and
+spend 7 (a size line of 3 hex digits, two CRLFs). Past it: 431 `headers_too_large`, closed."""
+
 
 class _Refused(Exception):
     """Raised from a parser callback to stop the parser; `_refusal` says what to answer."""
@@ -61,6 +83,18 @@ class _Flow(FlowControl):
             super().resume_reading()
 
 
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request cycle; `PeerHttpProtocol.on_body` grows its body in place (a
+    bytearray, never `bytes +=`, which copies the whole body each chunk), and the app gets it
+    as bytes, whichever uvicorn runs (before 0.42 `receive` handed `self.body` out as is)."""
+
+    async def receive(self):
+        message = await super().receive()
+        if message["type"] == "http.request" and type(message["body"]) is not bytes:
+            message["body"] = bytes(message["body"])
+        return message
+
+
 class PeerHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus (`settings` is the Config, `registry` the counts;
     see sidecar/connections.py):
@@ -70,7 +104,9 @@ class PeerHttpProtocol(HttpToolsProtocol):
       connection that has not shown the token (when one is set) gets `auth_timeout` to do so;
     - a request head (request line and headers) past `max_head` bytes, counted as they
       arrive and before they are joined, is answered 414/431 and closed, and so is one with
-      more than `max_header_fields` fields (chunk framing and trailers count as a head);
+      more than `max_header_fields` fields; the chunk framing and trailers of one body share
+      one such budget, grown by its data (FRAMING_SHARE), and a body of chunks too small for
+      their data is refused at once (CHUNK_MIN_AVG, CHUNKS_AHEAD);
     - a head or body that stalls for `read_timeout` seconds, or a body not whole within
       `body_timeout` of its head, closes the connection (the app sees a disconnect: a
       stalled upload's reservation is aborted);
@@ -93,12 +129,13 @@ class PeerHttpProtocol(HttpToolsProtocol):
         self._refusal: tuple[int, str, str] | None = None
         self._head_left = self.settings.max_head
         self._body_end = self._last = 0.0
-        self._pending = self._listener == TCP and self.settings.token is not None
+        self._pending = self._listener == TCP and self.settings.tcp_guarded
         self._unauthorized = self._lingering = False
         self._linger_left = 0
         self._held: bytes | None = None  # a read not yet parsed, from `_held_at` on
         self._held_at = self._piece = 0  # `_piece`: the length of what is being fed
         self._body_left: int | None = None  # of a body of declared length, while read
+        self._chunk_credit = self._body_in = 0  # of a chunked body (see CHUNK_MIN_AVG)
         self._in_message = self._ended_in_piece = self._release_due = self._drain_due = False
         self._limits = (0, 0)  # the write buffer's (high, low), while draining
         why = self.registry.admit(self, self._listener, self._uid, self._pending)
@@ -264,7 +301,9 @@ class PeerHttpProtocol(HttpToolsProtocol):
         limit = self.settings.max_head
         if self._body_end:
             return self._refuse(
-                431, "headers_too_large", f"chunk framing or trailers over {limit} bytes"
+                431,
+                "headers_too_large",
+                f"chunk framing or trailers over {limit} bytes and 1/{FRAMING_SHARE} of the data",
             )
         if len(getattr(self, "url", b"")) > limit // 2:
             return self._refuse(414, "url_too_long", f"the request line is over {limit} bytes")
@@ -318,6 +357,7 @@ class PeerHttpProtocol(HttpToolsProtocol):
             self._head_left = self.settings.max_head - self._piece
         super().on_message_begin()
         scope = cast("dict[str, Any]", self.scope)  # our keys beside the ASGI ones
+        scope[CLOSING_KEY] = self.transport.is_closing  # a long answer stops streaming
         if self.peer is not None:
             scope[PEER_KEY] = self.peer
         elif self._pending:
@@ -337,22 +377,46 @@ class PeerHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        if type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = _Cycle  # its task has not run yet: it receives through ours
         now = self.loop.time()
         self._body_end, self._last = now + self.settings.body_timeout, now
-        self._head_left = self.settings.max_head  # for chunk framing and trailers
+        self._head_left = self.settings.max_head  # for all chunk framing and trailers
         self._body_left = _declared_length(self.headers)
+        self._chunk_credit, self._body_in = CHUNKS_AHEAD * CHUNK_MIN_AVG, 0
         due = min(now + self.settings.read_timeout, self._body_end)
         if self._timer is None or self._timer.when() > due:
             self._arm(due - now)
 
     def on_chunk_header(self) -> None:
-        self._head_left = self.settings.max_head  # each chunk's framing starts a budget
+        """Each chunk (the last, empty one too) spends CHUNK_MIN_AVG of the body's credit."""
+        self._chunk_credit -= CHUNK_MIN_AVG
+        if self._chunk_credit < 0:
+            self._refusal = (
+                400,
+                "chunks_too_small",
+                f"the body's chunks average under {CHUNK_MIN_AVG} bytes of data",
+            )
+            raise _Refused()
 
     def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        self._head_left += len(body)  # body bytes are not head bytes
+        """uvicorn's, but the body grows in place: `bytes +=` copied all of it each chunk."""
+        n, cycle = len(body), self.cycle
+        if not cycle.response_complete:  # (no upgrade to skip: ws="none")
+            buf = cycle.body
+            if type(buf) is not bytearray:  # uvicorn before 0.42: bytes, b"" once received
+                cycle.body = buf = bytearray(buf)
+            buf += body
+            if len(buf) > HIGH_WATER_LIMIT:
+                self.flow.pause_reading()
+            cycle.message_event.set()
+        self._head_left += n  # body bytes are not head bytes
         if self._body_left is not None:
-            self._body_left -= len(body)
+            self._body_left -= n
+        else:  # chunked: data earns chunks (up to the cap) and framing bytes
+            self._chunk_credit = min(self._chunk_credit + n, CHUNKS_AHEAD * CHUNK_MIN_AVG)
+            before, self._body_in = self._body_in, self._body_in + n
+            self._head_left += self._body_in // FRAMING_SHARE - before // FRAMING_SHARE
         self._last = self.loop.time()
 
     def on_message_complete(self) -> None:
@@ -490,6 +554,11 @@ def serve(config: Config) -> int:
         check_dirs(config)
     except UnusableDir as exc:
         log.error("cannot start: %s", exc)
+        return 1
+    try:
+        Credentials.of(config.token, config.tenant_tokens_file)  # read again by the app
+    except (OSError, ValueError) as exc:
+        log.error("cannot start: --tenant-tokens: %s", exc)
         return 1
     try:
         socks = listeners(config)
