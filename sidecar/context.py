@@ -109,7 +109,9 @@ class Context:
         executor = ThreadPoolExecutor(config.copy_threads, thread_name_prefix="kv-copy")
         tiers = build_tiers(config)
         writer = TierWriter(tiers, config.tier_threads, config.write_queue_pages) if tiers else None
-        tiering = Tiering(tiers, config.write_policy, writer, host_pool, executor)
+        tiering = Tiering(
+            tiers, config.write_policy, writer, host_pool, executor, config.copy_threads
+        )
         cuda = cuda_ipc.CudaIpc.create()
         st = os.fstat(arena.fd)
         own = ((st.st_dev, st.st_ino),)  # the arena: never registrable, never lendable
@@ -244,6 +246,8 @@ class Context:
             await asyncio.wait_for(drain, timeout)
         except TimeoutError:
             log.warning("copy workers did not finish within the shutdown timeout")
+        if not await self.tiering.close_reads(min(timeout, 5.0)):
+            log.warning("tier reads did not finish within the shutdown timeout")
         copying = not await self.store.copier.lanes.idle(min(timeout, 5.0))
         if copying:  # a copy stuck in an engine's memory may still write into the arena
             log.warning(

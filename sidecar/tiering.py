@@ -6,15 +6,31 @@
 
 Every tier speaks sidecar/tiers/base.py. Local look-ups run on the event loop; a tier with
 `remote_lookup` (Mooncake) is asked once per request for all its keys, in the executor.
+
+Promotions read their pages on per-owner lanes (`reads`, sidecar/lanes.py), keyed by the
+pool's owner: one owner's queue of reads (a tenant's warm jobs) runs on at most half the
+read threads, so another owner's promotion starts its read at once rather than behind that
+queue (a FIFO executor served every owner's reads in order: a tenant's warm jobs made
+another's promotions 20-25x slower). With every thread busy (three owners or more), a
+newcomer's read waits for the batches already handed to the threads (half the threads'
+worth an owner at most), never for another owner's queue.
+
+A delete sticks (`deleting` -> pool deletes -> `delete`): from the moment it begins until
+its tier delete has ended, the deleted keys are marked per (pool, key); no promotion
+reserves a marked key, and a load whose tier copy was read before the delete (or while it
+ran) commits none of them. Otherwise a warm racing an evict found the tier files the delete
+had not removed yet and brought the evicted pages back into the host pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import Executor
 
 from pools import HostPool, PagePool
 from pools.page_pool import BUSY, PRESENT, Entry, run_in_any
+from sidecar.lanes import Job, Lanes
 from sidecar.tiers.base import Tier
 from sidecar.tiers.writer import TierWriter
 
@@ -31,6 +47,7 @@ class Tiering:
         writer: TierWriter | None,
         host_pool: HostPool,
         executor: Executor,
+        read_threads: int = 4,
     ):
         self.tiers = tiers
         self.policy = policy if tiers else "none"
@@ -43,6 +60,15 @@ class Tiering:
         self.room_wait = 5.0  # seconds a promotion waits for the writer to free slots
         self.room_waits = 0  # promotions that waited so (a counter for /v1/stats)
         self.loading: dict[tuple[str, str], asyncio.Future] = {}  # (pool, key) being promoted
+        # tier reads of promotions, per owner: as many threads as the shared executor had
+        # (`read_threads`: the copy threads), at most half of them for one owner, as the
+        # copy lanes (a promotion's `read_parallel` parts together): the other half is
+        # always there for the others, and one owner's reads take at most half the cores
+        # (with 4 reads of 8 MiB at once on 2 cores, another's single page took 5.8x longer)
+        threads = max(2 * self.read_parallel, read_threads)
+        self.reads = Lanes("kv-tier-read", threads, max(self.read_parallel, threads // 2))
+        self.being_deleted: dict[tuple[str, str], int] = {}  # (pool, key): deletes under way
+        self._undone: dict[asyncio.Future, set[str]] = {}  # a load's keys a delete began on
 
     @property
     def enabled(self) -> bool:
@@ -332,37 +358,52 @@ class Tiering:
         return loaded
 
     async def _load(self, identity: str, pool: PagePool, todo: list) -> int:
-        """Read reserved slots [(tier, entry)] from their tiers; commit those read whole."""
+        """Read reserved slots [(tier, entry)] from their tiers, on the read lane of the
+        pool's owner; commit those read whole, unless a delete of the key began meanwhile
+        (`deleting`: the copy read is one the delete removes)."""
         loop = asyncio.get_running_loop()
         mine = loop.create_future()
         for _, r in todo:
             self.loading[(pool.name, r.key)] = mine
+        undone = self._undone[mine] = set()
         parts = self._parts(todo)
-        futs = [
-            loop.run_in_executor(
-                self.executor, self._read_all, identity, pool.page_bytes, [todo[i] for i in part]
+        futs: list[asyncio.Future] = [loop.create_future() for _ in parts]
+        jobs = [
+            self.reads.submit(
+                pool.owner,
+                functools.partial(
+                    self._read_all, identity, pool.page_bytes, [todo[i] for i in part]
+                ),
+                functools.partial(_read_ended, fut),
             )
-            for part in parts
+            for part, fut in zip(parts, futs, strict=True)
         ]
-        results = [False] * len(todo)
+        results, loaded = [False] * len(todo), 0
         try:
-            done = await asyncio.shield(asyncio.gather(*futs))
-            for part, got in zip(parts, done, strict=False):
+            # every part ends before any slot is committed or given back (the reads write
+            # into the reserved slots), a part that raised too
+            done = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
+            for part, got in zip(parts, done, strict=True):
+                if isinstance(got, BaseException):
+                    raise got
                 for i, good in zip(part, got, strict=False):
                     results[i] = good
         except asyncio.CancelledError:
+            for job in jobs:
+                self.reads.drop(job)  # not started: never will (its future ends now)
             await asyncio.wait(futs)  # the reads target reserved slots: let them end first
             raise
         finally:
+            del self._undone[mine]
             for (_, r), good in zip(todo, results, strict=False):
-                if good:
-                    pool.commit(r)
+                if good and r.key not in undone and (pool.name, r.key) not in self.being_deleted:
+                    loaded += pool.commit(r)  # (False: deleted meanwhile, its slot freed)
                 else:
                     pool.abort(r)
                 if self.loading.get((pool.name, r.key)) is mine:
                     del self.loading[(pool.name, r.key)]
             mine.set_result(None)
-        return sum(results)
+        return loaded
 
     async def _reserve_room(self, pool: PagePool, found: list[tuple[str, Tier]]) -> list:
         """Reserve a slot for each (key, tier) to promote: [(tier, entry)]. With no room
@@ -379,8 +420,8 @@ class Tiering:
             while found and not pool.closed:
                 later: list[tuple[str, Tier]] = []
                 for key, tier in found:
-                    if pool.contains(key):  # another request loaded it
-                        continue
+                    if pool.contains(key) or (pool.name, key) in self.being_deleted:
+                        continue  # another request loaded it; or it is being deleted
                     # after one "no room", the rest wait too (each failed reserve asks
                     # the host pool for a segment again)
                     r = None if later else pool.reserve(key)
@@ -403,7 +444,7 @@ class Tiering:
         return todo
 
     def _parts(self, todo: list) -> list[list[int]]:
-        """Indexes of `todo` per executor job: local tiers' reads in `read_parallel` slices;
+        """Indexes of `todo` per read job: local tiers' reads in `read_parallel` slices;
         a remote tier's in one batch (its client spreads the transfers itself, and two
         concurrent batches only compete)."""
         local = [i for i, (tier, _) in enumerate(todo) if not tier.remote_lookup]
@@ -412,7 +453,7 @@ class Tiering:
         return [local[j::n] for j in range(n)] + ([remote] if remote else [])
 
     def _read_all(self, identity: str, page_bytes: int, todo: list) -> list[bool]:
-        """One `read_batch` per tier for this part of the promotion (in the executor)."""
+        """One `read_batch` per tier for this part of the promotion (on a read lane)."""
         by_tier: dict[Tier, list[int]] = {}
         for i, (tier, _) in enumerate(todo):
             by_tier.setdefault(tier, []).append(i)
@@ -425,14 +466,40 @@ class Tiering:
                 out[i] = bool(good)
         return out
 
-    async def delete(self, identity: str, keys: list[str]) -> int:
+    def deleting(self, pool: PagePool, keys: list[str]) -> None:
+        """A delete of `keys` from `pool` begins (`Store.delete`, before its pool deletes):
+        until its `delete(identity, keys, pool)` has ended, no promotion reserves them, and
+        a load in flight commits none of them (the copy it read is being deleted)."""
+        if not self.tiers:
+            return
+        for key in keys:
+            pk = (pool.name, key)
+            self.being_deleted[pk] = self.being_deleted.get(pk, 0) + 1
+            loading = self.loading.get(pk)
+            if loading is not None and loading in self._undone:
+                self._undone[loading].add(key)
+
+    def _deleted(self, pool: PagePool, keys: list[str]) -> None:
+        for key in keys:
+            pk = (pool.name, key)
+            left = self.being_deleted.get(pk, 0) - 1
+            if left > 0:
+                self.being_deleted[pk] = left
+            else:
+                self.being_deleted.pop(pk, None)
+
+    async def delete(self, identity: str, keys: list[str], pool: PagePool | None = None) -> int:
         """Remove keys from every tier after cancelling their queued writes and waiting for
         the running ones (none publishes after this); return the keys some tier still holds
-        (a delete the tier could not perform: a read-only or failing disk)."""
+        (a delete the tier could not perform: a read-only or failing disk). With `pool`,
+        ends the marks `deleting(pool, keys)` set, once every tier has deleted."""
         if not self.tiers:
             return 0
         # shielded: a caller that goes away must not leave a write to publish after it
-        return await asyncio.shield(self._delete(identity, keys))
+        task = asyncio.ensure_future(self._delete(identity, keys))
+        if pool is not None:
+            task.add_done_callback(lambda _: self._deleted(pool, keys))
+        return await asyncio.shield(task)
 
     async def _delete(self, identity: str, keys: list[str]) -> int:
         await self._settle(identity, keys)
@@ -467,3 +534,22 @@ class Tiering:
 
     def counts(self, identity: str) -> dict[str, int]:
         return {t.name: t.count(identity) for t in self.tiers}
+
+    async def close_reads(self, timeout: float) -> bool:
+        """At shutdown, before the tiers close: wait (at most `timeout` s) for the reads
+        running or queued, then let the read threads go. Whether every read ended."""
+        idle = await self.reads.idle(timeout)
+        self.reads.close()
+        return idle
+
+
+def _read_ended(fut: asyncio.Future, job: Job) -> None:
+    """A read job ended (its result or error) or was dropped before it started (none read)."""
+    if fut.done():
+        return
+    if job.state == "dropped":
+        fut.set_result([])
+    elif job.error is not None:
+        fut.set_exception(job.error)
+    else:
+        fut.set_result(job.result)
