@@ -1,7 +1,8 @@
 """Red-team attacks on KV events (issue 43: 3, 4, 7; sidecar/events.py), for
 `python -m loadtest.redteam`: another uid subscribes to the `ipc://` event sockets; another
 uid reads a tenant's prompts from a loopback TCP endpoint; a tenant makes the largest
-events it may while a subscriber never reads; a create-delete loop of namespaces.
+events it may while a subscriber never reads; a create-delete loop of namespaces; 20
+subscribers that never read join one after another (issue 52, item 5).
 
 A victim tenant (uid VICTIM, engine socket) stores pages with their token ids; the
 attacker is uid nobody (or OTHER), in no group."""
@@ -19,6 +20,7 @@ import time
 
 import msgspec
 import zmq
+import zmq.utils.monitor  # (read by a child as another uid)
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
@@ -193,6 +195,83 @@ def _churn_attack(t: Target, stop: threading.Event) -> dict:
     }
 
 
+# -- 52 (5): subscribers that never read, one after another -------------------------------------
+QUEUE_MIB, MAX_SUBSCRIBERS = 64, 4  # --kv-events-queue-bytes, --kv-events-max-subscribers
+
+
+def _never_read(endpoint: str, count: int, apart: float, hold: float) -> list[dict]:
+    """`count` SUBs that never read (one message at most on their side), one every `apart`
+    seconds, held `hold` seconds after the last; each one's handshakes as its monitor saw
+    them (admitted: succeeded; dropped: closed, a refused one's each time) and whether
+    anything reached it."""
+    ctx = zmq.Context()
+    subs = []
+    for _ in range(count):
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
+        subs.append((sock, mon, {"admitted": 0, "dropped": 0}))
+        time.sleep(apart)
+    time.sleep(hold)
+    out = []
+    for sock, mon, seen in subs:
+        while mon.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+            key = "admitted" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "dropped"
+            seen[key] += 1
+        out.append({**seen, "got": bool(sock.poll(0))})
+    ctx.destroy(linger=0)
+    return out
+
+
+def _subscribers(t: Target, stop: threading.Event) -> dict:
+    """A tenant (OTHER) makes the largest events it may without pause; after 2 s uid
+    nobody connects 20 SUBs that never read, 0.3 s apart, each joined while the sets go
+    on (so each would hold batches the others do not). The sidecar's RSS is sampled from
+    then on. Held: `MAX_SUBSCRIBERS` admitted, every other refused at its handshake
+    (nothing reached it), and the RSS grew by less than `--kv-events-queue-bytes`."""
+    hog: dict = {}
+    sets = threading.Thread(
+        target=lambda: hog.update(as_user(_largest_sets, t.socket_url, 14.0, uid=OTHER))
+    )
+    sets.start()
+    time.sleep(2.0)  # its namespace made, the host pool and the ring filling
+    rss, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            with open(f"/proc/{t.pid}/status") as f:
+                rss.append(next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024)
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    subs = as_user(_never_read, f"tcp://127.0.0.1:{TCP}", 20, 0.3, 4.0)
+    sets.join(60)
+    done.set()
+    sampler.join()
+    stats = SidecarClient(t.url, token=TOKEN).request("GET", "/v1/stats")[1].get("events", {})
+    admitted = [s for s in subs if s["admitted"]]
+    refused = [s for s in subs if not s["admitted"]]
+    growth = max(rss) - rss[0]
+    return {
+        "held": len(admitted) == MAX_SUBSCRIBERS
+        and all(s["dropped"] > 0 and not s["got"] for s in refused)
+        and growth < QUEUE_MIB
+        and hog.get("sets", 0) > 0,
+        "admitted": len(admitted),
+        "refused": len(refused),
+        "refused_that_got_any": sum(s["got"] for s in refused),
+        "refusals_seen": sum(s["dropped"] for s in refused),
+        "rss_growth_from_first_subscriber_mib": round(growth, 1),
+        "sets": hog.get("sets"),
+        "events": stats,
+    }
+
+
 EVENTS_IPC = (
     "--kv-events",
     "ipc://{own}/ev.pub",
@@ -217,4 +296,23 @@ ATTACKS = [
         sidecar_args=(*EVENTS_TCP, "--kv-events-token-ids", "--kv-events-buffer-bytes", "16MiB"),
     ),
     Attack(43, "events: create-delete loop", _churn_attack, seconds=12.0, sidecar_args=EVENTS_TCP),
+    Attack(
+        52,
+        "events: 20 subscribers that never read",
+        _subscribers,
+        seconds=20.0,
+        sidecar_args=(
+            *EVENTS_TCP,
+            "--kv-events-token-ids",
+            "--kv-events-buffer-bytes",
+            "16MiB",
+            "--host-pool",
+            "8MiB",  # (the pool's own pages filling are not what is measured)
+            "--kv-events-queue-bytes",
+            f"{QUEUE_MIB}MiB",
+            "--kv-events-max-subscribers",
+            str(MAX_SUBSCRIBERS),
+        ),
+        rss_limit_mib=QUEUE_MIB + 32.0,  # from the sidecar's start: its warm-up too
+    ),
 ]

@@ -154,7 +154,7 @@ _FLAGS = [
         "--kv-events-hwm",
         "kv_events_hwm",
         "batches queued to a subscriber that does not read, then "
-        "dropped for it (1000; shared by all such subscribers)",
+        "dropped for it (1000; fewer where --kv-events-queue-bytes says)",
     ),
     (
         "--kv-events-batch-bytes",
@@ -164,7 +164,14 @@ _FLAGS = [
     (
         "--kv-events-queue-bytes",
         "kv_events_queue_bytes",
-        "bytes of batches queued to subscribers that do not read, at most (64MiB)",
+        "bytes of batches queued to every subscriber and replay client together, "
+        "at most (64MiB): a subscriber's hwm is what it holds for max subscribers",
+    ),
+    (
+        "--kv-events-max-subscribers",
+        "kv_events_max_subscribers",
+        "connections each event socket (PUB, replay) takes at once; "
+        "past it refused at the handshake (4)",
     ),
     (
         "--kv-events-mode",

@@ -73,6 +73,12 @@ def _default_socket() -> str:
     return os.path.join(runtime or _default_data_dir(), "kv-sidecar.sock")
 
 
+# KV events (sidecar/publisher.py `Limits`): a subscriber's queue is at least EVENTS_MIN_HWM
+# batches (below it ZMQ, which learns of reads in steps, dropped batches for a subscriber
+# that read each at once); a replay client's is EVENTS_REPLAY_HWM
+EVENTS_MIN_HWM, EVENTS_REPLAY_HWM = 32, 16
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Everything the process is started with. Sizes are bytes."""
@@ -126,9 +132,11 @@ class Config:
     kv_events_buffer: int = 10_000  # batches kept for replay
     kv_events_buffer_bytes: int = 256 * 2**20  # and their bytes at most (a mapping, resident)
     kv_events_gather: float = 0.02  # s a batch gathers events before it is sent
-    kv_events_hwm: int = 1000  # batches queued to a subscriber, then dropped for it
+    kv_events_hwm: int = 1000  # batches queued to a subscriber at most, then dropped for it
     kv_events_batch_bytes: int = 256 * 2**10  # bytes of one batch at most (events split to fit)
-    kv_events_queue_bytes: int = 64 * 2**20  # bytes queued to the PUB's subscribers at most
+    kv_events_queue_bytes: int = 64 * 2**20  # bytes queued to every subscriber and replay
+    # client together, at most: a subscriber's hwm is what this holds for max subscribers
+    kv_events_max_subscribers: int = 4  # connections each event socket takes at once
     kv_events_mode: int = 0o600  # ipc:// event sockets' mode (this user only)
     kv_events_group: str | None = None  # and their group (the routers' users are in it)
     kv_events_token_ids: bool = False  # publish each page's token ids (its prompt): opt in
@@ -182,6 +190,7 @@ class Config:
             raise ValueError(
                 "kv events batch bytes must be >= 64KiB and queue bytes >= batch bytes"
             )
+        self._check_event_queues()
         if not 0 <= self.kv_events_mode <= 0o777:
             raise ValueError(
                 f"kv events mode must be an octal mode like 0660, got {self.kv_events_mode:o}"
@@ -212,6 +221,31 @@ class Config:
         ):
             raise ValueError(
                 "copy deadline and lend idle timeout must be > 0 s, mapped bounds >= 1 byte"
+            )
+
+    def _check_event_queues(self) -> None:
+        """With events on, `--kv-events-queue-bytes` holds, for each of
+        `--kv-events-max-subscribers` subscribers and as many replay clients, their queues
+        of batches of `--kv-events-batch-bytes` (sidecar/publisher.py, `Limits`), a
+        subscriber's 32 at least."""
+        if self.kv_events_max_subscribers < 1:
+            raise ValueError(
+                f"kv events max subscribers must be >= 1, got {self.kv_events_max_subscribers}"
+            )
+        if not self.kv_events:
+            return
+        # (sidecar/publisher.py `Limits.sndhwm`: what is left of a place's share of the
+        # budget beside a replay client's queue and one batch in flight for each)
+        place = self.kv_events_queue_bytes // (
+            self.kv_events_max_subscribers * self.kv_events_batch_bytes
+        )
+        if min(self.kv_events_hwm, place - (EVENTS_REPLAY_HWM + 1) - 1) < EVENTS_MIN_HWM:
+            each = EVENTS_MIN_HWM + 1 + EVENTS_REPLAY_HWM + 1
+            raise ValueError(
+                f"kv events queue bytes must hold {each} batches of batch bytes for each of "
+                f"the {self.kv_events_max_subscribers} max subscribers: at least "
+                f"{each * self.kv_events_max_subscribers * self.kv_events_batch_bytes}, "
+                f"got {self.kv_events_queue_bytes}"
             )
 
     def _check_event_endpoints(self) -> None:
@@ -258,6 +292,7 @@ _INTS = {
     "max_connections",
     "kv_events_buffer",
     "kv_events_hwm",
+    "kv_events_max_subscribers",
     "max_connections_per_uid",
     "max_header_fields",
 }

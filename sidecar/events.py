@@ -460,7 +460,7 @@ def start(config, loop, tiers: list) -> Events:
             replay,
             config.kv_events_buffer,
             config.kv_events_buffer_bytes,
-            Limits(hwm=queue_hwm(config)),
+            Limits.of(config),
             unix,
         ),
         config.kv_events_topic or f"kv-sidecar@{socket.gethostname()}",
@@ -485,15 +485,6 @@ def start(config, loop, tiers: list) -> Events:
         if endpoint and not endpoint.startswith("ipc://"):
             log.warning(open_endpoint(endpoint, events.token_ids))
     return events
-
-
-def queue_hwm(config) -> int:
-    """The PUB's high-water mark: `--kv-events-hwm` batches, fewer where that many batches
-    of `--kv-events-batch-bytes` would pass `--kv-events-queue-bytes` (32 at least: below,
-    ZMQ dropped batches for a subscriber that kept up)."""
-    return max(
-        32, min(config.kv_events_hwm, config.kv_events_queue_bytes // config.kv_events_batch_bytes)
-    )
 
 
 def open_endpoint(endpoint: str, token_ids: bool) -> str:

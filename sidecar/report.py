@@ -73,6 +73,7 @@ def stats(store: Store, who: Caller = OPERATOR) -> dict[str, Any]:
             "replay_bytes": pub.ring.bytes,
             "replays": pub.replays,
             "replays_given_up": pub.replays_given_up,
+            **pub.stats(),  # subscribers, refused_subscribers, ... (sidecar/publisher.py)
         }
     return out
 

@@ -18,6 +18,7 @@ import pytest
 from api.engine.shm import SharedBuffer, page_first_chunks
 from sidecar import events as events_mod
 from sidecar.config import Config
+from sidecar.publisher import Limits
 from tests.api.test_kv_events import PAGE, Subscriber, endpoints, settled
 from tests.conftest import replay_frames, wait_for
 from tests.deploy.as_uid import run_as
@@ -197,27 +198,31 @@ def test_a_large_set_goes_out_in_batches_of_batch_bytes(make_server):
 
 
 def test_the_pub_queue_is_bounded_in_bytes(make_server):
-    """The PUB's high-water mark: `--kv-events-queue-bytes` / `--kv-events-batch-bytes`
-    batches (never under 32, never over `--kv-events-hwm`)."""
+    """The PUB's high-water mark: what `--kv-events-queue-bytes` holds for each of
+    `--kv-events-max-subscribers` places (a subscriber's queue beside a replay client's 16
+    batches and one batch in flight each, issue 52), never over `--kv-events-hwm`; a
+    budget that leaves a subscriber under 32 batches is refused at start."""
     port, replay = endpoints()
     srv = make_server(
         kv_events=f"tcp://127.0.0.1:{port}",
         kv_events_replay=f"tcp://127.0.0.1:{replay}",
         kv_events_queue_bytes=2**23,
-        kv_events_batch_bytes=2**17,
+        kv_events_batch_bytes=2**16,
+        kv_events_max_subscribers=1,
     )
     wait_for(lambda: srv.ctx.ready)
-    assert srv.ctx.events.publisher.pub.getsockopt(zmq.SNDHWM) == 64
-    assert srv.ctx.events.batch_bytes == 2**17
-    assert events_mod.queue_hwm(Config()) == 64 * 2**20 // (256 * 2**10)
-    assert (
-        events_mod.queue_hwm(Config(kv_events_queue_bytes=2**20, kv_events_batch_bytes=2**16)) == 32
-    )
-    assert events_mod.queue_hwm(Config(kv_events_queue_bytes=2**40)) == 1000
+    assert srv.ctx.events.publisher.pub.getsockopt(zmq.SNDHWM) == 128 - 17 - 1
+    assert srv.ctx.events.batch_bytes == 2**16
+    assert Limits.of(Config()).sndhwm == 64 * 2**20 // (4 * 256 * 2**10) - 17 - 1
+    assert Limits.of(Config()).held_bytes == Config().kv_events_queue_bytes
+    assert Limits.of(Config(kv_events_queue_bytes=2**40)).sndhwm == 1000
+    on = {"kv_events": f"tcp://127.0.0.1:{port}"}
     for bad in (
         {"kv_events_batch_bytes": 2**15},
         {"kv_events_queue_bytes": 2**17},
         {"kv_events_mode": 0o1777},
+        {"kv_events_max_subscribers": 0},
+        {**on, "kv_events_queue_bytes": 2**23, "kv_events_batch_bytes": 2**17},
     ):
         with pytest.raises(ValueError):
             Config(**bad)
