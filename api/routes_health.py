@@ -46,6 +46,8 @@ async def stats(request: Request, ctx: Context = Depends(context)) -> Response:
         {
             "uptime_s": round(time.time() - ctx.started, 3),
             "cuda_host_registered": ctx.cuda_registered,
+            "loop": ctx.monitor.describe(),
+            "ledger": ctx.store.ledger.describe(),
             **report.stats(ctx.store, observer(ctx, request.scope)),
         }
     )

@@ -64,7 +64,7 @@ async def get_namespace(name: str, request: Request, ctx: Context = Depends(cont
 async def delete_namespace(
     name: str, request: Request, ctx: Context = Depends(context)
 ) -> Response:
-    ns = ctx.store.delete_namespace(ref(ctx, request.scope, name), who(ctx, request.scope))
+    ns = await ctx.store.drop_namespace(ref(ctx, request.scope, name), who(ctx, request.scope))
     failed = await ctx.store.drop_tiers(ns)
     return json({"deleted": name, "failed": failed})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
@@ -10,6 +12,8 @@ from api import fastpath
 from api.deps import context, ref, who
 from api.openapi import PAGE_BODY, body
 from api.wire import flag, json, raw_json, read_json
+from sidecar.answers import PageAnswer
+from sidecar.connections import CLOSING_KEY
 from sidecar.context import Context
 from sidecar.errors import BadRequest, KeyNotFound
 
@@ -82,10 +86,38 @@ async def put_page(
 async def get_page(
     name: str, key: str, request: Request, ctx: Context = Depends(context)
 ) -> Response:
-    page = await ctx.store.read_page(ref(ctx, request.scope, name), key)
+    page = await ctx.store.open_page(ref(ctx, request.scope, name), key)
     if page is None:
         raise KeyNotFound(f"page {key!r} is not in namespace {name!r}")
-    return Response(memoryview(page), media_type=OCTETS)
+    return PageResponse(page)
+
+
+class PageResponse(Response):
+    """A page streamed from its pinned slot (sidecar/answers.py `PageAnswer`), one piece a
+    loop turn: each is sent only once the one before has left the process (uvicorn waits
+    while writing is paused), so an answer nobody reads holds one piece of memory and its
+    slot (charged to the owner's ledger) until `--write-timeout`, and many answers share
+    the loop's turns; the slot is given back however the answer ends (a client gone stops
+    the copies at once)."""
+
+    media_type = OCTETS
+
+    def __init__(self, page: PageAnswer):
+        super().__init__(media_type=OCTETS, headers={"content-length": str(page.size)})
+        self.page = page
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            closing = scope.get(CLOSING_KEY, bool)
+            for piece in () if scope["method"] == "HEAD" else self.page.pieces():
+                if closing():  # the client went away (or timed out): nothing more to copy
+                    return
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                await asyncio.sleep(0)  # one piece a loop turn: many answers share turns
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            self.page.close()
 
 
 @router.post("/prefetch", openapi_extra=body("keys"))

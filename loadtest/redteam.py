@@ -54,6 +54,7 @@ MODULES = (
     "loadtest.redteam_events",
     "loadtest.redteam_tenancy",
     "loadtest.redteam_skipped",
+    "loadtest.redteam_roles",
 )
 HEALTHZ_LIMIT_MS = 50.0
 
@@ -82,6 +83,8 @@ class Attack:
     sidecar_args: tuple = ()  # extra flags for its sidecar
     token: str | None = "redteam-token"  # the sidecar's token (None: none)
     rss_limit_mib: float = 128.0  # growth of the sidecar's RSS allowed
+    prepare: Callable[[str], None] | None = None  # makes files in the sidecar's dir first
+    setup: Callable[[Target], dict] | None = None  # builds state before /healthz is timed
 
 
 def as_user(
@@ -183,6 +186,8 @@ def start_sidecar(attack: Attack, workdir: str) -> tuple[Proc, Target]:
     """The attack's sidecar; its socket dir and data dir beside `workdir`, the sidecar's."""
     own = os.path.join(os.path.dirname(workdir), "own")
     os.makedirs(own, 0o755)
+    if attack.prepare is not None:
+        attack.prepare(own)
     port, sock = free_port(), os.path.join(own, "s.sock")
     token = attack.token
     cmd = [
@@ -229,13 +234,14 @@ def run_one(attack: Attack, seconds: float | None = None) -> dict:
 def _run(attack: Attack, seconds: float | None, workdir: str) -> dict:
     proc, target = start_sidecar(attack, workdir)
     try:
+        built = attack.setup(target) if attack.setup is not None else {}
         prober = Prober(target)
         prober.thread.start()
         stop = threading.Event()
         timer = threading.Timer(seconds or attack.seconds, stop.set)
         timer.start()
         try:
-            facts = attack.run(target, stop)
+            facts = {**built, **attack.run(target, stop)}
         except Exception as exc:  # an attack that breaks is a finding, not a crash
             facts = {"held": False, "error": repr(exc)}
         finally:

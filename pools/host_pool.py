@@ -57,6 +57,7 @@ class HostPool:
         self.draining: list[PagePool] = []
         self.explicit_segments = 0
         self._shares: tuple | None = None  # `_counts`, until segments move
+        self._explicit: Counter | None = None  # explicit segments by owner, likewise
         self._no_reclaim: dict[str, int] = {}  # pool -> grows left to skip (see `_grow`)
 
     # -- namespaces -------------------------------------------------------------------
@@ -184,9 +185,22 @@ class HostPool:
         shared = len(self.shared_pools())
         return (self.n_segments - self.explicit_segments) / max(shared, 1)
 
+    def owner_bound(self, owner: Hashable) -> float:
+        """Segments `owner` may hold busy in fairness (pins, copies, answers, uploads:
+        sidecar/ledger.py): the shared segments split among the owners of shared pools,
+        itself counted, plus its own explicit segments. Counted once after each change."""
+        _, pools, _ = self._counts()
+        if self._explicit is None:
+            self._explicit = Counter()
+            for p in self.pools.values():
+                if p.max_pages is not None:
+                    self._explicit[p.owner] += len(p.segments)
+        sharers = len(pools) + (owner not in pools)
+        return (self.n_segments - self.explicit_segments) / sharers + self._explicit[owner]
+
     def _moved(self) -> None:
         """Segments changed hands, or pools came or went: the shares are stale."""
-        self._shares = None
+        self._shares = self._explicit = None
         self._no_reclaim.clear()
 
     def _counts(self) -> tuple[float, Counter, Counter]:

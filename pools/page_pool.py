@@ -148,6 +148,7 @@ class PagePool:
         self.free: list[int] = []  # slots given back, reused first
         self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
         self.lru: LruList[Entry] = LruList()
+        self.reaping: list[dict] = []  # a closed pool's dropped entries (`reap`)
         self.closed = False
         self.on_evict: OnEvict | None = None
         self.on_idle: Callable[[PagePool], None] | None = None
@@ -383,9 +384,10 @@ class PagePool:
     def close(self) -> None:
         """Drop every key and refuse new ones; `on_idle` fires once no copy holds a slot.
         With no joint or log to tell, only the busy entries are walked (they become
-        doomed); the others go with the index at once, and their slots with the segments
-        (the host pool takes them back whole): a namespace of millions of pages is
-        dropped without a walk of them on the event loop."""
+        doomed); the others leave the index at once, their slots with the segments (the
+        host pool takes them back whole), and their objects a few at a time (`reap`):
+        a namespace of millions of pages is dropped without a walk of them, or a free of
+        them, in one turn of the event loop."""
         self.closed = True
         if self.joints or self.log is not None:
             for key in list(self.entries):
@@ -395,11 +397,28 @@ class PagePool:
                 if not e.doomed:
                     e.doomed = True
                     self._doomed_entries[id(e)] = e
-            self.entries.clear()  # in place: a look-up holding `ready` across an await
-            self.ready.clear()  # sees the namespace gone
+            self.reaping = [self._by_offset, self.entries]  # freed by `reap`
+            self.entries = {}
+            self.ready.clear()  # in place: a look-up holding `ready` across an await sees
+            # the namespace gone (no entry is freed here: `reaping` still holds them all)
             self.lru = LruList()
             self._by_offset = {e.offset: e for e in self._busy}
         self._after_release()
+
+    def reap(self, n: int) -> bool:
+        """Free at most `n` of a closed pool's dropped entries, their LRU links broken (a
+        linked chain would be left to the garbage collector's next full pass); True once
+        none is left. The caller calls again on later loop turns."""
+        while self.reaping and n > 0:
+            d = self.reaping[-1]
+            for _ in range(min(n, len(d))):
+                e = d.popitem()[1]
+                if e.prev is not None and not e.doomed:
+                    e.prev = e.next = None
+                n -= 1
+            if not d:
+                self.reaping.pop()
+        return not self.reaping
 
     # -- internals --------------------------------------------------------------------
     def _take_slot(self) -> int | None:

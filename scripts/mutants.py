@@ -50,8 +50,8 @@ MUTANTS = [
     M(
         "auth: a request without Authorization let through",
         "api/guard.py",
-        'auth = auth or b""\n            if not (',
-        "if auth is not None and not (",
+        "role = self.credentials.role(auth) if auth is not None else None",
+        "role = self.credentials.role(auth) if auth is not None else OPERATOR",
         ("tests/api/test_errors.py::test_token_guards_every_route_but_healthz",),
     ),
     M(
@@ -409,16 +409,16 @@ MUTANTS = [
     # -- inline uploads in flight: an owner's part of the segments (issue 43, item 6) ------
     M(
         "uploads: trickling uploads in flight uncapped",
-        "sidecar/store.py",
-        "        if mine >= max(1, cap) or sum(",
-        "        if False and sum(",
+        "sidecar/ledger.py",
+        "        if mine >= max(1, cap) or self.uploads()",
+        "        if False and self.uploads()",
         ("tests/api/test_uploads.py",),
     ),
     M(
         "uploads: an owner's uploads in flight past its owner share",
         "sidecar/store.py",
-        "        cap = min(hp.n_segments // UPLOADS_OWNER_SHARE, int(hp.owner_share()))",
-        "        cap = hp.n_segments // UPLOADS_OWNER_SHARE",
+        "        if not hold.take((r.offset,))[0]:",
+        "        if not hold.take((r.offset,))[0] and False:",
         ("tests/api/test_uploads.py::test_an_uploader_holds_no_more_than_its_owner_share",),
     ),
     # -- pipelining: one request at a time, heads counted from their first byte (issue 43: 1)
@@ -807,15 +807,15 @@ MUTANTS = [
     M(
         "events: a subscriber that does not read holds batches up to vLLM's hwm",
         "sidecar/publisher.py",
-        "        self.pub.set_hwm(limits.hwm)",
-        "        self.pub.set_hwm(100_000)",
+        "            self.pub.set_hwm(self.hwm)",
+        "            self.pub.set_hwm(100_000)",
         ("tests/sidecar/test_publisher.py",),
     ),
     M(
         "events: a replay queued to its client all at once",
         "sidecar/publisher.py",
-        "        router.setsockopt(zmq.SNDHWM, limits.replay_hwm)",
-        "        pass",
+        "                self.router.setsockopt(zmq.SNDHWM, limits.replay_hwm)",
+        "                pass",
         ("tests/sidecar/test_publisher.py",),
     ),
     M(
@@ -879,8 +879,8 @@ MUTANTS = [
     M(
         "events: the PUB's queue bounded in batches, not bytes",
         "sidecar/events.py",
-        "Limits(hwm=queue_hwm(config))",
-        "Limits(hwm=config.kv_events_hwm)",
+        "            Limits.of(config),",
+        "            Limits(hwm=config.kv_events_hwm),",
         ("tests/api/test_kv_events_trust.py::test_the_pub_queue_is_bounded_in_bytes",),
     ),
     M(
@@ -897,6 +897,55 @@ MUTANTS = [
         "            pass",
         ("tests/sidecar/test_publisher.py",),
     ),
+    # -- trust, round 5 (issue 52): roles, the ledger, loop turns ------------------------------
+    M(
+        "events: subscribers past the cap admitted",
+        "sidecar/publisher.py",
+        "        if len(self.open) <= self.cap:",
+        "        if True:",
+        (
+            "tests/sidecar/test_publisher.py::test_subscribers_past_the_cap_are_refused_and_one_gets_in_when_a_place_is_free",
+        ),
+    ),
+    M(
+        "events: each subscriber's queue the whole budget",
+        "sidecar/publisher.py",
+        "        return min(self.hwm, each - (self.replay_hwm + 1) - 1)",
+        "        return min(self.hwm, self.queue_bytes // self.batch_bytes)",
+        (
+            "tests/sidecar/test_publisher.py::test_subscribers_that_stop_at_different_times_hold_the_budget_at_most_together",
+        ),
+    ),
+    M(
+        "roles: the engine socket honours the operator's token",
+        "sidecar/tenancy.py",
+        "    if peer is not None:\n        return peer\n    if tenant",
+        "    if peer is not None and not operator_tcp:\n        return peer\n    if tenant",
+        (
+            "tests/api/test_roles.py::test_engines_need_no_token_and_the_operators_gains_them_nothing",
+        ),
+    ),
+    M(
+        "roles: a tenant's token is the operator's",
+        "api/guard.py",
+        "            if role is not OPERATOR:\n                scope[TENANT_KEY] = role",
+        "            if False:\n                scope[TENANT_KEY] = role",
+        ("tests/api/test_roles.py::test_a_tenants_token_reaches_its_own_namespaces_only",),
+    ),
+    M(
+        "ledger: holds past the owner's bound",
+        "sidecar/ledger.py",
+        "            if held > bound or (held == bound and not acct.held[seg]):",
+        "            if False:",
+        ("tests/sidecar/test_ledger.py", "tests/api/test_unread_answers.py"),
+    ),
+    M(
+        "loop turns: an owner's newest pins end in one turn",
+        "sidecar/controls.py",
+        "            while order and n < CHUNK and len(",
+        "            while order and len(",
+        ("tests/api/test_loop_turns.py",),
+    ),
     # -- operators' controls (issue 47, sidecar/controls.py) --------------------------------
     M(
         "controls: a pinned page left on the LRU (evicted)",
@@ -910,17 +959,17 @@ MUTANTS = [
     M(
         "controls: a pin past its owner's bound",
         "sidecar/controls.py",
-        "        if len(held) + len(adds) > bound:",
-        "        if False:",
+        "        if len(held) + len(adds) > bound or not self.ledger.may_pin(",
+        "        if False and not self.ledger.may_pin(",
         (
             "tests/api/test_controls.py::test_pins_are_bounded_per_owner_and_take_no_other_owners_share",
         ),
     ),
     M(
         "controls: the pin bound of one owner is the whole pool's half",
-        "sidecar/controls.py",
-        "            sharers = len(owners) + (owner not in owners)",
-        "            sharers = 1",
+        "pools/host_pool.py",
+        "        sharers = len(pools) + (owner not in pools)",
+        "        sharers = 1",
         (
             "tests/api/test_controls.py::test_pins_are_bounded_per_owner_and_take_no_other_owners_share",
         ),

@@ -30,6 +30,7 @@ from sidecar.tiers.file_tier import FileTier
 from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
 from sidecar.tiers.writer import TierWriter
 from sidecar.transports import cuda_ipc
+from sidecar.turns import LoopMonitor
 
 if TYPE_CHECKING:  # pyzmq and msgspec: the `events` extra
     from sidecar.events import Events
@@ -91,6 +92,7 @@ class Context:
     executor: ThreadPoolExecutor
     requests: RequestStats = field(default_factory=RequestStats)
     sampler: Sampler = field(default_factory=Sampler)
+    monitor: LoopMonitor = field(default_factory=LoopMonitor)  # the longest loop turn
     started: float = field(default_factory=time.time)
     cuda_registered: bool = False
     ready: bool = False
@@ -161,6 +163,7 @@ class Context:
     def start(self) -> None:
         """Start background work (from the running loop); ready once the tiers are recovered."""
         self._loop = asyncio.get_running_loop()
+        self.monitor.start(self._loop)
         if self.config.socket:
             path = fd_socket_path(self.config.socket)
             sock = bind_unix(
@@ -226,6 +229,7 @@ class Context:
         finish copies, unmap. Each phase is bounded by the shutdown timeout."""
         timeout = timeout or self.config.shutdown_timeout
         self.ready = False
+        self.monitor.stop()
         if self.lend_server is not None:
             self.lend_server.close()
         for t in self._tasks:

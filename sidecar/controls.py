@@ -37,9 +37,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import secrets
-from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,13 +47,13 @@ from pools import HostPool
 from pools.page_pool import Entry, PagePool
 from sidecar.errors import BadRequest, Forbidden, JobNotFound, NamespaceNotFound, PinBound, TooMany
 from sidecar.keys import check_key, check_keys
+from sidecar.ledger import Ledger
 from sidecar.lookup import Lookup
 from sidecar.namespace import Namespace
 from sidecar.pin_store import Keeper
 from sidecar.tenancy import OPERATOR, Caller, Directory, owner_of
 from sidecar.tiering import Tiering
 
-PIN_SHARE = 0.5  # of an owner's fair share of segments, its pins may hold at most
 TTL_DEFAULT = 3600.0  # seconds
 TTL_MAX = 7 * 86400.0
 CHUNK = 512  # keys an evict deletes a step, expired pins ended a loop turn
@@ -103,6 +103,7 @@ class Pin:
     owner: Hashable
     expires: float
     seq: int
+    due: int = 0  # the whole second whose bucket holds it (`Controls._schedule`)
 
 
 @dataclass(slots=True, eq=False)
@@ -140,6 +141,7 @@ class Holder(Protocol):
     dir: Directory
     namespaces: dict[str, Namespace]
     lookup: Lookup
+    ledger: Ledger
 
     def namespace(self, ref: str) -> Namespace: ...
 
@@ -152,11 +154,20 @@ class Controls:
     def __init__(self, store: Holder):
         self.store = store
         self.pins: dict[str, dict[str, Pin]] = {}  # ns ref -> key -> pin
-        self.segs: dict[Hashable, Counter] = {}  # owner -> segment -> pinned pages in it
+        # owner -> seq -> (ref, key), oldest first: the newest end first, CHUNK a turn
+        self.by_owner: dict[Hashable, dict[int, tuple[str, str]]] = {}
+        self.live = 0  # pins held
+        self.ending: set[asyncio.Task] = set()  # a dropped namespace's pins, ending
+        self.emptied: set[str] = set()  # namespaces whose pins `end_pins` ended (a drop)
+        self.ledger = store.ledger  # pins are charged there, with the owner's other holds
         self.jobs: dict[str, WarmJob] = {}
         self.released = 0  # pins ended by the bound recheck
         self.expired = 0
-        self._heap: list[tuple[float, int, str, str]] = []
+        # pins by the whole second their TTL ends in: second -> seq -> (ref, key); and a
+        # heap of those seconds. An ended pin leaves its bucket at once, so nothing grows
+        # with pins ended early and nothing is ever rebuilt in one loop turn.
+        self._due: dict[int, dict[int, tuple[str, str]]] = {}
+        self._seconds: list[int] = []
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self.keeper: Keeper | None = None  # with a data dir: pins kept across a restart
@@ -177,31 +188,12 @@ class Controls:
     def bound_segments(self, owner: Hashable) -> int:
         """Segments `owner`'s pins may hold: PIN_SHARE of its fair share of the shared
         segments (split among the owners of shared pools, itself counted) and of its own
-        explicit segments."""
-        return self._bounds()(owner)
-
-    def _bounds(self) -> Callable[[Hashable], int]:
-        """`bound_segments` of any owner, the pools walked once (a recheck asks for every
-        owner holding pins)."""
-        hp = self.store.host_pool
-        owners: set = set()
-        explicit: Counter = Counter()
-        for p in hp.pools.values():
-            if p.max_pages is None:
-                owners.add(p.owner)
-            else:
-                explicit[p.owner] += len(p.segments)
-        shared = hp.n_segments - hp.explicit_segments
-
-        def bound(owner: Hashable) -> int:
-            sharers = len(owners) + (owner not in owners)
-            return int(PIN_SHARE * (shared / sharers + explicit[owner]))
-
-        return bound
+        explicit segments (sidecar/ledger.py, where every hold of the owner is charged)."""
+        return self.ledger.pin_bound(owner)
 
     def usage(self, owner: Hashable) -> dict[str, int]:
         seg = self.store.host_pool.segment_size
-        held = self.segs.get(owner, Counter())
+        held = self.ledger.pinned_segments(owner)
         return {
             "pinned_pages": sum(held.values()),
             "held_bytes": len(held) * seg,
@@ -255,10 +247,12 @@ class Controls:
     def _check_bound(self, ns: Namespace, new: list[str]) -> int:
         """The owner's bound in segments; 507 when the pages `new` would go past it."""
         pool = ns.pool
-        held = self.segs.get(ns.owner, Counter())
+        held = self.ledger.pinned_segments(ns.owner)
         adds = {pool.ready[k].offset // pool.segment_size for k in new} - held.keys()
         bound = self.bound_segments(ns.owner)
-        if len(held) + len(adds) > bound:
+        if len(held) + len(adds) > bound or not self.ledger.may_pin(
+            ns.owner, adds, bound, self.ledger.bound(ns.owner)
+        ):
             seg = self.store.host_pool.segment_size
             raise PinBound(
                 f"pinning these pages would hold {(len(held) + len(adds)) * seg} "
@@ -272,18 +266,19 @@ class Controls:
         """Pin one page; False when it is gone, pinned already, or its segment would put
         the owner past `bound`."""
         e, mine = ns.pool.ready.get(key), self.pins.get(ref, {})
-        held = self.segs.get(ns.owner, Counter())
         if e is None or key in mine:
             return False
         seg = e.offset // ns.pool.segment_size
-        if seg not in held and len(held) >= bound:
+        if not self.ledger.may_pin(ns.owner, {seg}, bound, self.ledger.bound(ns.owner)):
             return False
         got = ns.pool.pin(key)
         assert got is e, "a ready page could not be pinned"
         pin = Pin(e, ns.pool, ns.owner, expires, next(self._seq))
         self.pins.setdefault(ref, {})[key] = pin
-        self.segs.setdefault(ns.owner, Counter())[seg] += 1
-        heapq.heappush(self._heap, (expires, pin.seq, ref, key))
+        self.by_owner.setdefault(ns.owner, {})[pin.seq] = (ref, key)
+        self.live += 1
+        self.ledger.pin(ns.owner, seg)
+        self._schedule(pin, ref, key)
         return True
 
     def _release(self, ref: str, key: str) -> bool:
@@ -294,16 +289,21 @@ class Controls:
             return False
         if not mine:
             del self.pins[ref]
-        held = self.segs[pin.owner]
-        seg = pin.entry.offset // self.store.host_pool.segment_size
-        held[seg] -= 1
-        if not held[seg]:
-            del held[seg]
-        if not held:
-            del self.segs[pin.owner]
-        pin.pool.unpin(pin.entry)  # (a page deleted meanwhile is buried now)
-        self._compact()
+        self._end(pin)
         return True
+
+    def _end(self, pin: Pin) -> None:
+        """A pin out of `self.pins` ends: its ledger charge and pool pin given back."""
+        order = self.by_owner[pin.owner]
+        order.pop(pin.seq, None)  # (`enforce` took it out already)
+        if not order:
+            del self.by_owner[pin.owner]
+        bucket = self._due.get(pin.due)
+        if bucket is not None:  # (an emptied bucket stays until its second: one a second)
+            bucket.pop(pin.seq, None)
+        self.live -= 1
+        self.ledger.unpin(pin.owner, pin.entry.offset // self.store.host_pool.segment_size)
+        pin.pool.unpin(pin.entry)  # (a page deleted meanwhile is buried now)
 
     async def unpin(self, ref: str, who: Caller, sel: Selection | None) -> dict[str, Any]:
         """End the pins of the selected pages (None: every pin of the namespace), CHUNK a
@@ -371,15 +371,38 @@ class Controls:
         """A namespace is being dropped: its pins end (its pool then drains), its restore
         and jobs stop; its kept pins go (a shutdown, `close`d first, keeps them)."""
         restoring = self.keeper is not None and self.keeper.stop(ns)
-        kept = restoring or ns.ref in self.pins
-        for k in list(self.pins.get(ns.ref, ())):
-            self._release(ns.ref, k)
+        kept = restoring or ns.ref in self.pins or ns.ref in self.emptied
+        self.emptied.discard(ns.ref)
+        mine = self.pins.pop(ns.ref, {})  # out of every view now; ended CHUNK a loop turn
+        if len(mine) <= CHUNK:
+            for pin in mine.values():
+                self._end(pin)
+        else:
+            task = asyncio.get_running_loop().create_task(self._end_all(list(mine.values())))
+            self.ending.add(task)
+            task.add_done_callback(self.ending.discard)
         fut = self._keep(ns) if kept else None
         if fut is not None:
             self.dropped[ns] = fut
         for job in self.jobs.values():
             if job.ns is ns and job.task is not None:
                 job.task.cancel()
+
+    async def end_pins(self, ref: str) -> None:
+        """Before a namespace is dropped: end its pins, CHUNK a loop turn (its pool then
+        closes with only in-flight copies busy: no walk of a million pinned pages)."""
+        while self.pins.get(ref):
+            self.emptied.add(ref)
+            for k in list(itertools.islice(self.pins[ref], CHUNK)):
+                self._release(ref, k)
+            await asyncio.sleep(0)
+
+    async def _end_all(self, pins: list[Pin]) -> None:
+        for i in range(0, len(pins), CHUNK):
+            if i:
+                await asyncio.sleep(0)
+            for pin in pins[i : i + CHUNK]:
+                self._end(pin)
 
     # -- kept across a restart (sidecar/pin_store.py) -----------------------------------
     def _keep(self, ns: Namespace) -> asyncio.Future | None:
@@ -416,29 +439,29 @@ class Controls:
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is not None or not self.pins:
             return
-        at = min(self._heap[0][0], loop.time() + RECHECK) if self._heap else loop.time() + RECHECK
+        now = loop.time()
+        at = min(self._seconds[0], now + RECHECK) if self._seconds else now + RECHECK
         self._timer = loop.call_at(at, self._tick)
 
     def _tick(self) -> None:
         self._timer = None
         loop = asyncio.get_running_loop()
-        self.expire(loop.time())
-        self.enforce()
+        more = self.expire(loop.time()) + self.enforce() >= CHUNK
+        if more and self.pins:  # the rest on the loop's next turns, CHUNK a turn
+            self._timer = loop.call_at(loop.time(), self._tick)
+            return
         self._arm(loop)
 
     def expire(self, now: float) -> int:
         """End every pin whose TTL passed by `now` (CHUNK of them a loop turn at most: the
         rest at the next tick); the pins ended."""
-        n = seen = 0
-        heap, ended = self._heap, set()
-        while heap and heap[0][0] <= now and seen < CHUNK:
-            _, seq, ref, key = heapq.heappop(heap)
-            seen += 1
+        n, ended = 0, set()
+        for seq, ref, key in self._come_due(now):
             pin = self.pins.get(ref, {}).get(key)
             if pin is None or pin.seq != seq:
                 continue  # ended before its TTL
             if pin.expires > now:  # renewed: its one entry goes back, later
-                heapq.heappush(heap, (pin.expires, seq, ref, key))
+                self._schedule(pin, ref, key)
                 continue
             self._release(ref, key)
             ended.add(ref)
@@ -447,38 +470,43 @@ class Controls:
         self._touch(ended)
         return n
 
-    def _compact(self) -> None:
-        """The heap holds one entry a live pin, plus those of pins ended early; past twice
-        the live ones (unpin and pin again, without end) it is built again from them."""
-        live = sum(map(len, self.pins.values()))
-        if len(self._heap) > 2 * live + 1024:
-            self._heap = [
-                (p.expires, p.seq, ref, k) for ref, m in self.pins.items() for k, p in m.items()
-            ]
-            heapq.heapify(self._heap)
+    def _schedule(self, pin: Pin, ref: str, key: str) -> None:
+        pin.due = math.ceil(pin.expires)
+        bucket = self._due.get(pin.due)
+        if bucket is None:
+            bucket = self._due[pin.due] = {}
+            heapq.heappush(self._seconds, pin.due)
+        bucket[pin.seq] = (ref, key)
+
+    def _come_due(self, now: float) -> list[tuple[int, str, str]]:
+        """At most CHUNK (seq, ref, key) out of the buckets of seconds up to `now`."""
+        out: list[tuple[int, str, str]] = []
+        while self._seconds and self._seconds[0] <= now and len(out) < CHUNK:
+            second = self._seconds[0]
+            bucket = self._due.get(second)
+            while bucket and len(out) < CHUNK:
+                seq, (ref, key) = bucket.popitem()
+                out.append((seq, ref, key))
+            if not bucket:
+                heapq.heappop(self._seconds)
+                self._due.pop(second, None)
+        return out
 
     def enforce(self) -> int:
         """Owners whose pins hold more segments than their bound (the share shrank as
-        owners came) lose their newest pins until within it; the pins ended."""
-        n, bounds, ended = 0, self._bounds(), set()
-        for owner in list(self.segs):
-            bound = bounds(owner)
-            if len(self.segs[owner]) <= bound:
-                continue
-            newest = sorted(
-                (
-                    (p.seq, ref, k)
-                    for ref, m in self.pins.items()
-                    for k, p in m.items()
-                    if p.owner == owner
-                ),
-                reverse=True,
-            )
-            for _, ref, k in newest:
-                if owner not in self.segs or len(self.segs[owner]) <= bound:
-                    break
+        owners came) lose their newest pins until within it, CHUNK pins a call at most
+        (`_tick` calls again on the next turn while there are more); the pins ended."""
+        n, ended = 0, set()
+        for owner in list(self.by_owner):
+            bound = self.ledger.pin_bound(owner)
+            order = self.by_owner.get(owner)
+            while order and n < CHUNK and len(self.ledger.pinned_segments(owner)) > bound:
+                _, (ref, k) = order.popitem()  # the newest (O(1), unlike reversed())
                 n += self._release(ref, k)
                 ended.add(ref)
+                order = self.by_owner.get(owner)
+            if n >= CHUNK:
+                break
         self.released += n
         self._touch(ended)
         return n

@@ -7,16 +7,15 @@ executor between `reserve`/`pin` and `commit`/`unpin`, so the index needs no loc
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import secrets
-from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from pools import HostPool, PoolFull
 from pools.page_pool import BUSY, PRESENT, Entry
+from sidecar.answers import PageAnswer, fill_slot
 from sidecar.buffers import Buffer, Sources, open_buffer
 from sidecar.controls import Controls
 from sidecar.copier import Copier
@@ -31,8 +30,9 @@ from sidecar.errors import (
 )
 from sidecar.joints import Joints
 from sidecar.keys import check_key, check_keys
+from sidecar.ledger import Ledger
 from sidecar.lookup import Lookup
-from sidecar.namespace import Counters, Namespace, Owner
+from sidecar.namespace import Counters, Namespace
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
 from sidecar.tenancy import (
@@ -40,6 +40,7 @@ from sidecar.tenancy import (
     OPERATOR,
     Caller,
     Directory,
+    TcpTenant,
     caller,
     owner_of,
     owner_tag,
@@ -47,6 +48,7 @@ from sidecar.tenancy import (
 )
 from sidecar.tiering import Tiering
 from sidecar.transports.base import check_runs, check_slots
+from sidecar.turns import reap_later
 
 if TYPE_CHECKING:  # pyzmq and msgspec: the `events` extra
     from sidecar.events import Events
@@ -55,11 +57,7 @@ log = logging.getLogger("kv_sidecar.store")
 MAX_BUFFERS_PER_NAMESPACE = 64  # an engine registers a few (one per pool and rank)
 MAX_BUFFERS = 1024  # each is a mapping or an open fd
 MAX_BUFFERS_PER_UID = 256  # one uid's share: the others keep room
-# inline uploads (`PUT .../pages/{key}`) hold a reserved slot while their body arrives, and a
-# busy slot keeps its whole segment from any reclaim: an owner at most an eighth of the
-# segments and its owner share (never below one), half in all, so a trickling uploader
-# never holds what another owner grows into
-UPLOADS_OWNER_SHARE, UPLOADS_SHARE = 8, 2
+RESERVE_TURN = 1024  # slots a set reserves a loop turn
 
 
 class Store:
@@ -78,7 +76,7 @@ class Store:
         self.copier = Copier(2 * copy_parallel, copy_parallel)  # one uid: half the threads
         self.tiering = tiering or Tiering([], "none", None, host_pool, executor)
         self.tickets: dict[str, dict[str, Any]] = {}
-        self.uploads: Counter[Owner] = Counter()  # inline uploads holding a slot, by owner
+        self.ledger = Ledger(host_pool)  # what each owner holds busy (sidecar/ledger.py)
         self.sources = sources  # shm dirs, lent fds, the CUDA IPC registry (GPU nodes)
         sources.leases.on_end = self.release_lent
         self.dir = Directory.empty()
@@ -95,11 +93,8 @@ class Store:
     # -- namespaces -------------------------------------------------------------------
     # Routes turn the name a caller sends into a ref (`resolve`, or `ref` where an unknown
     # name means "holds nothing"); every other method takes refs.
-    def caller(self, peer: Peer | None) -> Caller:
-        return caller(peer, self.operator_tcp)
-
-    def capped(self, uid: int | None) -> bool:  # a tenant: a peer's uid, anonymous TCP
-        return uid is not None or not self.operator_tcp
+    def caller(self, peer: Peer | None, tenant: TcpTenant | None = None) -> Caller:
+        return caller(peer, self.operator_tcp, tenant)
 
     def resolve(self, name: str, who: Caller) -> str:
         """The ref of the namespace `name` means to `who`; 404 when none (sidecar/tenancy.py)."""
@@ -156,12 +151,22 @@ class Store:
             )
         return ns
 
+    async def drop_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
+        """`delete_namespace` (403 first to anyone but the owner or the operator), its
+        pins ended first, CHUNK a loop turn (sidecar/controls.py `end_pins`)."""
+        self._check_delete(self.namespace(ref), who)
+        await self.controls.end_pins(ref)
+        return self.delete_namespace(ref, who)
+
+    def _check_delete(self, ns: Namespace, who: Caller) -> None:
+        if isinstance(who, Peer) and ns.owner != who.uid:
+            raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner deletes it")
+
     def delete_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
         """Drop a namespace from the host pool (its owner or the operator only); the
         caller drops its tier pages (`drop_tiers`)."""
         ns = self.namespace(ref)
-        if isinstance(who, Peer) and ns.owner != who.uid:
-            raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner deletes it")
+        self._check_delete(ns, who)
         self.dir.remove(ns)
         if self.events is not None:  # before the pool drops its pages: one AllBlocksCleared
             self.events.dropped_namespace(ns)
@@ -170,6 +175,7 @@ class Store:
         for buf in ns.buffers.values():
             buf.release()
         self.host_pool.drop(ref)
+        reap_later(ns.pool)
         return ns
 
     def count_skipped(self, ref: str, who: Caller, loads: int, pages: int) -> int:
@@ -199,11 +205,16 @@ class Store:
         """Map engine memory that `peer` (None: a TCP caller) proves it owns (off the loop,
         `open_buffer`). Buffers are capped a namespace, a uid and in all (429)."""
         ns = self.namespace(name)
-        quota, uid = self.sources.quota, (peer.uid if peer is not None else None)
+        quota = self.sources.quota
+        if peer is not None:  # a uid's buffers, in every namespace
+            held, capped = quota.buffers[peer.uid], True
+        else:  # TCP (CUDA IPC only): those of the namespace's owner, but the operator's
+            held = sum(len(o.buffers) for o in self.namespaces.values() if o.owner == ns.owner)
+            capped = ns.owner is not None
         if (
             len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE
             or quota.total_buffers >= MAX_BUFFERS
-            or (quota.buffers[uid] >= MAX_BUFFERS_PER_UID and self.capped(uid))
+            or (held >= MAX_BUFFERS_PER_UID and capped)
         ):
             raise TooMany(
                 f"at most {MAX_BUFFERS_PER_NAMESPACE} buffers a namespace, "
@@ -252,9 +263,11 @@ class Store:
         ns = self.namespace(name)
         was = await self.lookup.present(name, keys)  # validates (JSON) keys it does not find
         self.controls.forget(name, keys)  # a pinned page is deleted too, its slot freed
+        # from here until the tier delete ends, no promotion (a warm, a get) brings them back
+        self.tiering.deleting(ns.pool, keys)
         for k in keys:
             ns.pool.delete(k)
-        failed = await self.tiering.delete(ns.identity, keys)
+        failed = await self.tiering.delete(ns.identity, keys, ns.pool)
         return sum(was), failed
 
     # -- page moves through engine buffers --------------------------------------------
@@ -287,17 +300,20 @@ class Store:
         pages stored."""
         ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
         stored, todo, repeats = await self._reserve_all(ns, keys)
+        todo, hold = self.ledger.hold_moves(ns.owner, todo, ns.pool.abort)
         try:
             credits = await self.tiering.admit(ns.identity, ns.pool, len(todo))
         except BaseException:  # cancelled while the writer had no room
             for _, e in todo:
                 ns.pool.abort(e)
+            hold.release()
             raise
         futures: dict[str, Any] = {}
 
         def settle(ok: bool) -> None:
             """The copy ended: publish (and queue for the tiers) or give the slots back.
             With KV events and a set's parent or tokens, its commits go as one chain."""
+            hold.release()
             chain = ok and meta is not None and self.events is not None
             committed = []
             for i, e in todo:
@@ -345,14 +361,16 @@ class Store:
         mine: dict[str, int] = {}
         repeats: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
-            r = ns.pool.reserve(key)
-            if r is None and self.tiering.backlogged():
-                try:
+            try:
+                if i and not i % RESERVE_TURN:  # a 4,096-key set holds no loop turn long
+                    await asyncio.sleep(0)
+                r = ns.pool.reserve(key)
+                if r is None and self.tiering.backlogged():
                     r = await self._reserve_after_writes(ns, key)
-                except BaseException:  # cancelled: give back what this set reserved
-                    for _, e in todo:
-                        ns.pool.abort(e)
-                    raise
+            except BaseException:  # cancelled: give back what this set reserved
+                for _, e in todo:
+                    ns.pool.abort(e)
+                raise
             if r is PRESENT:
                 stored[i] = True
             elif r is BUSY:  # true only if this request's own copy of the key commits
@@ -415,16 +433,23 @@ class Store:
     ) -> list[bool]:
         # pin what is here first: promoting the rest must not evict it
         pinned = [ns.pool.pin(k) for k in keys]
-        missing = [k for k, e in zip(keys, pinned, strict=False) if e is None]
+        missing = [k for k, e in zip(keys, pinned, strict=True) if e is None]
         if missing and self.tiering.enabled:
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, missing)
             if not ns.pool.closed:
                 pinned = [
                     e if e is not None else ns.pool.pin(k)
-                    for k, e in zip(keys, pinned, strict=False)
+                    for k, e in zip(keys, pinned, strict=True)
                 ]
+        busy = [(i, e) for i, e in enumerate(pinned) if e is not None]
+        held, hold = self.ledger.hold_moves(ns.owner, busy, ns.pool.unpin)
+        if len(held) < len(keys):
+            pinned = [None] * len(keys)
+            for i, e in held:
+                pinned[i] = e
 
         def settle(ok: bool) -> None:
+            hold.release()
             for e in pinned:
                 if e is not None:
                     ns.pool.unpin(e)
@@ -443,7 +468,7 @@ class Store:
         ns = self.namespace(name)
         check_key(key)
         size = ns.spec.page_bytes
-        self._check_uploads(ns.owner)
+        self.ledger.check_upload(ns.owner)
         r = ns.pool.reserve(key)
         if r is None and self.tiering.backlogged():
             r = await self._reserve_after_writes(ns, key)
@@ -457,9 +482,13 @@ class Store:
             ns.counters.no_room += 1
             raise NoRoom(f"no room for a page in namespace {name!r}: every slot is in use")
         ok, credits = False, 0
-        self.uploads[ns.owner] += 1
+        hold = self.ledger.hold(ns.owner)
+        if not hold.take((r.offset,))[0]:
+            ns.pool.abort(r)
+            raise TooMany("this owner keeps its share of the host pool busy; retry shortly")
+        self.ledger.upload(ns.owner, 1)
         try:
-            got = await self._fill(r, body, size)
+            got = await fill_slot(self._base + r.offset, body, size)
             if got != size:
                 raise GeometryMismatch(
                     f"page body has {got} bytes; namespace {name!r} pages are exactly {size} bytes"
@@ -467,7 +496,8 @@ class Store:
             credits = await self.tiering.admit(ns.identity, ns.pool, 1)
             ok = True
         finally:
-            self.uploads[ns.owner] -= 1
+            self.ledger.upload(ns.owner, -1)
+            hold.release()
             if ok:
                 ok = ns.pool.commit(r)
             else:
@@ -479,34 +509,11 @@ class Store:
         self.totals.bytes_in += size
         return True
 
-    def _check_uploads(self, owner: Owner) -> None:
-        """429 when `owner` (or every owner together) holds as many uploads in flight as
-        its part of the segments allows: the smaller of 1/UPLOADS_OWNER_SHARE of them and
-        the floor of the owner share the pools grow by (`HostPool.owner_share`: more than
-        eight owners make it the smaller), at least one; 1/UPLOADS_SHARE of them in all."""
-        hp, mine = self.host_pool, self.uploads[owner]
-        cap = min(hp.n_segments // UPLOADS_OWNER_SHARE, int(hp.owner_share()))
-        if mine >= max(1, cap) or sum(self.uploads.values()) >= max(
-            1, hp.n_segments // UPLOADS_SHARE
-        ):
-            raise TooMany(
-                "too many page uploads in flight; finish or send them whole "
-                "(or move pages with buffers: POST .../set)"
-            )
-
-    async def _fill(self, e: Entry, body: AsyncIterator[bytes], size: int) -> int:
-        got, dst = 0, self._base + e.offset
-        async for chunk in body:
-            n = len(chunk)
-            if got + n > size:
-                return got + n
-            ctypes.memmove(dst + got, chunk, n)
-            got += n
-        return got
-
-    async def read_page(self, name: str, key: str) -> bytearray | None:
-        """A copy of one page, or None (pinned only for the copy: the transport may keep
-        the response buffer after the request ends, so it must not alias a slot)."""
+    async def open_page(self, name: str, key: str) -> PageAnswer | None:
+        """One page to answer inline, or None: pinned, and charged to its owner's ledger,
+        until the answer is out (`PageAnswer.close`); 429 past the owner's bound. The
+        bytes go out ANSWER_PIECE at a time, each copied as it is sent, so an answer
+        nobody reads holds a slot of its owner's share, never a copy of the page."""
         ns = self.namespace(name)
         check_key(key)
         if self.tiering.enabled and not ns.pool.contains(key):
@@ -516,18 +523,19 @@ class Store:
             ns.counters.misses += 1
             self.totals.misses += 1
             return None
-        try:
-            out = bytearray(ns.spec.page_bytes)
-            ctypes.memmove(
-                (ctypes.c_char * len(out)).from_buffer(out), self._base + e.offset, len(out)
-            )
-        finally:
+        hold = self.ledger.hold(ns.owner)
+        if not hold.take((e.offset,))[0]:
             ns.pool.unpin(e)
+            raise TooMany(
+                "this owner's answers and copies in flight keep its share of the host pool "
+                "busy; read the answers (or retry shortly)"
+            )
+        size = ns.spec.page_bytes
         ns.counters.hits += 1
-        ns.counters.bytes_out += len(out)
+        ns.counters.bytes_out += size
         self.totals.hits += 1
-        self.totals.bytes_out += len(out)
-        return out
+        self.totals.bytes_out += size
+        return PageAnswer(ns.pool, e, hold, self._base + e.offset, size)
 
     async def flush(self, timeout: float, who: Caller = OPERATOR) -> int:
         """Wait until every page accepted before the call is in every tier (write_back:

@@ -10,7 +10,7 @@ import pytest
 
 from api.engine.client import SidecarClient
 from loadtest.redteam import as_user
-from sidecar import controls
+from sidecar import ledger
 from sidecar.tiers.file_tier import FileTier
 from tests.conftest import Gate, wait_for
 
@@ -184,7 +184,7 @@ def test_a_restore_past_a_shrunk_bound_drops_the_newest(make_server, tmp_path, m
     for k in keys:  # one at a time: the pins' order is the keys'
         post(c, "/v1/namespaces/kv/pin", {"keys": [k], "ttl": 600})
     srv.stop()
-    monkeypatch.setattr(controls, "PIN_SHARE", 1 / 64)  # one segment of 64
+    monkeypatch.setattr(ledger, "PIN_SHARE", 1 / 64)  # one segment of 64
     again = tiered(make_server, tmp_path)
     c2 = again.client(timeout=30)
     c2.put_namespace("kv", PAGE)

@@ -86,7 +86,7 @@ def test_trickling_uploads_leave_another_owner_room(make_server):
     assert victim.set("kv", keys, bid, list(range(8))) == [True] * 8
     finish(held)  # the held uploads still finish
     srv.invariants()
-    assert srv.on_loop(lambda: sum(srv.ctx.store.uploads.values())) == 0
+    assert srv.on_loop(lambda: srv.ctx.store.ledger.uploads()) == 0
 
 
 def _make_kv(url: str) -> None:
@@ -113,4 +113,4 @@ def test_an_uploader_holds_no_more_than_its_owner_share(make_server):
     assert victim.get_page("kv", "k0") == b"v" * PAGE
     finish(held)
     srv.invariants()
-    assert srv.on_loop(lambda: sum(srv.ctx.store.uploads.values())) == 0
+    assert srv.on_loop(lambda: srv.ctx.store.ledger.uploads()) == 0
