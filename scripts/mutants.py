@@ -209,8 +209,8 @@ MUTANTS = [
     M(
         "pool: close() leaves the old index full for a look-up holding it",
         "pools/page_pool.py",
-        "            self.entries.clear()  # in place",
-        "            self.entries = {}; self.ready = {}  # in place",
+        "            self.ready.clear()  # in place",
+        "            self.ready = {}  # in place",
         ("tests/pools/test_page_pool.py::test_close_walks_only_the_busy_pages",),
     ),
     M(
@@ -328,7 +328,7 @@ MUTANTS = [
     M(
         "buffers: one uid may hold every buffer",
         "sidecar/store.py",
-        "            or (quota.buffers[uid] >= MAX_BUFFERS_PER_UID and self.capped(uid))\n",
+        "            or (held >= MAX_BUFFERS_PER_UID and capped)\n",
         "            or False\n",
         ("tests/api/test_lending.py::test_buffers_leave_room_for_other_uids",),
     ),
@@ -1139,9 +1139,9 @@ MUTANTS = [
     M(
         "views: TCP without a token sees every namespace's name",
         "api/deps.py",
-        "    return ctx.store.caller(scope.get(PEER_KEY))\n\n\ndef ready",
+        "    return who(ctx, scope)\n\n\ndef ready",
         "    from sidecar.tenancy import OPERATOR\n"
-        "    return ctx.store.caller(scope[PEER_KEY]) if scope.get(PEER_KEY) else OPERATOR\n\n\ndef ready",
+        "    return who(ctx, scope) if scope.get(PEER_KEY) else OPERATOR\n\n\ndef ready",
         (
             "tests/api/test_trust_round4.py::test_tcp_sees_only_its_own_names_unless_it_is_the_operator[None]",
         ),
@@ -1222,8 +1222,8 @@ MUTANTS = [
     M(
         "tenancy: anonymous TCP's buffers uncapped",
         "sidecar/store.py",
-        "        return uid is not None or not self.operator_tcp",
-        "        return uid is not None",
+        "            capped = ns.owner is not None",
+        "            capped = False",
         (
             "tests/api/test_trust_round4.py::test_anonymous_tcp_buffers_count_against_one_tenants_share",
         ),
@@ -1231,8 +1231,8 @@ MUTANTS = [
     M(
         "tenancy: anonymous TCP has the operator's tier identity",
         "sidecar/tenancy.py",
-        'return "tcp" if owner == TCP_TENANT else',
-        'return "operator" if owner == TCP_TENANT else',
+        '        return owner\n    return f"uid:{owner}"',
+        '        return "operator"\n    return f"uid:{owner}"',
         (
             "tests/api/test_trust_round4.py::test_anonymous_tcp_and_the_operator_never_share_tier_identity",
         ),

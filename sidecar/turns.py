@@ -9,7 +9,7 @@ checks 4,096 pages a turn (sidecar/tiering.py). tests/api/test_loop_turns.py hol
 
 A timer asks to run every INTERVAL seconds; how late each firing comes is how long the
 turn before it held the loop (give or take one interval). The longest since start (or since
-`reset`) and the longest of the last WINDOW seconds are in /v1/stats `loop` and /metrics.
+`reset`) and the longest of the last WINDOW seconds are in /v1/stats `loop`.
 
     due      fired                    late = fired - due  ~  the turn that held the loop
     |--------|                        longest = max(late)
