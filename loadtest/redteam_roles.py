@@ -95,8 +95,12 @@ def _unread(family: int, address, target: str, n: int) -> list[socket.socket]:
     for _ in range(n):
         s = socket.socket(family)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(address)
-        s.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        try:
+            s.connect(address)
+            s.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        except OSError:  # closed at once: past a connection cap
+            s.close()
+            continue
         socks.append(s)
     return socks
 
