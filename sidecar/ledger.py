@@ -31,7 +31,7 @@ total by the publisher (sidecar/publisher.py). Tier reads are queued per owner i
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,7 @@ class Hold:
 
     def __init__(self, ledger: Ledger, owner: Hashable):
         self.ledger, self.owner = ledger, owner
-        self.segs: list[int] = []
+        self.segs: Counter[int] = Counter()  # segment -> holds this request took
 
     def take(self, offsets: Iterable[int]) -> list[bool]:
         """Hold the segment of each slot offset while the owner stays within its bound:
@@ -81,13 +81,13 @@ class Hold:
                 continue
             admitted[seg] = True
             acct.held[seg] += n
+            self.segs[seg] += n
         out = [admitted[seg] for seg in segs]
-        self.segs += [seg for seg in segs if admitted[seg]]
         self.ledger._forget_idle(self.owner, acct)
         return out
 
     def release(self) -> None:
-        segs, self.segs = self.segs, []
+        segs, self.segs = self.segs, Counter()
         self.ledger.give(self.owner, segs)
 
 
@@ -136,12 +136,13 @@ class Ledger:
                 drop(e)
         return kept, hold
 
-    def give(self, owner: Hashable, segs: list[int] | tuple[int, ...]) -> None:
+    def give(self, owner: Hashable, segs: Mapping[int, int]) -> None:
+        """Give back `segs` (segment -> holds) of `owner`; a hold given twice raises."""
         if not segs:
             return
         acct = self.accounts[owner]
-        for seg in segs:
-            n = acct.held[seg] - 1
+        for seg, k in segs.items():
+            n = acct.held[seg] - k
             if n < 0:
                 raise AssertionError(f"segment {seg} of {owner!r} given back twice")
             if n:
@@ -177,7 +178,7 @@ class Ledger:
         acct.pins[seg] -= 1
         if not acct.pins[seg]:
             del acct.pins[seg]
-        self.give(owner, (seg,))
+        self.give(owner, {seg: 1})
 
     # -- inline uploads ----------------------------------------------------------------
     def check_upload(self, owner: Hashable) -> None:

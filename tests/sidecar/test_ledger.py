@@ -60,7 +60,7 @@ def test_a_hold_given_back_twice_raises(host):
     ledger = Ledger(host)
     hold = ledger.hold(A)
     assert hold.take([0]) == [True]
-    segs = list(hold.segs)
+    segs = dict(hold.segs)
     hold.release()
     with pytest.raises(KeyError):
         ledger.give(A, segs)
