@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.engine.client import SidecarError
 from loadtest.procs import Proc, free_port
 
 NOBODY = 65534
@@ -85,6 +86,15 @@ class Attack:
     rss_limit_mib: float = 128.0  # growth of the sidecar's RSS allowed
     prepare: Callable[[str], None] | None = None  # makes files in the sidecar's dir first
     setup: Callable[[Target], dict] | None = None  # builds state before /healthz is timed
+
+
+def status(call: Callable[[], Any]) -> int:
+    """The HTTP status `call` (a client call) met: its error's, or 200."""
+    try:
+        call()
+    except SidecarError as exc:
+        return exc.status
+    return 200
 
 
 def as_user(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from api.engine.client import SidecarClient, SidecarError
-from loadtest.redteam import NOBODY, Attack, Target, as_user
+from api.engine.client import SidecarClient
+from loadtest.redteam import NOBODY, Attack, Target, as_user, status
 
 OTHER = 65532  # the attacker's uid; NOBODY is its victim or neighbour
 PAGE = 16384
@@ -21,14 +21,6 @@ TOKEN = "redteam-token"  # the runner's sidecar token (`Attack.token`): every li
 
 def _page(tag: str) -> bytes:
     return hashlib.shake_256(tag.encode()).digest(PAGE)
-
-
-def _status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 def _post(c: SidecarClient, ns: str, verb: str, body: dict) -> dict:
@@ -49,7 +41,7 @@ def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
     c.put_namespace("team", PAGE, share_gid=OTHER)  # a member joins the shared one
     return {
-        f"{verb} {ns}": _status(lambda ns=ns, verb=verb: _post(c, ns, verb, {"chain": ["a", "b"]}))
+        f"{verb} {ns}": status(lambda ns=ns, verb=verb: _post(c, ns, verb, {"chain": ["a", "b"]}))
         for ns in ("kv", "team")
         for verb in VERBS
     }
@@ -84,7 +76,7 @@ def _pin_all(url: str) -> dict:
     keys = [f"h{i}" for i in range(64 * per_seg)]
     for k in keys:
         c.put_page("hog", k, b"h" * PAGE)
-    answers = [_status(lambda k=k: _post(c, "hog", "pin", {"keys": [k]})) for k in keys[::per_seg]]
+    answers = [status(lambda k=k: _post(c, "hog", "pin", {"keys": [k]})) for k in keys[::per_seg]]
     usage = c.request("GET", "/v1/namespaces/hog/pins")[1]
     return {
         "pinned": answers.count(200),
@@ -129,7 +121,7 @@ def _flood(url: str, stop_flag: str) -> dict:
             ("evict", {"chain": chain, "from": chain[2048]}),
             ("pin", {"chain": chain + ["x"]}),
         ):
-            s = _status(lambda verb=verb, body=body: _post(c, "big", verb, body))
+            s = status(lambda verb=verb, body=body: _post(c, "big", verb, body))
             counts["requests"] += 1
             counts["5xx"] += s >= 500 and s != 507
             counts["413"] += s == 413
@@ -159,7 +151,7 @@ def _pin_flood(url: str, stop_flag: str) -> dict:
     while not os.path.exists(stop_flag):
         for i in range(8):
             for verb in ("pin", "unpin"):
-                s = _status(lambda i=i, verb=verb: _post(c, f"f{i}", verb, {"keys": ["k"]}))
+                s = status(lambda i=i, verb=verb: _post(c, f"f{i}", verb, {"keys": ["k"]}))
                 counts["requests"] += 1
                 counts["5xx"] += s >= 500
     return counts
@@ -322,7 +314,7 @@ def _warm_flood(url: str, stop_flag: str) -> dict:
     deadline = time.monotonic() + 120
     while not os.path.exists(stop_flag) and time.monotonic() < deadline:
         part = chain[(counts["warm_jobs"] % 4) * 256 :][:256]
-        s = _status(lambda part=part: _post(c, "flood", "warm", {"chain": part}))
+        s = status(lambda part=part: _post(c, "flood", "warm", {"chain": part}))
         counts["warm_jobs"] += s == 200
         if s == 429:
             if not counts["refused"]:  # 4 running: the victim times its gets from now on

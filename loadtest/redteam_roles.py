@@ -17,20 +17,12 @@ import time
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.redteam import NOBODY, Attack, Target, as_user
+from loadtest.redteam import NOBODY, Attack, Target, as_user, status
 
 OTHER = 65532  # the attacker's uid; NOBODY is its victim or neighbour
 TOKEN = "redteam-token"  # the operator's (the runner's `Attack.token`)
 TENANTS = {"alice": "alice-redteam-t0ken-0001", "bob": "bob-redteam-t0ken-00002"}
 MIB = 2**20
-
-
-def _status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 def _tenants_file(own: str) -> None:
@@ -52,9 +44,9 @@ def _engine_attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=30)
     return {
         "list": sorted(ns["name"] for ns in c.list_namespaces()),
-        "read": _status(lambda: c.request("GET", "/v1/namespaces/kv@65534/pages/secret")),
-        "pin": _status(lambda: c.request("POST", "/v1/namespaces/kv@65534/pin", {"keys": ["x"]})),
-        "delete": _status(lambda: c.delete_namespace("kv@65534")),
+        "read": status(lambda: c.request("GET", "/v1/namespaces/kv@65534/pages/secret")),
+        "pin": status(lambda: c.request("POST", "/v1/namespaces/kv@65534/pin", {"keys": ["x"]})),
+        "delete": status(lambda: c.delete_namespace("kv@65534")),
     }
 
 
@@ -66,11 +58,11 @@ def _tcp_tenant(url: str) -> dict:
     alice.put_namespace("mine", 4096, model="m")
     return {
         "list": sorted(ns["name"] for ns in alice.list_namespaces()),
-        "bobs": _status(lambda: alice.request("GET", "/v1/namespaces/bobs@tcp:bob")),
-        "uids": _status(lambda: alice.request("GET", "/v1/namespaces/kv@65534")),
-        "share": _status(lambda: alice.put_namespace("g", 4096, share_gid=NOBODY)),
-        "anonymous": _status(lambda: SidecarClient(url, timeout=30).list_namespaces()),
-        "wrong": _status(lambda: SidecarClient(url, token=TOKEN + "x").list_namespaces()),
+        "bobs": status(lambda: alice.request("GET", "/v1/namespaces/bobs@tcp:bob")),
+        "uids": status(lambda: alice.request("GET", "/v1/namespaces/kv@65534")),
+        "share": status(lambda: alice.put_namespace("g", 4096, share_gid=NOBODY)),
+        "anonymous": status(lambda: SidecarClient(url, timeout=30).list_namespaces()),
+        "wrong": status(lambda: SidecarClient(url, token=TOKEN + "x").list_namespaces()),
     }
 
 
@@ -90,7 +82,7 @@ def _roles(t: Target, stop: threading.Event) -> dict:
 
 
 # -- item 2: answers nobody reads -------------------------------------------------------------
-def _unread(family: int, address, target: str, n: int) -> list[socket.socket]:
+def unread(family: int, address, target: str, n: int) -> list[socket.socket]:
     socks = []
     for _ in range(n):
         s = socket.socket(family)
@@ -113,8 +105,8 @@ def _one_tenant_unread(path: str, port: int, seconds: float) -> dict:
     tcp.put_namespace("big", 4 * MIB, model="m")
     tcp.put_page("big", "p", b"\x5b" * (4 * MIB))
     target = "/v1/namespaces/big/pages/p"
-    socks = _unread(socket.AF_UNIX, path, target, 200)
-    socks += _unread(socket.AF_INET, ("127.0.0.1", port), target, 200)
+    socks = unread(socket.AF_UNIX, path, target, 200)
+    socks += unread(socket.AF_INET, ("127.0.0.1", port), target, 200)
     time.sleep(seconds)
     whole = c.get_page("big", "p") == b"\x5a" * (4 * MIB)
     for s in socks:
@@ -140,7 +132,7 @@ def _hog(path: str, seconds: float) -> dict:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for i in range(64):
-            socks += _unread(socket.AF_UNIX, path, f"/v1/namespaces/hog/pages/k{i}", 1)
+            socks += unread(socket.AF_UNIX, path, f"/v1/namespaces/hog/pages/k{i}", 1)
         time.sleep(0.5)
         while len(socks) > 512:  # keep the attacker's own fds in bounds
             socks.pop(0).close()

@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import threading
 
-from api.engine.client import SidecarClient, SidecarError
-from loadtest.redteam import NOBODY, Attack, Target, as_user
+from api.engine.client import SidecarClient
+from loadtest.redteam import NOBODY, Attack, Target, as_user, status
 
 OTHER = 65532  # the attacker's uid; NOBODY is its victim
 PAGE = 4096
 TOKEN = "redteam-token"
-
-
-def _status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 def _victim_setup(url: str) -> None:
@@ -32,10 +24,10 @@ def _victim_setup(url: str) -> None:
 def _attacker(url: str) -> dict:
     c = SidecarClient(url, token=TOKEN, timeout=60)
     c.put_namespace("team", PAGE, share_gid=OTHER)  # a member joins the shared one
-    out = {ns: _status(lambda ns=ns: c.skipped(ns, 1, 1)) for ns in ("kv", "team")}
+    out = {ns: status(lambda ns=ns: c.skipped(ns, 1, 1)) for ns in ("kv", "team")}
     c.put_namespace("mine", PAGE)
     for field, value in (("loads", 1 << 40), ("pages", -1), ("loads", "9" * 5000)):
-        out[f"{field}={str(value)[:12]}"] = _status(
+        out[f"{field}={str(value)[:12]}"] = status(
             lambda f=field, v=value: c.request("POST", "/v1/namespaces/mine/skipped", {f: v})
         )
     for _ in range(2000):

@@ -9,9 +9,9 @@ import threading
 import time
 import urllib.request
 
-from api.engine.client import SidecarClient, SidecarError
+from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.redteam import NOBODY, Attack, Target, as_user
+from loadtest.redteam import NOBODY, Attack, Target, as_user, status
 
 OTHER = 65532  # a second tenant's uid
 PAGE = 16384
@@ -19,14 +19,6 @@ PAGE = 16384
 
 def _page(tag: str) -> bytes:
     return hashlib.shake_256(tag.encode()).digest(PAGE)
-
-
-def _status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 # -- 1: acknowledged pages under write_through, two tenants on a small pool ---------------
@@ -78,7 +70,7 @@ def write_through_losses(t: Target, stop: threading.Event) -> dict:
 # -- 7: a namespace of tiny pages ------------------------------------------------------
 def tiny_pages(t: Target, stop: threading.Event) -> dict:
     c = SidecarClient(t.socket_url, timeout=60)
-    refused = _status(lambda: c.put_namespace("tiny", 1))
+    refused = status(lambda: c.put_namespace("tiny", 1))
     c.put_namespace("small", 512)
     t0 = time.perf_counter()
     c.put_page("small", "k", b"x" * 512)
@@ -96,10 +88,10 @@ def _victim(url: str) -> None:
 def _thief(url: str) -> dict:
     c = SidecarClient(url)
     return {
-        "read": _status(lambda: c.request("GET", "/v1/namespaces/victim/pages/secret", raw=True)),
-        "delete": _status(lambda: c.delete_namespace("victim")),
+        "read": status(lambda: c.request("GET", "/v1/namespaces/victim/pages/secret", raw=True)),
+        "delete": status(lambda: c.delete_namespace("victim")),
         "listed": [ns["name"] for ns in c.list_namespaces()],
-        "plant": _status(lambda: c.put_page("victim", "planted", _page("evil"))),
+        "plant": status(lambda: c.put_page("victim", "planted", _page("evil"))),
     }
 
 
@@ -129,7 +121,7 @@ def _fill(url: str, name: str, n: int) -> int:
 
 def _reserve_all(url: str) -> int:
     c = SidecarClient(url, timeout=60)
-    return _status(lambda: c.put_namespace("hog", PAGE, host_capacity_bytes=64 << 20))
+    return status(lambda: c.put_namespace("hog", PAGE, host_capacity_bytes=64 << 20))
 
 
 def reserve_the_pool(t: Target, stop: threading.Event) -> dict:
@@ -152,7 +144,7 @@ def _make_namespaces(url: str, n: int) -> int:
     c = SidecarClient(url, timeout=60)
     made = 0
     for i in range(n):
-        if _status(lambda i=i: c.put_namespace(f"ns{i}", 4096)) != 429:
+        if status(lambda i=i: c.put_namespace(f"ns{i}", 4096)) != 429:
             made += 1
     return made
 

@@ -9,8 +9,8 @@ import hashlib
 import threading
 import urllib.request
 
-from api.engine.client import SidecarClient, SidecarError
-from loadtest.redteam import NOBODY, Attack, Target, as_user
+from api.engine.client import SidecarClient
+from loadtest.redteam import NOBODY, Attack, Target, as_user, status
 
 OTHER, MEMBER = 65532, 65531  # the attacker's uid; a second member of the victim's group
 GROUP = 4243  # the victim's share group (a supplementary group)
@@ -22,17 +22,9 @@ def _page(tag: str) -> bytes:
     return hashlib.shake_256(tag.encode()).digest(PAGE)
 
 
-def _status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
-
-
 # -- 2: a uid outside the group names it -----------------------------------------------
 def _put_shared(url: str) -> int:
-    return _status(
+    return status(
         lambda: SidecarClient(url, timeout=60).put_namespace("kv", PAGE, model="m", share_gid=GROUP)
     )
 
@@ -49,9 +41,9 @@ def _attacker(url: str) -> dict:
     c = SidecarClient(url, timeout=60)
     return {
         "put": _put_shared(url),
-        "read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/secret", raw=True)),
-        "plant": _status(lambda: c.put_page("kv", "planted", _page("evil"))),
-        "delete": _status(lambda: c.delete_namespace("kv")),
+        "read": status(lambda: c.request("GET", "/v1/namespaces/kv/pages/secret", raw=True)),
+        "plant": status(lambda: c.put_page("kv", "planted", _page("evil"))),
+        "delete": status(lambda: c.delete_namespace("kv")),
     }
 
 
@@ -90,15 +82,15 @@ def non_member_shares(t: Target, stop: threading.Event) -> dict:
 def _squat_everyones_group(url: str) -> int:
     c = SidecarClient(url, timeout=60)
     c.put_namespace("kv", PAGE, share_gid=GROUP)  # a member: allowed
-    return _status(lambda: c.put_page("kv", "planted", _page("evil")))
+    return status(lambda: c.put_page("kv", "planted", _page("evil")))
 
 
 def _victim_unjoined(url: str) -> dict:
     """The victim's engine after a sidecar restart or a delete, before its PUT of "kv"."""
     c = SidecarClient(url, timeout=60)
     return {
-        "read": _status(lambda: c.request("GET", "/v1/namespaces/kv/pages/planted", raw=True)),
-        "store": _status(lambda: c.put_page("kv", "prompt", _page("victim"))),
+        "read": status(lambda: c.request("GET", "/v1/namespaces/kv/pages/planted", raw=True)),
+        "store": status(lambda: c.put_page("kv", "prompt", _page("victim"))),
     }
 
 
@@ -127,7 +119,7 @@ def _after(url: str, n: int) -> dict:
     c = SidecarClient(url, timeout=60)
     host = c.stats()["namespaces"]["mine"]["pages"]["host"]
     stored = sum(
-        _status(lambda i=i: c.put_page("mine", f"n{i}", _page(f"n{i}"))) == 200 for i in range(n)
+        status(lambda i=i: c.put_page("mine", f"n{i}", _page(f"n{i}"))) == 200 for i in range(n)
     )
     return {"host_pages": host, "new_stored": stored}
 
@@ -135,7 +127,7 @@ def _after(url: str, n: int) -> dict:
 def anonymous_reserves_the_pool(t: Target, stop: threading.Event) -> dict:
     before = as_user(_fill, t.socket_url, 256, uid=OTHER)
     tcp = SidecarClient(t.url, timeout=60)
-    hog = _status(lambda: tcp.put_namespace("hog", PAGE, host_capacity_bytes=64 << 20))
+    hog = status(lambda: tcp.put_namespace("hog", PAGE, host_capacity_bytes=64 << 20))
     after = as_user(_after, t.socket_url, 256, uid=OTHER)
     held = hog == 507 and before == 256 and after == {"host_pages": 256, "new_stored": 256}
     return {"held": held, "hog_status": hog, "victim_before": before, "victim_after": after}

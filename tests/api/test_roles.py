@@ -19,9 +19,9 @@ import sys
 
 import pytest
 
-from api.engine.client import SidecarClient, SidecarError
+from api.engine.client import SidecarClient
 from loadtest.procs import free_port
-from loadtest.redteam import as_user
+from loadtest.redteam import as_user, status
 from sidecar.credentials import Credentials, read_tenants
 from sidecar.tenancy import OPERATOR, TcpTenant
 
@@ -34,14 +34,6 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="other uids need root")
 
 def page(tag: str) -> bytes:
     return hashlib.shake_256(tag.encode()).digest(PAGE)
-
-
-def status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 def tenants_file(tmp_path, text: str, mode: int = 0o600) -> str:

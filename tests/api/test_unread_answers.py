@@ -14,6 +14,7 @@ import http.client
 import socket
 import time
 
+from loadtest.redteam_roles import unread
 from tests.conftest import UnixHTTPConnection, wait_for
 
 MIB = 2**20
@@ -22,22 +23,6 @@ MIB = 2**20
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def _unread(path: str, target: str, n: int) -> list[socket.socket]:
-    """`n` connections that each ask for the page and never read a byte."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_UNIX)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        try:
-            s.connect(path)
-            s.sendall(f"GET {target} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-        except OSError:  # closed at once: past a connection cap
-            s.close()
-            continue
-        socks.append(s)
-    return socks
 
 
 def _healthz_ms(srv) -> float:
@@ -56,7 +41,7 @@ def test_two_hundred_unread_answers_hold_no_copies_and_never_the_loop(make_serve
     c.put_page("kv", "big", b"\x5a" * (4 * MIB))
     wait_for(lambda: srv.on_loop(srv.ctx.monitor.reset) < 1.0)
     before = _rss()
-    socks = _unread(srv.config.socket, "/v1/namespaces/kv/pages/big", 200)
+    socks = unread(socket.AF_UNIX, srv.config.socket, "/v1/namespaces/kv/pages/big", 200)
     probes = sorted(_healthz_ms(srv) for _ in range(20))
     ledger = srv.ctx.store.ledger
     wait_for(lambda: srv.on_loop(lambda: ledger.describe()["held_segments"]) == 1)
@@ -95,7 +80,7 @@ def test_an_owner_holding_answers_everywhere_leaves_a_newcomer_its_share(make_se
         c.put_page("kv", f"k{i}", bytes([i]) * MIB)
     socks = []
     for i in range(16):  # the page of each segment, answers never read
-        socks += _unread(srv.config.socket, f"/v1/namespaces/kv/pages/k{i}", 1)
+        socks += unread(socket.AF_UNIX, srv.config.socket, f"/v1/namespaces/kv/pages/k{i}", 1)
     ledger, owner = srv.ctx.store.ledger, srv.ns("kv").owner
     wait_for(lambda: srv.on_loop(lambda: ledger.held(owner)) == 16)
     tcp = srv.tcp_client()
@@ -105,7 +90,7 @@ def test_an_owner_holding_answers_everywhere_leaves_a_newcomer_its_share(make_se
     deadline = time.monotonic() + 60
     while stored < 8 and time.monotonic() < deadline:
         for i in range(16):  # the first owner keeps asking
-            socks += _unread(srv.config.socket, f"/v1/namespaces/kv/pages/k{i}", 1)
+            socks += unread(socket.AF_UNIX, srv.config.socket, f"/v1/namespaces/kv/pages/k{i}", 1)
         while len(socks) > 224:  # within a uid's 256 connections; those closed here are
             socks.pop(0).close()  # 14 rounds (2.8 s) old: aborted by the 2 s write timeout
         try:
