@@ -111,7 +111,6 @@ class LoopMonitor:
             "longest_turn_ms": round(self.longest * 1e3, 3),
             "recent_longest_turn_ms": round(self.recent * 1e3, 3),
             "gc_longest_full_ms": round(self.gc_longest * 1e3, 3),
-            "gc_frozen": gc.get_freeze_count(),
         }
 
 
