@@ -33,6 +33,7 @@ from api.engine.client import SidecarClient
 from loadtest import bench_engines_lib as lib
 from loadtest import bench_serve_fleet as fl
 from loadtest import bench_serve_lib as sl
+from loadtest import bench_serve_trace as bt
 from loadtest.procs import ROOT, start_sidecar
 from tests.engines.vllm.tiny_model import SIZES, build
 
@@ -48,9 +49,16 @@ class Arm:
 
     def __init__(self, name: str, args, n: int, stack: ExitStack):
         self.name, self.sidecars, self.lmcache = name, [], None
+        self.out = args.out
+        self.timelines: list[Path] = []
         if name == "shared":
             self.sidecars = [
                 start_sidecar("--no-file-tier", "--host-pool", f"{args.pool_mib}MiB", *AUTH)
+            ]
+        elif name == "defaults":  # what `make serve` gives a user: the file tier, write-through
+            tier = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-serve-tier-"))
+            self.sidecars = [
+                start_sidecar("--data-dir", tier, "--host-pool", f"{args.pool_mib}MiB", *AUTH)
             ]
         elif name == "split":
             self.sidecars = [
@@ -71,6 +79,9 @@ class Arm:
         if self.sidecars:
             cfg = sl.sidecar_connector(self.sidecars[i % len(self.sidecars)].socket_url)
             cfg["kv_connector_extra_config"]["sidecar_token"] = TOKEN
+            self.timelines.append(Path(self.out) / f"timeline-{self.name}-{i}.jsonl")
+            self.timelines[-1].write_text("")
+            cfg["kv_connector_extra_config"]["timeline"] = str(self.timelines[-1])
             return cfg
         if self.lmcache:
             host, _, port = self.lmcache.url.rpartition(":")
@@ -86,6 +97,13 @@ class Arm:
                 },
             }
         return None
+
+    def timeline(self, start: float, end: float) -> list[dict]:
+        """The connectors' timeline rows stamped inside [start, end]."""
+        rows = [
+            json.loads(x) for p in self.timelines for x in p.read_text().splitlines() if x.strip()
+        ]
+        return bt.within(rows, start, end)
 
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self.sidecars] + (
@@ -111,44 +129,59 @@ def usage(pids: list[int]) -> dict:
     }
 
 
-def run_level(
-    args, arm: Arm, servers: list, model: str, policy: str, level: int, convs: list, offset: int
-) -> dict:
-    """One policy and level through Locust; its row (figures, counters, usage)."""
-    n = len(servers)
-    users = level * n
-    tag = f"{arm.name}-{n}-{policy}-{level}"
-    out = Path(args.out) / f"requests-{tag}.jsonl"
-    out.write_text("")
-    plan = {
-        "engines": [s.port for s in servers],
-        "model": model,
-        "policy": policy,
-        "out": str(out),
+def plan(args, shape: str, users: int, work: list, offset: int) -> tuple[dict, str]:
+    """A level's Locust plan (without engines, model, policy, out) and its user class:
+    conversations offset+u, offset+u+users, ... a user, or the trace's requests from
+    `offset` on, in order."""
+    if shape == "trace":
+        reqs = bt.trace_requests(
+            work[offset:], args.trace_requests, args.trace_scale, args.max_model_len - 256
+        )
+        return {
+            "requests": [list(vars(r).values()) for r in reqs],
+            "block": bt.block_of(args.trace_scale),
+            "time_scale": args.time_scale,
+        }, "TraceUser"
+    return {
         "per_user": sl.per_user(args.requests, users, args.warmup),
         "users": [
             [{"cid": c.cid, "turns": [list(vars(t).values()) for t in c.turns]} for c in mine]
-            for mine in sl.assign(convs, users, offset)
+            for mine in sl.assign(work, users, offset)
         ],
-    }
+    }, "ConversationUser"
+
+
+def snapshot(arm: Arm, servers: list) -> tuple:
+    """vLLM's prompt-token counters and request-time histograms, the arm's counters, its
+    processes' usage."""
+    metrics = [s.get("/metrics")[1] for s in servers]
+    return (
+        [fl.prompt_tokens_by_source(m) for m in metrics],
+        arm.counters(),
+        usage(arm.pids()),
+        [bt.vllm_times(m) for m in metrics],
+    )
+
+
+def run_level(args, arm: Arm, servers: list, model: str, level: dict) -> dict:
+    """One shape, policy and level through Locust; its row (figures, counters, usage, where
+    the time went)."""
+    n, shape, policy, users_per = len(servers), level["shape"], level["policy"], level["level"]
+    users = users_per * n
+    tag = f"{arm.name}-{n}-{policy}-{users_per}"
+    tag = f"trace-{tag}" if shape == "trace" else tag
+    out = Path(args.out) / f"requests-{tag}.jsonl"
+    out.write_text("")
+    body, user_class = plan(args, shape, users, level["work"], level["offset"])
     plan_path = Path(args.out) / f"plan-{tag}.json"
-    plan_path.write_text(json.dumps(plan))
-    before = ([s.prompt_tokens() for s in servers], arm.counters(), usage(arm.pids()))
-    cmd = [
-        args.locust,
-        "-f",
-        str(Path(ROOT) / "loadtest" / "serve_locust.py"),
-        "--headless",
-        "-u",
-        str(users),
-        "-r",
-        str(users),
-        "-t",
-        f"{args.max_seconds}s",
-        "--only-summary",
-        "--stop-timeout",
-        "600",
-    ]
+    body.update(
+        engines=[s.port for s in servers], model=model, policy=policy, out=str(out), shape=shape
+    )
+    plan_path.write_text(json.dumps(body))
+    before = snapshot(arm, servers)
+    cmd = [args.locust, "-f", str(Path(ROOT) / "loadtest" / "serve_locust.py"), user_class]
+    cmd += ["--headless", "-u", str(users), "-r", str(users), "-t", f"{args.max_seconds}s"]
+    cmd += ["--only-summary", "--stop-timeout", "600"]
     subprocess.run(
         cmd,
         cwd=ROOT,
@@ -156,7 +189,7 @@ def run_level(
         check=False,
         stdout=subprocess.DEVNULL,
     )
-    after = ([s.prompt_tokens() for s in servers], arm.counters(), usage(arm.pids()))
+    after = snapshot(arm, servers)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     recs.sort(key=lambda r: r["end"])
     src = {
@@ -164,11 +197,13 @@ def run_level(
     }
     delta = after[1] - before[1]
     loads = sum(1 for r in recs if (r.get("cached_tokens") or 0) > 0)
+    span = (min(r["start"] for r in recs), max(r["end"] for r in recs)) if recs else (0, 0)
     return {
+        "shape": shape,
         "arm": arm.name,
         "engines": n,
         "policy": policy,
-        "users_per_engine": level,
+        "users_per_engine": users_per,
         "users": users,
         **sl.level_summary(recs, args.warmup),
         "warmup": args.warmup,
@@ -183,10 +218,11 @@ def run_level(
             if arm.sidecars
             else None,
         },
+        "breakdown": bt.breakdown(before[3], after[3], arm.timeline(*span), len(recs)),
         "cache_cpu_s": after[2]["cpu_s"] - before[2]["cpu_s"],
         "cache_rss": after[2]["rss"],
         "cache_peak_rss": after[2]["peak_rss"],
-        "conversations_from": offset,
+        "conversations_from": level["offset"],
     }
 
 
@@ -198,7 +234,7 @@ def binds(args, i: int, n: int) -> dict:
     return {"VLLM_CPU_OMP_THREADS_BIND": fl.core_share(i, n, fl.cores())}
 
 
-def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
+def run_arm(args, name: str, n: int, model: str, work_of: dict, emit) -> None:
     with ExitStack() as stack:
         arm = Arm(name, args, n, stack)
         extra = fl.sizing(args.max_model_len, args.kv_mib << 20)
@@ -214,12 +250,24 @@ def run_arm(args, name: str, n: int, model: str, convs: list, emit) -> None:
             stack.callback(s.stop)
         for s in servers:
             s.wait()
-        offset = 0
-        for policy in args.policies:
-            for level in args.levels:
-                row = run_level(args, arm, servers, model, policy, level, convs, offset)
-                offset += level * n * args.conversations_per_user
-                emit(row)
+        offsets = {"conversations": 0, "trace": 0}
+        for shape in args.shapes:
+            work = work_of[shape]
+            for policy in args.policies:
+                for users_per in args.levels:
+                    level = dict(
+                        shape=shape,
+                        policy=policy,
+                        level=users_per,
+                        work=work,
+                        offset=offsets[shape],
+                    )
+                    emit(run_level(args, arm, servers, model, level))
+                    offsets[shape] += (
+                        args.trace_requests
+                        if shape == "trace"
+                        else users_per * n * args.conversations_per_user
+                    )
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -234,9 +282,22 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--levels", type=ints, default=[1, 4, 8], help="users per engine")
     ap.add_argument("--policies", type=lambda s: s.split(","), default=["rr", "sticky"])
     ap.add_argument(
-        "--arms", type=lambda s: s.split(","), default=["none", "shared", "split", "lmcache"]
+        "--arms",
+        type=lambda s: s.split(","),
+        default=["none", "shared", "defaults", "split", "lmcache"],
+    )
+    ap.add_argument(
+        "--shapes",
+        type=lambda s: s.split(","),
+        default=["conversations"],
+        help="conversations (multi-turn), trace (the trace's requests in order)",
     )
     ap.add_argument("--requests", type=int, default=160, help="requests measured per level")
+    ap.add_argument("--trace-requests", type=int, default=120, help="trace shape: a level's")
+    ap.add_argument("--trace-scale", type=int, default=4, help="trace tokens per bench token")
+    ap.add_argument(
+        "--time-scale", type=float, default=0.0, help="trace shape: x its timestamps (0: none)"
+    )
     ap.add_argument("--warmup", type=int, default=1, help="requests per user dropped first")
     ap.add_argument(
         "--conversations-per-user", type=int, default=4, help="conversations set aside a user"
@@ -270,7 +331,8 @@ def main(argv=None) -> int:
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(x) for x in Path(args.trace).read_text().splitlines()]
-    convs = sl.conversations(rows, args.scale, args.max_model_len - 64)
+    work_of = {"conversations": sl.conversations(rows, args.scale, args.max_model_len - 64)}
+    work_of["trace"] = rows
     path = outdir / "bench-serve.jsonl"
     path.write_text("")
     meta = {
@@ -278,6 +340,8 @@ def main(argv=None) -> int:
         "kv_mib": args.kv_mib,
         "pool_mib": args.pool_mib,
         "scale": args.scale,
+        "trace_scale": args.trace_scale,
+        "time_scale": args.time_scale,
         "cpus": os.cpu_count(),
         "omp_bind": args.omp_bind,
     }
@@ -292,7 +356,7 @@ def main(argv=None) -> int:
         model = build(args.model_dir or f"{tmp}/model-{args.model_size}", size=args.model_size)
         for n in args.engines:
             for name in args.arms:
-                run_arm(args, name, n, model, convs, emit)
+                run_arm(args, name, n, model, work_of, emit)
     from loadtest.bench_serve_report import report
 
     print(report(outdir))

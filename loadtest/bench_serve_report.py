@@ -14,7 +14,9 @@ from pathlib import Path
 
 from loadtest import bench_engines_lib as lib
 from loadtest import bench_serve_lib as sl
+from loadtest import bench_serve_trace as bt
 
+SIDECAR_ARMS = ("shared", "defaults", "split")
 HEAD = [
     "engines",
     "arm",
@@ -67,8 +69,8 @@ def table(rows: list[dict]) -> str:
                 f"{v['local_cache_hit']:,.0f}",
                 f"{v['external_kv_transfer']:,.0f}",
                 f"{v['local_compute']:,.0f}",
-                sc["hits"] if r["arm"] in ("shared", "split") else "-",
-                sc["misses"] if r["arm"] in ("shared", "split") else "-",
+                sc["hits"] if r["arm"] in SIDECAR_ARMS else "-",
+                sc["misses"] if r["arm"] in SIDECAR_ARMS else "-",
                 {None: "-", True: "yes", False: "NO"}[sc["agree"]],
                 f"{r['cache_cpu_s']:.1f}",
                 f"{r['cache_rss'] / 2**20:,.0f}" if r["cache_rss"] else "-",
@@ -82,6 +84,9 @@ def report(outdir: Path, plot: bool = True) -> str:
     rows = [
         json.loads(x) for x in (outdir / "bench-serve.jsonl").read_text().splitlines() if x.strip()
     ]
+    every = rows
+    rows = [r for r in every if r.get("shape", "conversations") == "conversations"]
+    trace = [r for r in every if r.get("shape") == "trace"]
     parts = [
         "Served: vllm serve fleets under Locust (TTFT at the first streamed token)\n",
         table(rows),
@@ -94,28 +99,45 @@ def report(outdir: Path, plot: bool = True) -> str:
         for policy in sorted({r["policy"] for r in mine}):
             ts = sl.targets(mine, policy, ttfts=ttfts)
             parts.append(f"\nTargets, {n} engines, {policy}:\n" + sl.targets_text(ts))
-    errors = sum(r["errors"] for r in rows)
+    if trace:
+        parts.append(trace_report(outdir, trace))
+    errors = sum(r["errors"] for r in every)
     parts.append(f"\nErrors in all: {errors} (must be 0)")
     text = "\n".join(parts) + "\n"
     (outdir / "bench-serve.md").write_text(text)
     if plot:
-        cdf_plots(outdir, rows)
+        cdf_plots(outdir, every)
     return text
 
 
+def trace_report(outdir: Path, rows: list[dict]) -> str:
+    """The trace shape: its table, where the time went (mean a request) and its targets."""
+    parts = ["\nThe trace's requests in order (shape `trace`)\n", table(rows)]
+    parts.append("\nWhere the time went, mean a request (bench_serve_trace.breakdown)\n")
+    parts.append(lib.table(bt.BREAKDOWN_HEAD, bt.breakdown_rows(rows)))
+    for n in sorted({r["engines"] for r in rows}):
+        mine = [r for r in rows if r["engines"] == n]
+        ttfts = {
+            (r["arm"], r["policy"], r["users_per_engine"]): kept_ttfts(outdir, r) for r in mine
+        }
+        for policy in sorted({r["policy"] for r in mine}):
+            ts = bt.targets(mine, policy, ttfts)
+            parts.append(f"\nTargets, trace, {n} engines, {policy}:\n" + sl.targets_text(ts))
+    return "\n".join(parts)
+
+
 def kept_ttfts(outdir: Path, row: dict) -> dict:
-    """A row's requests' TTFTs (s) by (user, n), each user's warm-up (`n` below the row's
-    `warmup`) dropped, as are failed requests."""
-    path = (
-        outdir
-        / f"requests-{row['arm']}-{row['engines']}-{row['policy']}-{row['users_per_engine']}.jsonl"
-    )
+    """A row's requests' TTFTs (s) by (user, n) (the trace shape: by trace request), each
+    user's warm-up (`n` below the row's `warmup`) dropped, as are failed requests."""
+    trace = row.get("shape") == "trace"
+    tag = f"{row['arm']}-{row['engines']}-{row['policy']}-{row['users_per_engine']}"
+    path = outdir / f"requests-{'trace-' if trace else ''}{tag}.jsonl"
     if not path.exists():
         return {}
     recs = (json.loads(x) for x in path.read_text().splitlines())
     warmup = row.get("warmup", 1)
     return {
-        (x["user"], x["n"]): x["ttft"]
+        (x["cid"] if trace else (x["user"], x["n"])): x["ttft"]
         for x in recs
         if x["n"] >= warmup and x.get("ttft") is not None and not x.get("error")
     }
@@ -139,7 +161,8 @@ def cdf_plots(outdir: Path, rows: list[dict]) -> None:
                 ax.plot(
                     [t * 1e3 for t in ttft],
                     [(i + 1) / len(ttft) for i in range(len(ttft))],
-                    label=f"{r['engines']} eng, {r['policy']}, {r['users_per_engine']} u/eng",
+                    label=f"{r.get('shape', 'conversations')}, {r['engines']} eng, "
+                    f"{r['policy']}, {r['users_per_engine']} u/eng",
                 )
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (ms)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 import gevent
@@ -25,6 +26,7 @@ from locust import User, events, task
 from locust.exception import StopUser
 
 from loadtest import bench_serve_lib as sl
+from loadtest import bench_serve_trace as bt
 from loadtest.bench_serve_fleet import stream_completion
 
 PLAN = (
@@ -40,6 +42,77 @@ def _conversations(u: int) -> list[sl.Conversation]:
     return [sl.Conversation(c["cid"], tuple(sl.Turn(*t) for t in c["turns"])) for c in raw]
 
 
+def _record(user, got: dict, **fields) -> dict:
+    """One request's JSON line (appended to the plan's `out`) and its Locust event."""
+    rec = {
+        "seq": next(_seq),
+        "user": user.uid,
+        "n": user.n,
+        **fields,
+        "start": got["start"],
+        "end": got["end"],
+        "ttft": got["ttft"],
+        "e2e": got["e2e"],
+        "out_tokens": len(got["tokens"]),
+        "cached_tokens": got["cached_tokens"],
+        "status": got["status"],
+        **({"error": got["error"]} if "error" in got else {}),
+    }
+    failure = Exception(got["error"]) if "error" in got else None
+    events.request.fire(
+        request_type="completion",
+        name=PLAN["policy"],
+        response_time=got["e2e"] * 1e3,
+        response_length=len(got["tokens"]),
+        exception=failure,
+        context={},
+    )
+    with open(PLAN["out"], "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    _done.append(rec)
+    return rec
+
+
+def _quit_when_done(user, total: int) -> None:
+    if len(_done) == total and user.environment.runner is not None:
+        # from a greenlet of its own: quit() stops every user, this one too, midway
+        gevent.spawn(user.environment.runner.quit)
+
+
+_next_request = itertools.count()
+_t0: list[float] = []
+
+
+class TraceUser(User):
+    """One of the users sending the trace's requests (bench_serve_trace), each the next in
+    the trace's order, at its timestamp x `time_scale` after the run began (0: at once)."""
+
+    def on_start(self) -> None:
+        self.uid = next(_users)
+        self.n = 0
+        if not _t0:
+            _t0.append(time.time())
+
+    @task
+    def request(self) -> None:
+        reqs = PLAN["requests"]
+        i = next(_next_request)
+        if i >= len(reqs):
+            raise StopUser()
+        idx, cid, hash_ids, tokens, max_tokens, at = reqs[i]
+        due = _t0[0] + at * PLAN["time_scale"] - time.time()
+        if due > 0:
+            gevent.sleep(due)
+        req = bt.TraceRequest(idx, cid, tuple(hash_ids), tokens, max_tokens, at)
+        engine = PLAN["engines"][sl.route(PLAN["policy"], i, cid, len(PLAN["engines"]))]
+        got = stream_completion(
+            "127.0.0.1", engine, PLAN["model"], req.prompt(PLAN["block"]), max_tokens
+        )
+        _record(self, got, cid=idx, turn=0, engine=engine, prompt_tokens=tokens)
+        self.n += 1
+        _quit_when_done(self, len(reqs))
+
+
 class ConversationUser(User):
     """One user: its conversations in order, each from its first turn."""
 
@@ -52,7 +125,6 @@ class ConversationUser(User):
     def turn(self) -> None:
         if self.n >= PLAN["per_user"]:
             raise StopUser()
-        seq = next(_seq)
         conv = self.convs[self.ci % len(self.convs)]
         prompt = sl.next_prompt(self.prompt, self.answer, conv, self.k)
         which = sl.route(PLAN["policy"], self.uid + self.n, conv.cid, len(PLAN["engines"]))
@@ -60,42 +132,11 @@ class ConversationUser(User):
         got = stream_completion(
             "127.0.0.1", engine, PLAN["model"], prompt, conv.turns[self.k].max_tokens
         )
-        rec = {
-            "seq": seq,
-            "user": self.uid,
-            "n": self.n,
-            "cid": conv.cid,
-            "turn": self.k,
-            "engine": engine,
-            "start": got["start"],
-            "end": got["end"],
-            "ttft": got["ttft"],
-            "e2e": got["e2e"],
-            "out_tokens": len(got["tokens"]),
-            "prompt_tokens": len(prompt),
-            "cached_tokens": got["cached_tokens"],
-            "status": got["status"],
-            **({"error": got["error"]} if "error" in got else {}),
-        }
-        failure = Exception(got["error"]) if "error" in got else None
-        events.request.fire(
-            request_type="completion",
-            name=PLAN["policy"],
-            response_time=got["e2e"] * 1e3,
-            response_length=len(got["tokens"]),
-            exception=failure,
-            context={},
+        _record(
+            self, got, cid=conv.cid, turn=self.k, engine=engine, prompt_tokens=len(prompt)
         )
-        with open(PLAN["out"], "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        _done.append(rec)
         self.prompt, self.answer = prompt, got["tokens"]
         self.k, self.n = self.k + 1, self.n + 1
         if self.k == len(conv.turns) or "error" in got:
             self.ci, self.k, self.prompt, self.answer = self.ci + 1, 0, [], []
-        if (
-            len(_done) == PLAN["per_user"] * len(PLAN["users"])
-            and self.environment.runner is not None
-        ):
-            # from a greenlet of its own: quit() stops every user, this one too, midway
-            gevent.spawn(self.environment.runner.quit)
+        _quit_when_done(self, PLAN["per_user"] * len(PLAN["users"]))

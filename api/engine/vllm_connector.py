@@ -62,6 +62,7 @@ from api.engine.vllm_groups import (
 )
 from api.engine.vllm_layout import EngineScope, PageLayout, namespace_spec
 from api.engine.vllm_scheduler import SchedulerSide, Transfer
+from api.engine.vllm_timeline import Timeline
 from api.engine.vllm_worker import KvArena, WorkerSide
 
 log = logging.getLogger("kv_sidecar.vllm")
@@ -147,6 +148,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self.arena: KvArena | None = None
         self.hybrid: HybridWorker | None = None
+        self.timeline = Timeline(extra.get("timeline") or None)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
 
@@ -211,6 +213,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             if plans
             else SchedulerSide(self.client, block_size, **kw)
         )
+        self.sched.timeline = self.timeline
         if not plans and SidecarStats is not None and self._flag("restore_cost", True):
             self.sched.cost = RestoreCost(probe_s=float(self.extra.get("restore_probe_s", 60.0)))
 
@@ -300,6 +303,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         )
         spec = namespace_spec(scope, layout, self.extra.get("sidecar_share_gid"), pool, group)
         side = WorkerSide(self.client, layout, spec, staging, kv_buffer)
+        side.timeline = self.timeline
         log.info(
             "kv-sidecar: namespace %s (%s), %d-byte pages, %s",
             side.namespace,
@@ -480,6 +484,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             self.hybrid.close()
         if self.sched is not None:
             self.sched.close()
+        self.timeline.flush()
 
     # -- scheduler side ----------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:

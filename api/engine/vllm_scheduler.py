@@ -38,6 +38,7 @@ from typing import Any
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.restore_cost import RestoreCost, by_tier
 from api.engine.vllm_layout import block_keys
+from api.engine.vllm_timeline import OFF, Timeline
 
 log = logging.getLogger("kv_sidecar.vllm")
 
@@ -136,6 +137,8 @@ class SchedulerSide:
         default_factory=lambda: ThreadPoolExecutor(1, "sidecar-exists")
     )
     async_loads = False  # loads land in the step's forward (hybrid: a step later)
+    timeline: Timeline = OFF  # where the time goes (bench-serve's breakdown)
+    late: dict[str, list] = field(default_factory=dict)  # rid -> [first late ask, steps]
 
     def block_ids(self, groups) -> list:
         """The block ids this side plans with, from vLLM's per-group lists: the one group's."""
@@ -195,16 +198,30 @@ class SchedulerSide:
         except FutureTimeout:
             if time.monotonic() - look.started < self.lookup_timeout:
                 self.stats["late"] += 1
+                self.late.setdefault(rid, [time.monotonic(), 0])[1] += 1
                 return None
             log.warning("kv-sidecar exists took over %.0f ms: a miss", self.lookup_timeout * 1e3)
         except BaseException:  # cancelled
             pass
         present = where[0]
         self.hits[rid] = Hit(num_computed, present)
+        self._time_lookup(request, rid, present)
         tokens = max(self._loadable(look, present) - num_computed, 0)
         return (
             self._worth(rid, look, where, num_computed, tokens) if tokens and self.cost else tokens
         )
+
+    def _time_lookup(self, request, rid: str, present: int) -> None:
+        """The timeline's row: how long the request waited for the answer, in steps."""
+        since, steps = self.late.pop(rid, (0.0, 0))
+        if self.timeline.on:
+            self.timeline.add(
+                "request",
+                lookup_s=time.monotonic() - since if steps else 0.0,
+                late_steps=steps,
+                hit_tokens=present * self.block_size,
+                prompt_tokens=request.num_tokens,
+            )
 
     def _worth(self, rid: str, look: Lookup, where: Where, start: int, tokens: int) -> int:
         """Of `tokens` loadable past `start`, those worth loading (`cost`): all of them,
@@ -411,6 +428,7 @@ class SchedulerSide:
         self.hits.pop(rid, None)
         self.tiers.pop(rid, None)
         self.skipped.discard(rid)
+        self.late.pop(rid, None)
         t = self.tracked.pop(rid, None)
         return bool(t and t.saving)
 

@@ -34,6 +34,7 @@ from api.engine.client import SidecarClient, SidecarError, SidecarUnavailable
 from api.engine.shm import SharedBuffer, page_first_chunks
 from api.engine.vllm_layout import PageLayout, namespace_name
 from api.engine.vllm_scheduler import Transfer
+from api.engine.vllm_timeline import OFF, Timeline
 
 log = logging.getLogger("kv_sidecar.vllm")
 
@@ -168,6 +169,8 @@ class WorkerSide:
         self.stats = {"loaded": 0, "load_failed": 0, "saved": 0, "save_failed": 0}
         self._last_warning = 0.0
         self.timings: dict[str, list] = {"restores": [], "prefill": []}  # restore cost's
+        self.timeline: Timeline = OFF  # where the time goes (bench-serve's breakdown)
+        self.held: dict[str, float] = {}  # finished, blocks kept for saves: since when
 
     @property
     def direct(self) -> bool:
@@ -255,6 +258,7 @@ class WorkerSide:
     def load(self, transfers: list[Transfer]) -> None:
         """Load every page of this step; blocks that did not load become load errors."""
         self.failed_reqs = set()
+        begun = time.monotonic()
         for t in transfers:
             started = time.monotonic()
             ok = self._load_one(t)
@@ -267,6 +271,9 @@ class WorkerSide:
                 self.stats["load_failed"] += len(failed)
                 self.load_errors.update(failed)
                 self.failed_reqs.add(t.req_id)
+        if transfers and self.timeline.on:
+            pages = sum(len(t.keys) for t in transfers)
+            self.timeline.add("load", load_s=time.monotonic() - begun, load_pages=pages)
 
     def _load_one(self, t: Transfer) -> list[bool]:
         if not t.keys:
@@ -299,6 +306,7 @@ class WorkerSide:
         """Copy this step's finished blocks out of the KV cache now; set them in the background."""
         with self.lock:  # the scheduler keeps these requests' blocks until they are reported
             self.saving.update(t.req_id for t in transfers)
+        begun, before = time.monotonic(), self.stats["save_failed"]
         for t in transfers:
             if t.req_id in self.failed_reqs or not t.keys:
                 continue  # computed on top of a block that did not load: never store it
@@ -308,6 +316,13 @@ class WorkerSide:
                 self.stats["save_failed"] += len(t.keys)
                 self._warn("save", exc)
         self.failed_reqs = set()
+        if transfers and self.timeline.on:
+            self.timeline.add(
+                "save",
+                save_s=time.monotonic() - begun,
+                save_pages=sum(len(t.keys) for t in transfers),
+                skipped=self.stats["save_failed"] - before,
+            )
 
     def _save_one(self, t: Transfer) -> None:
         if self.cuda:  # the sidecar reads the KV blocks themselves: finish the step's writes first
@@ -334,8 +349,10 @@ class WorkerSide:
         self.pending = [f for f in self.pending if not f.done()]
 
     def _set(self, req_id: str, keys: list[str], slots: list[int], meta: dict) -> None:
+        started = time.monotonic()
         try:
             self._count(self._call(self.client.set, keys, slots, **meta))
+            self.timeline.add("set", set_s=time.monotonic() - started, pages=len(keys))
         except Exception as exc:
             self.stats["save_failed"] += len(keys)
             self._warn("save", exc)
@@ -354,11 +371,17 @@ class WorkerSide:
     # -- reports -----------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests the scheduler kept for their saves, now that every set returned."""
+        now = time.monotonic()
         with self.lock:
+            for r in finished_req_ids & self.saving:
+                self.held.setdefault(r, now)
             self.finishing |= finished_req_ids & self.saving
             done = {r for r in self.finishing if r not in self.inflight}
             self.finishing -= done
             self.saving -= done
+            held = [now - self.held.pop(r, now) for r in done]
+        for h in held:
+            self.timeline.add("hold", hold_s=h)
         return done
 
     def save_state(self, rid: str) -> tuple[bool, bool]:
