@@ -1,20 +1,31 @@
-"""`make bench-serve` (issue 44): fleets of `vllm serve` engines under Locust, multi-turn
-conversations of the trace, the sidecar beside no connector and LMCache at equal host memory.
+"""`make bench-serve` (issues 44, 53): fleets of `vllm serve` engines under Locust, the sidecar
+beside no connector and LMCache at equal host memory, on two shapes of the trace.
 
     python -m loadtest.bench_serve [--engines 2,4] [--levels 1,4,8] [--policies rr,sticky]
-        [--arms none,shared,split,lmcache] [--requests 160] [--lmcache-python PY] [--out DIR]
+        [--shapes conversations,trace] [--arms none,shared,defaults,split,lmcache]
+        [--requests 160] [--trace-requests 120 --trace-scale 4 --time-scale 0]
+        [--lmcache-python PY] [--out DIR]
 
-For each fleet size and arm one fleet starts (the flags of deploy/engine-vllm.yaml, each
-engine's KV cache `--kv-mib`: small, so vLLM's own cache evicts), then every policy and level
-runs in turn, each on conversations of its own (users = level x engines): each user plays
-`--warmup` + ceil(`--requests` / users) requests, its first `--warmup` dropped, so every
-arm serves the same requests on the same engines. Each engine's OpenMP threads run on its
-own share of the cores (`--omp-bind split`; `all`: every engine on every core). Arms, each
-with `--pool-mib` in all beneath the engines: `none`; `shared` (one sidecar); `split` (one sidecar per engine, 1/N
-each); `lmcache` (LMCache 0.5.6's MP server, shared, L1 the same size).
-Out: DIR/bench-serve.jsonl (one row per fleet, arm, policy, level), DIR/requests-*.jsonl (every
-request); `python -m loadtest.bench_serve_report DIR` prints the tables and targets and draws
-one TTFT CDF per arm.
+Shapes: `conversations` (multi-turn: each prompt the previous turn's and its answer plus
+new tokens, so most of it is a restore) and `trace` (the trace's requests in its order,
+its hash blocks as shared prefixes: mostly new prompts, so every request pays the store;
+loadtest/bench_serve_trace.py). For each fleet size and arm one fleet starts (the flags of
+deploy/engine-vllm.yaml, each engine's KV cache `--kv-mib`: small, so vLLM's own cache
+evicts), then every shape, policy and level runs in turn, each on requests of its own
+(users = level x engines): a conversation user plays `--warmup` + ceil(`--requests` /
+users) requests; trace users take the next request of the level's `--trace-requests`;
+each user's first `--warmup` are dropped, so every arm serves the same requests on the
+same engines. Each engine's OpenMP threads run on its own share of the cores
+(`--omp-bind split`; `all`: every engine on every core). Arms, each with `--pool-mib` in
+all beneath the engines: `none`; `shared` (one sidecar, no file tier); `defaults` (one
+sidecar as `make serve` starts it: the file tier, write-through); `split` (one sidecar per
+engine, 1/N each, no file tier); `lmcache` (LMCache 0.5.6's MP server, L1 the same size).
+The sidecar arms' connectors write a timeline (api/engine/vllm_timeline.py): each row says
+where its requests' time went (`breakdown`).
+Out: DIR/bench-serve.jsonl (one row per fleet, arm, shape, policy, level),
+DIR/requests-*.jsonl (every request), DIR/timeline-*.jsonl; `python -m
+loadtest.bench_serve_report DIR` prints the tables, breakdowns and targets and draws one
+TTFT CDF per arm.
 """
 
 from __future__ import annotations
@@ -289,7 +300,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--shapes",
         type=lambda s: s.split(","),
-        default=["conversations"],
+        default=["conversations", "trace"],
         help="conversations (multi-turn), trace (the trace's requests in order)",
     )
     ap.add_argument("--requests", type=int, default=160, help="requests measured per level")

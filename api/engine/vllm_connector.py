@@ -453,12 +453,6 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             self._time_prefill(meta)
             self._sides.save(meta.saves)  # also when empty: it ends the step's load failures
 
-    @never_raises((None, None))
-    def get_finished(self, finished_req_ids: set[str]):
-        if self.worker is None:
-            return None, None
-        return self.worker.finished(set(finished_req_ids)) or None, None
-
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Hybrid models: loads are asynchronous to vLLM, reported done (and failed) here."""
         if self.hybrid is None:
@@ -576,13 +570,12 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     @never_raises((False, None))
     def request_finished(self, request, block_ids):
-        if self.sched is None:
-            return False, None
-        return self.sched.finished(request), None
+        """Free the blocks at once (never delayed for saves: see `SchedulerSide.finished`)."""
+        if self.sched is not None:
+            self.sched.finished(request)
+        return False, None
 
     @never_raises((False, None))
     def request_finished_all_groups(self, request, block_ids):
         """`SupportsHMA`: the same as `request_finished` (the saves cover every group)."""
-        if self.sched is None:
-            return False, None
-        return self.sched.finished(request), None
+        return self.request_finished(request, block_ids)

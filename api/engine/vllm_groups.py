@@ -205,19 +205,18 @@ class HybridScheduler(SchedulerSide):
     def load_failed(self, invalid: set[int], block_ids_of) -> None:
         """Not reported for several groups: vLLM takes their failures per request."""
 
-    def finished(self, request) -> bool:
+    def finished(self, request) -> None:
         self.failed.discard(request.request_id)
-        return super().finished(request)
+        super().finished(request)
 
 
 class HybridWorker:
-    """One `WorkerSide` per group; a request's saves are reported once every group's sets
-    returned, its load once handed over (failed when any group's failed)."""
+    """One `WorkerSide` per group; a request's load is reported once handed over (failed
+    when any group's failed); saves hold no blocks, so none is reported."""
 
     def __init__(self, sides: list[WorkerSide]):
         self.sides = sides
         self.lock = threading.Lock()
-        self.finishing: set[str] = set()
         self.received: set[str] = set()
         self.failed: set[str] = set()
 
@@ -239,29 +238,13 @@ class HybridWorker:
         for g, side in enumerate(self.sides):
             side.save([t for t in transfers if t.group == g])
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests the scheduler kept for their saves, once no group has a set in flight."""
-        with self.lock:
-            self.finishing |= finished_req_ids
-            done, gone = set(), set()
-            for rid in self.finishing:
-                states = [s.save_state(rid) for s in self.sides]
-                if not any(saving for saving, _ in states):
-                    gone.add(rid)  # never saved: the scheduler did not keep it
-                elif not any(busy for _, busy in states):
-                    done.add(rid)
-            for side in self.sides:
-                side.forget_saves(done)
-            self.finishing -= done | gone
-        return done
-
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(saves done, loads done, loads failed): a failed load is also done."""
-        done = self.finished(finished_req_ids)
+        """(saves done: none, no request's blocks wait for its sets; loads done, loads
+        failed: a failed load is also done)."""
         with self.lock:
             received, self.received = self.received, set()
             failed, self.failed = self.failed & received, self.failed - received
-        return done, received, failed
+        return set(), received, failed
 
     def close(self) -> None:
         for side in self.sides:

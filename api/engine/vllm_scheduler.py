@@ -15,9 +15,11 @@ Without it, that block is never claimed (the rule before issue 33).
 
 The exists call starts when the request arrives (`prefetch`, vLLM's `on_new_request`) and
 runs on a worker thread: by the time the scheduler asks, the answer is usually there. The
-scheduler waits at most `lookup_wait_ms` for it and otherwise answers None (vLLM asks again
-next step); an answer later than `lookup_timeout_ms` counts as a miss. Every failure is a
-miss (0), never an exception.
+scheduler waits for it at least `lookup_wait_ms` and up to `LOOKUP_STEP_SHARE` of a step
+(the steps' mean length, `step_s`): answering None costs the request a whole step (vLLM
+asks again on the next one, seconds away when prefills fill the batch), waiting costs the
+batch only the wait. An answer later than `lookup_timeout_ms` counts as a miss. Every
+failure is a miss (0), never an exception.
 
 With `cost` (api/engine/restore_cost.py), the exists call also says where the prefix lies
 (host pool, local tier, remote) and a prefix loads only when restoring it is expected to
@@ -39,6 +41,9 @@ from api.engine.client import SidecarClient, SidecarError
 from api.engine.restore_cost import RestoreCost, by_tier
 from api.engine.vllm_layout import block_keys
 from api.engine.vllm_timeline import OFF, Timeline
+
+LOOKUP_STEP_SHARE = 0.05  # of a step, the longest wait for a late exists answer
+STEP_EWMA = 0.2  # weight of the newest step in `step_s`
 
 log = logging.getLogger("kv_sidecar.vllm")
 
@@ -88,7 +93,6 @@ class Tracked:
 
     request: Any
     stored: int = 0
-    saving: bool = False
     tail: Tail | None = None
 
 
@@ -139,6 +143,8 @@ class SchedulerSide:
     async_loads = False  # loads land in the step's forward (hybrid: a step later)
     timeline: Timeline = OFF  # where the time goes (bench-serve's breakdown)
     late: dict[str, list] = field(default_factory=dict)  # rid -> [first late ask, steps]
+    step_s: float = 0.0  # the steps' mean length (EWMA of the time between two)
+    _stepped: float = 0.0  # when the last step's metadata was built
 
     def block_ids(self, groups) -> list:
         """The block ids this side plans with, from vLLM's per-group lists: the one group's."""
@@ -194,7 +200,7 @@ class SchedulerSide:
             return 0
         where: Where = (0, 0, 0)
         try:
-            where = look.future.result(timeout=self.lookup_wait)
+            where = look.future.result(timeout=self.wait_s())
         except FutureTimeout:
             if time.monotonic() - look.started < self.lookup_timeout:
                 self.stats["late"] += 1
@@ -330,7 +336,18 @@ class SchedulerSide:
         """Its load could not be planned: every block is reported failed (vLLM recomputes)."""
         self.loads.append(Transfer(rid, [], block_ids))
 
+    def wait_s(self) -> float:
+        """How long `matched` waits for a late answer: `lookup_wait`, or up to
+        `LOOKUP_STEP_SHARE` of a step where steps are long (never past the timeout)."""
+        return max(self.lookup_wait, min(LOOKUP_STEP_SHARE * self.step_s, self.lookup_timeout))
+
     def take_loads(self) -> list[Transfer]:
+        """The step's loads (called once a step: it also times the steps)."""
+        now = time.monotonic()
+        if self._stepped:  # an idle gap is no step: a sample counts at most twice the mean
+            step = min(now - self._stepped, 2 * self.step_s or float("inf"))
+            self.step_s = (1 - STEP_EWMA) * self.step_s + STEP_EWMA * step if self.step_s else step
+        self._stepped = now
         loads, self.loads = self.loads, []
         return loads
 
@@ -347,7 +364,6 @@ class SchedulerSide:
             if keys:
                 transfers = self._save_transfers(t.request, keys, index, end, block_ids_of)
                 saves += transfers
-                t.saving = t.saving or bool(transfers)
         return saves
 
     def _save_plan(self, t: Tracked, n: int) -> tuple[list[str], list[int], int]:
@@ -419,8 +435,9 @@ class SchedulerSide:
                 if t.tail is not None:
                     t.tail.saved = False
 
-    def finished(self, request) -> bool:
-        """Forget the request; True when saves were scheduled (the worker reports them)."""
+    def finished(self, request) -> None:
+        """Forget the request. Its blocks are free at once: the step's saves copied them out
+        (CPU) or the set read them within the step (CUDA), so nothing delays their release."""
         rid = request.request_id
         look = self.lookups.pop(rid, None)
         if look is not None:
@@ -429,8 +446,7 @@ class SchedulerSide:
         self.tiers.pop(rid, None)
         self.skipped.discard(rid)
         self.late.pop(rid, None)
-        t = self.tracked.pop(rid, None)
-        return bool(t and t.saving)
+        self.tracked.pop(rid, None)
 
     # -- restore cost -----------------------------------------------------------------
     def prefill_tokens(self, scheduled: dict[str, int]) -> int:

@@ -5,12 +5,14 @@ On CPU, vLLM allocates its KV cache inside the connector's allocation context
 registers with the sidecar, slots = block ids. A load is then one copy, the sidecar's, from
 its host pool straight into the KV blocks, before the forward. Saves copy the step's
 finished blocks into a staging memfd (SharedBuffer, `staging_blocks` page slots) right after
-the forward, so the KV blocks are free again at once, and the `set` runs on an I/O thread
-(a block vLLM frees on preemption may be reused while a set reads it: never read KV blocks
-after the step); the request is reported through `get_finished` when its last set returned.
-Without the arena (the KV cache allocated elsewhere), loads go through staging too. On CUDA
-the KV tensors themselves are registered (cuda_ipc, `api.engine.cuda_export`) and slots are
-block ids: no staging, sets run in the step.
+the forward, and the `set` runs on an I/O thread (a block vLLM frees on preemption may be
+reused while a set reads it: never read KV blocks after the step). So a request's blocks
+are free the moment vLLM is done with them (`request_finished` never delays their release),
+and a step never waits for the sidecar: saves that find no free staging slot (the sets
+before them still running) are skipped and counted (`save_skipped`), a later request
+saves those blocks. Without the arena (the KV cache allocated elsewhere), loads go through
+staging too. On CUDA the KV tensors themselves are registered (cuda_ipc,
+`api.engine.cuda_export`) and slots are block ids: no staging, sets run in the step.
 
     load:  sidecar --get(keys, block ids)--> KV blocks                        (before forward)
            (no arena: sidecar --get--> staging slots --copy--> KV blocks)
@@ -102,7 +104,8 @@ def kv_chunks(layout: PageLayout, buf: SharedBuffer) -> list[dict]:
 
 
 class SlotPool:
-    """Free staging slots; `take` waits (bounded) for in-flight saves to give theirs back."""
+    """Free staging slots; `take` waits (bounded) for in-flight saves to give theirs back,
+    `try_take` does not wait."""
 
     def __init__(self, n: int):
         self.capacity = n
@@ -113,6 +116,13 @@ class SlotPool:
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._free) >= n, timeout):
                 raise TimeoutError(f"no {n} free staging slots in {timeout} s")
+            return [self._free.pop() for _ in range(n)]
+
+    def try_take(self, n: int) -> list[int] | None:
+        """`n` free slots now, or None."""
+        with self._cond:
+            if len(self._free) < n:
+                return None
             return [self._free.pop() for _ in range(n)]
 
     def give(self, slots: list[int]) -> None:
@@ -158,19 +168,21 @@ class WorkerSide:
             self.slots = SlotPool(slots)
         self.buffer_id: str | None = None
         self.io = ThreadPoolExecutor(1, "sidecar-save")
-        self.lock = threading.Lock()  # the bookkeeping below
+        self.lock = threading.Lock()  # the I/O thread's counts
         self.reg_lock = threading.Lock()  # registration (HTTP: never under self.lock)
-        self.inflight: dict[str, int] = {}  # req_id -> sets not yet returned
-        self.saving: set[str] = set()  # requests with saves, until reported
-        self.finishing: set[str] = set()  # finished in the scheduler, not yet reported
         self.load_errors: set[int] = set()
         self.failed_reqs: set[str] = set()  # a load failed this step: do not save them
         self.pending: list[Future] = []
-        self.stats = {"loaded": 0, "load_failed": 0, "saved": 0, "save_failed": 0}
+        self.stats = {
+            "loaded": 0,
+            "load_failed": 0,
+            "saved": 0,
+            "save_failed": 0,
+            "save_skipped": 0,  # no free staging slot: the step did not wait
+        }
         self._last_warning = 0.0
         self.timings: dict[str, list] = {"restores": [], "prefill": []}  # restore cost's
         self.timeline: Timeline = OFF  # where the time goes (bench-serve's breakdown)
-        self.held: dict[str, float] = {}  # finished, blocks kept for saves: since when
 
     @property
     def direct(self) -> bool:
@@ -304,9 +316,7 @@ class WorkerSide:
     # -- saves: after the forward ------------------------------------------------------
     def save(self, transfers: list[Transfer]) -> None:
         """Copy this step's finished blocks out of the KV cache now; set them in the background."""
-        with self.lock:  # the scheduler keeps these requests' blocks until they are reported
-            self.saving.update(t.req_id for t in transfers)
-        begun, before = time.monotonic(), self.stats["save_failed"]
+        begun, before = time.monotonic(), self.stats["save_skipped"]
         for t in transfers:
             if t.req_id in self.failed_reqs or not t.keys:
                 continue  # computed on top of a block that did not load: never store it
@@ -321,7 +331,7 @@ class WorkerSide:
                 "save",
                 save_s=time.monotonic() - begun,
                 save_pages=sum(len(t.keys) for t in transfers),
-                skipped=self.stats["save_failed"] - before,
+                skipped=self.stats["save_skipped"] - before,
             )
 
     def _save_one(self, t: Transfer) -> None:
@@ -337,18 +347,19 @@ class WorkerSide:
         for i in range(0, len(t.keys), step):
             keys, blocks = t.keys[i : i + step], t.block_ids[i : i + step]
             meta = _meta(t, i, i + step)
-            slots = self.slots.take(len(keys))
+            slots = self.slots.try_take(len(keys))
+            if slots is None:  # the sets before still hold the slots: never wait for them
+                self.stats["save_skipped"] += len(t.keys) - i
+                return
             try:
                 self.layout.to_staging(self.windows, blocks, slots)
             except BaseException:
                 self.slots.give(slots)
                 raise
-            with self.lock:
-                self.inflight[t.req_id] = self.inflight.get(t.req_id, 0) + 1
-            self.pending.append(self.io.submit(self._set, t.req_id, keys, slots, meta))
+            self.pending.append(self.io.submit(self._set, keys, slots, meta))
         self.pending = [f for f in self.pending if not f.done()]
 
-    def _set(self, req_id: str, keys: list[str], slots: list[int], meta: dict) -> None:
+    def _set(self, keys: list[str], slots: list[int], meta: dict) -> None:
         started = time.monotonic()
         try:
             self._count(self._call(self.client.set, keys, slots, **meta))
@@ -358,42 +369,14 @@ class WorkerSide:
             self._warn("save", exc)
         finally:
             self.slots.give(slots)
-            with self.lock:
-                self.inflight[req_id] -= 1
-                if not self.inflight[req_id]:
-                    del self.inflight[req_id]
 
     def _count(self, stored: list[bool]) -> None:
         n = sum(1 for s in stored if s)
-        self.stats["saved"] += n
-        self.stats["save_failed"] += len(stored) - n
+        with self.lock:  # the I/O thread's counts beside the step's
+            self.stats["saved"] += n
+            self.stats["save_failed"] += len(stored) - n
 
     # -- reports -----------------------------------------------------------------------
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests the scheduler kept for their saves, now that every set returned."""
-        now = time.monotonic()
-        with self.lock:
-            for r in finished_req_ids & self.saving:
-                self.held.setdefault(r, now)
-            self.finishing |= finished_req_ids & self.saving
-            done = {r for r in self.finishing if r not in self.inflight}
-            self.finishing -= done
-            self.saving -= done
-            held = [now - self.held.pop(r, now) for r in done]
-        for h in held:
-            self.timeline.add("hold", hold_s=h)
-        return done
-
-    def save_state(self, rid: str) -> tuple[bool, bool]:
-        """(saves were scheduled for `rid`, a set of it is in flight)."""
-        with self.lock:
-            return rid in self.saving, rid in self.inflight
-
-    def forget_saves(self, rids: set[str]) -> None:
-        """Reported done by a caller that reads `save_state` of several sides."""
-        with self.lock:
-            self.saving -= rids
-
     def timing(self, kind: str, row: list) -> None:
         """Keep a timing for the scheduler's restore cost (at most 256 a step's report)."""
         rows = self.timings[kind]

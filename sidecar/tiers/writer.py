@@ -9,11 +9,22 @@ back-pressure on the engine; `try_submit` answers False instead), written by wor
 threads in batches (one directory fsync per batch), and finished back on the loop.
 A delete cancels the jobs of its keys still queued and waits for those a thread already
 took (`in_flight`), so no write publishes a page after its delete.
+
+The writer threads yield the CPU to the engines beside the sidecar (`yield_cpu`: nice 19,
+the lowest best-effort I/O priority): where engines want every core, the tier's writes get
+what the kernel gives a nice-19 thread (about 1.5% of a core an engine thread contends),
+never an engine's share. Back-pressure then reaches `set` (write_through waits for
+credits), never the engine's step: the vLLM connector skips a save rather than wait
+(docs/performance.md, "The store off the critical path").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import os
+import platform
 import queue
 import threading
 import time
@@ -24,6 +35,21 @@ from typing import Any
 from sidecar.tiers.base import Tier
 
 BATCH = 64
+WRITER_NICE = 19
+# ioprio_set(2): IOPRIO_WHO_PROCESS (a thread id), best-effort class 2, level 7 (the lowest)
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
+_IOPRIO_LOWEST = (2 << 13) | 7
+
+
+def yield_cpu() -> None:
+    """Lower the calling thread's CPU and I/O priority (Linux: both are per thread);
+    best effort: a kernel that refuses leaves the thread as it was."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+    if _IOPRIO_SET is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).syscall(_IOPRIO_SET, 1, tid, _IOPRIO_LOWEST)
 
 
 @dataclass(slots=True, eq=False)
@@ -160,6 +186,7 @@ class TierWriter:
         return batch
 
     def _work(self) -> None:
+        yield_cpu()
         while (batch := self._take()) is not None:
             live = [j for j in batch if j.started]
             ok = [True] * len(live)

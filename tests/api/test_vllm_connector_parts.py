@@ -131,11 +131,12 @@ def test_worker_saves_and_loads_by_slot_and_reports(make_server):
     src, dst = cpu_caches(), cpu_caches(seed=1)
     w1, w2 = worker(srv.socket_url, src), worker(srv.socket_url, dst)
     keys = hkeys(6)
-    # 6 blocks through 4 staging slots: two rounds
-    w1.save([Transfer("r1", keys, [1, 2, 3, 4, 5, 6])])
-    assert w1.finished({"r1"}) in (set(), {"r1"})
+    # 6 blocks through 4 staging slots: two rounds, the first set returned before the second
+    w1.save([Transfer("r1", keys[:4], [1, 2, 3, 4])])
     w1.drain()
-    assert w1.finished(set()) == {"r1"} and w1.stats["saved"] == 6
+    w1.save([Transfer("r1", keys[4:], [5, 6])])
+    w1.drain()
+    assert w1.stats["saved"] == 6 and w1.stats["save_skipped"] == 0
     w2.load([Transfer("r2", keys[:5] + hkeys(1, "absent"), [9, 10, 11, 12, 13, 14])])
     assert w2.take_load_errors() == {14} and w2.stats["loaded"] == 5
     for i in range(5):
@@ -160,6 +161,40 @@ def test_worker_saves_and_loads_by_slot_and_reports(make_server):
     w2.close()
 
 
+def test_a_step_never_waits_for_the_sidecar_to_free_staging(server):
+    """Saves that find no free staging slot (the sets before still running: the sidecar
+    slow, its file tier backed up) are skipped and counted, never waited for; the pages
+    saved before are kept, and the next save once the slots are back goes through."""
+    src = cpu_caches()
+    w = worker(server.socket_url, src, staging=4)
+    gate, entered = threading.Event(), threading.Event()
+    real = w._set
+
+    def held(*args):
+        entered.set()
+        gate.wait(30)
+        return real(*args)
+
+    w._set = held
+    keys = hkeys(7)
+    w.save([Transfer("a", keys[:4], [1, 2, 3, 4])])  # takes every slot, its set held
+    assert entered.wait(10)
+    step = threading.Thread(target=w.save, args=([Transfer("b", keys[4:6], [5, 6])],))
+    step.start()
+    step.join(5)
+    assert not step.is_alive(), "the step waited for the sidecar"
+    assert w.stats["save_skipped"] == 2 and not gate.is_set()
+    gate.set()
+    w.drain()
+    w._set = real
+    w.save([Transfer("c", keys[6:], [7])])
+    w.drain()
+    assert w.stats["saved"] == 5 and w.stats["save_skipped"] == 2
+    assert server.client().exists(w.namespace, keys[:4]) == 4
+    assert server.client().exists(w.namespace, keys[6:]) == 1
+    w.close()
+
+
 def test_a_load_failure_keeps_that_requests_saves_out():
     """Blocks computed on top of a block that did not load are never stored."""
     # nothing listens on the port: the load fails at once
@@ -172,7 +207,7 @@ def test_a_load_failure_keeps_that_requests_saves_out():
     w.load([Transfer("r", hkeys(1), [1])])
     assert w.take_load_errors() == {1}
     w.save([Transfer("r", hkeys(1, "after"), [2])])
-    assert w.pending == [] and w.finished({"r"}) == {"r"}
+    assert w.pending == [] and w.stats["save_skipped"] == 0
     w.close()
 
 
@@ -223,7 +258,8 @@ def test_scheduler_one_exists_call_late_answer_and_last_token(server):
     req.num_computed_tokens = 2 * BS
     (again,) = s.saves({"r": 3 * BS}, lambda rid: [10, 11, 12, 13, 14])
     assert again.block_ids == [12, 13, 14] and again.keys[0] == hashes[2].hex()
-    assert s.finished(req) is True
+    s.finished(req)
+    assert "r" not in s.tracked and "r" not in s.lookups
     w.close()
     s.close()
 
@@ -238,4 +274,27 @@ def test_scheduler_registers_again_after_a_restart(server):
     hashes = [hashlib.sha256(f"z{i}".encode()).digest() for i in range(3)]
     assert s.matched(request("q", 3 * BS + 1, hashes), 0) == 0
     assert client.get_namespace(ns)["spec"]["page_bytes"] == layout.page_bytes
+    s.close()
+
+
+def test_a_late_answer_is_waited_for_up_to_a_share_of_a_step(monkeypatch):
+    """Answering None costs a request a whole step, waiting costs the batch the wait: the
+    scheduler waits for a late exists answer up to 5% of the steps' mean length (at least
+    `lookup_wait`, never past `lookup_timeout`); an idle gap between steps is no step."""
+    from api.engine import vllm_scheduler as vs
+
+    clock = [100.0]
+    monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])
+    s = SchedulerSide(SidecarClient("http://127.0.0.1:1"), BS, lookup_wait=0.002)
+    assert s.wait_s() == 0.002  # no step timed yet
+    for step in (2.0, 2.0, 2.0):
+        s.take_loads()
+        clock[0] += step
+    s.take_loads()
+    assert s.step_s == pytest.approx(2.0) and s.wait_s() == pytest.approx(0.1)
+    clock[0] += 600.0  # idle for ten minutes: counted as twice the mean at most
+    s.take_loads()
+    assert s.step_s == pytest.approx(0.8 * 2.0 + 0.2 * 4.0)
+    s.step_s = 1000.0
+    assert s.wait_s() == s.lookup_timeout
     s.close()

@@ -91,7 +91,8 @@ def test_a_restore_gives_every_token_but_the_last(setup):
     # nothing is saved: every block, the tail too, is the sidecar's already
     req.num_computed_tokens = len(toks) - 1
     assert s.saves({"r": 1}, lambda rid: [7, 8, 9, 10]) == []
-    assert s.finished(req) is False
+    s.finished(req)
+    assert "r" not in s.tracked and "r" not in s.hits
 
 
 def test_an_engine_hit_loads_only_the_last_block(setup):
@@ -128,7 +129,8 @@ def test_the_tail_is_saved_once_the_prompt_is_computed(setup):
     s.load_failed({5}, lambda rid: [3, 4, 5])
     (again,) = s.saves({"t": 1}, lambda rid: [3, 4, 5])
     assert again.keys == [keys[-1]] and again.block_ids == [5]
-    assert s.finished(req) is True
+    s.finished(req)
+    assert "t" not in s.tracked
 
 
 def test_a_tail_of_another_prompt_is_no_hit(setup):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pools import Arena, HostPool
 from sidecar.tiering import Tiering
 from sidecar.tiers.base import Tier
-from sidecar.tiers.writer import TierWriter
+from sidecar.tiers.writer import WRITER_NICE, TierWriter
 
 ID = "0" * 32
 PAGE = 4096
@@ -33,6 +33,7 @@ class GatedTier(Tier):
         return key in self.written
 
     def write_batch(self, jobs):
+        self.tid = threading.get_native_id()
         self.entered.set()
         self.gate.wait(60)
         self.written += [key for _, key, _ in jobs]
@@ -275,3 +276,31 @@ def test_a_peers_flush_writes_its_own_namespaces_and_the_walk_yields(tmp_path, m
             arena.close()
 
     asyncio.run(main())
+
+
+def nice_of(tid: int) -> int:
+    """A thread's nice value from /proc (field 19 of its stat)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_writer_threads_yield_the_cpu_to_engines():
+    """The tier's writes run at nice 19 (what an engine beside the sidecar gives up to them
+    is bounded by the kernel's weights), the event loop's thread at its own priority."""
+
+    async def main():
+        tier = GatedTier()
+        writer = TierWriter([tier], threads=2, max_pages=4)
+        writer.start()
+        fut = await writer.submit(ID, "k0", b"x" * PAGE)
+        assert tier.entered.wait(10)  # a writer thread runs the batch: it has lowered itself
+        nice = nice_of(tier.tid)
+        tier.gate.set()
+        assert await fut is True
+        writer.stop()
+        return nice
+
+    before = nice_of(threading.get_native_id())
+    assert before < WRITER_NICE
+    assert asyncio.run(main()) == WRITER_NICE
+    assert nice_of(threading.get_native_id()) == before  # only the writer's threads

@@ -1,0 +1,117 @@
+"""`make bench-serve`'s second shape (loadtest/bench_serve_trace.py, issue 53): the trace's
+requests made into prompts that share exactly the trace's shared prefixes, where a level's
+time went, and the shape's targets with the sidecar at the product's defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import bench_serve_trace as bt
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 1000, "output_length": 100, "hash_ids": [0, 1]},
+    {"timestamp": 1500, "input_length": 1500, "output_length": 10, "hash_ids": [0, 1, 2]},
+    {"timestamp": 4000, "input_length": 900, "output_length": 3, "hash_ids": [0, 7]},
+    {"timestamp": 5000, "input_length": 99999, "output_length": 20, "hash_ids": list(range(50))},
+]
+
+
+def test_trace_requests_share_exactly_the_traces_shared_prefixes():
+    reqs = bt.trace_requests(ROWS, 4, scale=8, max_prompt=1024)
+    block = bt.block_of(8)
+    assert block == 64
+    a, b, c, d = reqs
+    assert (a.tokens, a.max_tokens, a.at) == (-(-1000 // 8), -(-100 // 8), 0.0)
+    assert (b.at, c.at, d.at) == (0.5, 3.0, 4.0)  # seconds after the first, as the trace has it
+    pa, pb, pc = a.prompt(block), b.prompt(block), c.prompt(block)
+    assert len(pa) == a.tokens and len(pb) == b.tokens
+    assert len(pa) < 2 * block and pb[: len(pa)] == pa  # a is blocks 0 and 1 (cut): b's start
+    assert pc[:block] == pa[:block] and pc[block : 2 * block] != pa[block : 2 * block]
+    assert d.tokens == 1024 and len(d.prompt(block)) == 1024  # cut to the longest prompt
+    assert a.cid == b.cid != c.cid  # a conversation: 2+ blocks shared
+    assert bt.trace_requests(ROWS, 4, scale=8, max_prompt=1024) == reqs  # deterministic
+    assert bt.shared_fraction(reqs[:2]) == pytest.approx(2 / 5)
+    with pytest.raises(ValueError):
+        bt.block_of(7)
+
+
+METRICS = """# HELP vllm:request_queue_time_seconds x
+vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {q}
+vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {n}
+vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {p}
+vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} {n}
+vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} {t}
+vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} {n}
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="1.0",model_name="m"}} 99
+"""
+
+
+def test_breakdown_means_vllms_histograms_and_the_connectors_timeline():
+    before = [bt.vllm_times(METRICS.format(q=1, p=10, t=12, n=2))]
+    after = [bt.vllm_times(METRICS.format(q=5, p=30, t=40, n=6))]
+    timeline = [
+        {"kind": "request", "t": 1, "lookup_s": 0.4, "late_steps": 2},
+        {"kind": "save", "t": 1, "save_s": 0.2, "save_pages": 10, "skipped": 3},
+        {"kind": "save", "t": 2, "save_s": 0.2, "save_pages": 5, "skipped": 0},
+        {"kind": "set", "t": 2, "set_s": 0.8, "pages": 12},
+        {"kind": "load", "t": 3, "load_s": 0.4, "load_pages": 4},
+    ]
+    b = bt.breakdown(before, after, timeline, 4)
+    assert b["queue_s"] == pytest.approx(1.0) and b["prefill_s"] == pytest.approx(5.0)
+    assert b["ttft_s"] == pytest.approx(7.0)
+    assert b["lookup_s"] == pytest.approx(0.1) and b["save_wait_s"] == pytest.approx(0.1)
+    assert b["set_s"] == pytest.approx(0.2) and b["load_s"] == pytest.approx(0.1)
+    assert (b["pages_saved"], b["pages_skipped"], b["late_steps"]) == (12, 3, 2)
+    assert bt.within(timeline, 2, 2.5) == timeline[2:4]
+    assert "lookup_s" not in bt.breakdown(before, after, [], 4)  # no connector: vLLM's only
+
+
+def row(arm: str, p50: float, p99: float, req_s: float, level: int = 4) -> dict:
+    return {
+        "arm": arm,
+        "policy": "rr",
+        "users_per_engine": level,
+        "ttft_p50_s": p50,
+        "ttft_p99_s": p99,
+        "req_s": req_s,
+    }
+
+
+def test_trace_targets_judge_the_product_defaults():
+    rows = [
+        row("defaults", 4.0, 10.0, 1.0),
+        row("shared", 3.9, 9.8, 1.0),
+        row("lmcache", 5.0, 10.5, 0.9),
+        row("none", 8.0, 9.0, 0.5),
+    ]
+    ts = {t["target"]: t for t in bt.targets(rows, "rr")}
+    assert len(ts) == 5
+    p50 = ts["defaults ttft_p50_s / lmcache's at 4 users/engine"]
+    assert p50["ratio"] == pytest.approx(0.8) and p50["met"] is True
+    assert ts["defaults ttft_p99_s / none's at 4 users/engine"]["met"] is False  # 10 / 9
+    assert ts["defaults req_s / lmcache's at 4 users/engine"]["met"] is True  # above
+    tier = ts["defaults ttft_p99_s / shared's at 4 users/engine"]
+    assert tier["limit"] == bt.TARGET_FILE_TIER_P99 and tier["met"] is True
+    missing = bt.targets([row("defaults", 1, 1, 1)], "rr")
+    assert all(t["met"] is None for t in missing)
+
+
+def test_the_report_pairs_trace_requests_by_their_trace_index(tmp_path):
+    from loadtest import bench_serve_report as rep
+
+    base = {"engines": 2, "policy": "rr", "users_per_engine": 4, "warmup": 1, "shape": "trace"}
+    for arm, ttfts in (("defaults", [9.0, 1.0, 2.0]), ("lmcache", [9.0, 3.0, 4.0])):
+        lines = [
+            {"user": 0, "n": 0, "cid": 0, "ttft": ttfts[0]},  # warm-up
+            {"user": 0, "n": 1, "cid": 1 if arm == "defaults" else 2, "ttft": ttfts[1]},
+            {"user": 1, "n": 1, "cid": 2 if arm == "defaults" else 1, "ttft": ttfts[2]},
+        ]
+        path = tmp_path / f"requests-trace-{arm}-2-rr-4.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    mine = rep.kept_ttfts(tmp_path, {**base, "arm": "defaults"})
+    theirs = rep.kept_ttfts(tmp_path, {**base, "arm": "lmcache"})
+    assert mine == {1: 1.0, 2: 2.0} and theirs == {2: 3.0, 1: 4.0}
+    # the same request in both arms, whichever user sent it
+    assert mine.keys() == theirs.keys()
