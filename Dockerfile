@@ -8,14 +8,15 @@ COPY pyproject.toml setup.py constraints.txt README.md ./
 COPY pools ./pools
 COPY sidecar ./sidecar
 COPY api ./api
-COPY loadtest ./loadtest
 # the gpu extra (cuda-python) enables the cuda_ipc transport; it imports fine without a GPU.
 # No torch: the server needs none (it is the `engine` extra, for engine processes); the events
 # extra (pyzmq, msgspec) serves --kv-events
 ARG EXTRAS=gpu,events
 # gcc for KV events' packer (sidecar/_evpack.c; optional: without it events pack in Python,
 # slower) and the copy of a plan's runs (sidecar/_kvcopy.c; without it, memmove a run at a
-# time from Python), removed once they are built
+# time from Python), removed once they are built. Unpinned apt packages (DL3008): the slim
+# image's Debian replaces old versions on security updates, so a pin breaks the build
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
  && python -I -c "import sidecar._evpack, sidecar._kvcopy" \
@@ -24,7 +25,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && mkdir -p /data /run/kv-sidecar && chown kv:kv /data /run/kv-sidecar \
  && chmod 0750 /run/kv-sidecar
 ENV SIDECAR_DATA_DIR=/data SIDECAR_HOST=127.0.0.1 SIDECAR_SOCKET=/run/kv-sidecar/sidecar.sock
-USER kv
+USER 10001:10001
 VOLUME ["/data", "/run/kv-sidecar"]
 EXPOSE 8411
 ENTRYPOINT ["sidecar"]

@@ -78,6 +78,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/hadolint Dockerfile  # the image cannot be built here: its file is linted
 
 # The curated mutation check (scripts/mutants.py): each listed rule broken in a copy of the
 # tree must fail its tests. CI runs it after `make test`.
@@ -204,6 +205,12 @@ bench-recovery: $(VENV)/.installed
 
 bench-mooncake: $(VENV)/.installed
 	$(PY) -m loadtest.bench_mooncake $(ARGS)
+
+# The 3FS tier at cluster scale (issue 55): 4 node processes sharing one directory as the
+# mount, 1,000,000 pages, the slotted tier against the file-per-page one; ARGS=--pages N
+.PHONY: bench-3fs
+bench-3fs: $(VENV)/.installed
+	$(PY) -m loadtest.bench_3fs $(ARGS)
 
 # Locust against a sidecar already running on its default engine socket (bounded in users
 # and time); set ENGINE_URL=unix:///path/to/socket for another one

@@ -196,7 +196,7 @@ def run_level(args, arm: Arm, servers: list, model: str, level: dict) -> dict:
     subprocess.run(
         cmd,
         cwd=ROOT,
-        env={**os.environ, "SERVE_PLAN": str(plan_path)},
+        env={**os.environ, "SERVE_PLAN": str(plan_path), "PYTHONPATH": ROOT},  # a checkout's
         check=False,
         stdout=subprocess.DEVNULL,
     )

@@ -59,7 +59,11 @@ _FLAGS = [
         "hf3fs_group",
         "group of the 3FS pages (files 0640, dirs 2770); default: this user only (0600 / 0700)",
     ),
-    ("--hf3fs-rescan", "hf3fs_rescan", "seconds between scans for other nodes' 3FS pages (30)"),
+    (
+        "--hf3fs-rescan",
+        "hf3fs_rescan",
+        "accepted, ignored: the 3FS tier tails the other nodes' logs every 0.1 s (docs/3fs.md)",
+    ),
     (
         "--mooncake-master",
         "mooncake_master",
@@ -259,5 +263,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m sidecar serve ...` (the whole `sidecar` command is `api.cli.main`)."""
+    """`serve` alone (what the engine-side tests embed); `python -m sidecar` and the `sidecar`
+    command run the whole CLI, `api.cli.main`."""
     return run_serve(parser().parse_args(argv))
