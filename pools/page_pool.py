@@ -9,9 +9,15 @@ A slot is a byte offset into the arena. Its page lives at [offset, offset + page
 
 Free slots cost nothing until used: a segment's slots are handed out in address order
 from its `fresh` run (next, end), and only a slot given back (abort, eviction, delete)
-joins the `free` list. So the pool's memory grows with the pages it holds, never with
+joins the `free` slots. So the pool's memory grows with the pages it holds, never with
 the slots its segments could hold (a pool of 512-byte pages in 64 MiB segments would
 otherwise list 131,072 ints a segment up front).
+
+Adjacent slots: a reserve takes the given-back slot after the one handed out last when
+it is free, so a request's pages (reserved one after another) land in adjacent slots and
+its copies merge into long runs (`build_plan`, sidecar/transports/base.py). Else a new run
+starts at the lowest free slot in the row below the last one given back (an earlier
+request's pages, evicted or deleted in order), else at the next never-used slot.
 
 An entry is RESERVED (being written, invisible to readers) or READY (published). Writers
 go `reserve -> commit | abort`; readers `pin -> unpin`. Only READY entries with no pins
@@ -58,6 +64,7 @@ READY = 1
 PRESENT = object()  # reserve(): the key is already stored: no copy needed
 BUSY = object()  # reserve(): another writer is storing the key; it is not stored yet
 EVICT_SCAN = 64  # pages `on_evict` keeps that one eviction passes over at most
+RUN_WALK = 256  # given-back slots a new run's start moves down over at most
 RECLAIM_TRIES = 4  # idle segments one reclaim tries to empty at most
 
 
@@ -145,7 +152,8 @@ class PagePool:
         self.segments: list[int] = []
         self.entries: dict[str, Entry] = {}  # every key: RESERVED and READY
         self.ready: dict[str, Entry] = {}  # READY keys only: the lookup fast path
-        self.free: list[int] = []  # slots given back, reused first
+        self.free: dict[int, None] = {}  # slots given back, in that order; reused first
+        self._next = -1  # the slot after the one handed out last: taken next when free
         self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
         self.lru: LruList[Entry] = LruList()
         self.reaping: list[dict] = []  # a closed pool's dropped entries (`reap`)
@@ -371,7 +379,7 @@ class PagePool:
 
     def _give_back(self, seg: int) -> int:
         lo, hi = seg * self.segment_size, (seg + 1) * self.segment_size
-        kept = [o for o in self.free if not lo <= o < hi]
+        kept = {o: None for o in self.free if not lo <= o < hi}
         unused = [r for r in self.fresh if lo <= r[0] < hi]
         self._slots -= (
             len(self.free) - len(kept) + sum((e - n) // self.page_bytes for n, e in unused)
@@ -430,16 +438,39 @@ class PagePool:
         return slot
 
     def _pop_free(self) -> int | None:
-        """A slot given back, else the next never-used one (newest segment first)."""
-        if self.free:
-            return self.free.pop()
-        if not self.fresh:
+        """A slot given back: the one after the slot handed out last when it is free
+        (adjacent slots: see the module's doc), else one that starts a run; else the next
+        never-used one (newest segment first: it follows the slot handed out last too)."""
+        slot = self._next
+        if slot in self.free:
+            del self.free[slot]
+        elif self.free:
+            slot = self._run_start()
+        elif self.fresh:
+            slot = self._take_fresh()
+        else:
             return None
+        self._next = slot + self.page_bytes
+        return slot
+
+    def _take_fresh(self) -> int:
         run = self.fresh[-1]
         slot = run[0]
         run[0] += self.page_bytes
         if run[0] >= run[1]:
             self.fresh.pop()
+        return slot
+
+    def _run_start(self) -> int:
+        """Take the given-back slot a new run starts at: the last one given back, moved
+        down over the free slots just below it (at most RUN_WALK), so that the slots given
+        back with it follow it in address order."""
+        slot, free, step = next(reversed(self.free)), self.free, self.page_bytes
+        for _ in range(RUN_WALK):
+            if slot - step not in free:
+                break
+            slot -= step
+        del free[slot]
         return slot
 
     def _evict(self, e: Entry) -> bool:
@@ -474,7 +505,7 @@ class PagePool:
 
     def _free_slot(self, e: Entry) -> None:
         del self._by_offset[e.offset]
-        self.free.append(e.offset)
+        self.free[e.offset] = None
 
     def _busy_on(self, e: Entry) -> None:
         """`e` is reserved or pinned now: its segment cannot be reclaimed."""

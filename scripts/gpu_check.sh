@@ -4,15 +4,19 @@
 #
 #   env       the device, torch, cuda-bindings, whether the sidecar sees CUDA
 #   wheels    .whl/*.whl into a temporary site (PYTHONPATH), imports of the server's modules
+#   build     sidecar/_kvcopy.c built in place if it is not (the CUDA copies' C submission)
 #   sidecar   one sidecar started: ready, host pool cudaHostRegister-ed
 #   gpu       the `gpu`-marked CUDA IPC tests (registration, set/get byte-exact between two
 #             engine processes, a page of one process restored into another's)
 #   linker    the SGLang linker's device path (pools registered once, copies gated on events)
 #   bench     CUDA IPC set/get of 64 x 2 MiB against torch's pinned copy; registration time
+#   sweep     the copy path's sweep (issue 54): 8 KiB to 2 MiB pages, contiguous and scattered,
+#             against one raw cudaMemcpyAsync of the same bytes; submission time a 1,000 runs
 #
 # Every step runs even when one before failed, prints one summary line, and writes its full
 # log under $OUT (when set, else a temp dir). `--dry` (a CPU machine, the suite's test) runs
-# every step, the device-free half of each: the gpu tests skip, the bench says no device.
+# every step, the device-free half of each: the gpu tests skip, the bench says no device,
+# the sweep runs on host memory (`--dry-run`).
 #   usage: bash scripts/gpu_check.sh [--dry]      env: PYTHON, GPU_CHECK_LIMIT (s), OUT
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -121,6 +125,15 @@ else
     step "wheels: $(status) (${TOOK}s) $WHEELS wheels, $INSTALLED installed into $SITE; $IMPORTS"
 fi
 
+# -- build: the C copy path ------------------------------------------------------------------
+# sidecar/_kvcopy.c hands a plan to the driver in one call (issue 54). A tree copied to the
+# node has no build for its Python: build it in place. Not a failure when it cannot be built
+# (no compiler): CUDA copies then go a run at a time from Python, and the sweep says so.
+run build 120 bash -c '"$1" -c "import sidecar._kvcopy" 2>/dev/null && { echo "kvcopy: built already"; exit 0; }
+"$1" setup.py -q build_ext --inplace && "$1" -c "import sidecar._kvcopy" && echo "kvcopy: built here"' _ "$PY"
+KV=$(grep '^kvcopy:' "$LOGS/build.log" | tail -1 | cut -c9-)
+line "build: $([ "$RC" -eq 0 ] && echo ok || echo 'not built') (${TOOK}s) sidecar/_kvcopy.c ${KV:-NOT BUILT (CUDA copies one Python call a run; see build.log)}"
+
 # -- sidecar --------------------------------------------------------------------------------
 run sidecar 90 "$PY" - <<'EOF'
 import time
@@ -150,6 +163,12 @@ run bench 150 "$PY" -m loadtest.bench_cuda
 if [ $DRY = 1 ] && [ "$RC" -eq 2 ]; then RC=0; fi   # no device: nothing to measure, as expected
 step "bench: $(status) (${TOOK}s) $(grep '^bench_cuda:' "$LOGS/bench.log" | tail -1 | cut -c13-)"
 [ "$RC" -eq 0 ] && grep -E '^(set|get|registration|device|sweep)' "$LOGS/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+
+SWEEP=(--sweep)
+[ $DRY = 1 ] && SWEEP=(--sweep --dry-run)
+run sweep 150 "$PY" -m loadtest.bench_cuda "${SWEEP[@]}"
+step "sweep: $(status) (${TOOK}s) $(grep '^bench_cuda sweep:' "$LOGS/sweep.log" | tail -1 | cut -c19-)"
+[ "$RC" -eq 0 ] && grep -E '^(sweep|  *(page|[0-9]+ [KM]iB) )' "$LOGS/sweep.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 
 rm -rf "$SITE"
 line "gpu_check: $( [ $FAILED = 0 ] && echo PASS || echo FAIL) in $(( $(date +%s) - START ))s"

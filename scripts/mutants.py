@@ -23,6 +23,7 @@ mutant's tests narrow: the whole list must stay under about 3 minutes in CI.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shutil
 import signal
@@ -1277,6 +1278,66 @@ MUTANTS = [
         '"cudaMemcpyAsync"\n',
         ("tests/sidecar/test_cuda_registry.py::test_copy_errors_fail_the_pages_not_the_request",),
     ),
+    # -- one driver call a plan, adjacent slots (issue 54) ----------------------------------
+    M(
+        "gpu: a plan's runs one driver call each where the driver has cuMemcpyBatchAsync",
+        "sidecar/transports/cuda_ipc.py",
+        "        for abi in BATCH_ABIS:\n",
+        "        for abi in ():\n",
+        ("tests/sidecar/test_cuda_copies.py::test_a_plan_goes_to_the_device_as_one_batch_call",),
+    ),
+    M(
+        "gpu: a batch's sources read in any order, not stream order",
+        "sidecar/transports/cuda_ipc.py",
+        "ORDER_STREAM = 1  #",
+        "ORDER_STREAM = 3  #",
+        (
+            "tests/sidecar/test_cuda_copies.py::test_adjacent_pages_are_one_run_and_both_directions_read_in_stream_order",
+        ),
+    ),
+    M(
+        "gpu: every plan of a job waits for the stream",
+        "sidecar/transports/base.py",
+        'run_plans = getattr(mapping, "run_plans", None)',
+        "run_plans = None",
+        (
+            "tests/sidecar/test_cuda_copies.py::test_a_long_request_is_one_call_a_plan_and_one_stream_sync",
+        ),
+    ),
+    M(
+        "gpu: a failed submission leaves its copies running on the slots",
+        "sidecar/transports/cuda_ipc.py",
+        "        finally:\n            self.wait(dev)\n",
+        "        except BaseException:\n            raise\n        self.wait(dev)\n",
+        (
+            "tests/sidecar/test_cuda_copies.py::test_a_failed_submission_is_copy_failed_and_the_stream_is_still_waited_for",
+        ),
+    ),
+    M(
+        "pool: given-back slots handed out as a stack (a request's pages descend)",
+        "pools/page_pool.py",
+        "RUN_WALK = 256  #",
+        "RUN_WALK = 0  #",
+        (
+            "tests/pools/test_adjacent_slots.py::test_pages_deleted_in_order_or_reversed_come_back_in_address_order",
+        ),
+    ),
+    M(
+        "pool: a request's next page not taken from the slot after its last",
+        "pools/page_pool.py",
+        "        if slot in self.free:\n",
+        "        if False:\n",
+        (
+            "tests/pools/test_adjacent_slots.py::test_a_row_of_given_back_slots_is_read_with_one_run_start",
+        ),
+    ),
+    M(
+        "copies: runs per page not counted in /v1/stats",
+        "sidecar/copier.py",
+        "            t.runs += self.runs\n",
+        "",
+        ("tests/sidecar/test_copy_runs.py::test_copies_count_pages_and_runs",),
+    ),
     M(
         "gpu: a failing step of scripts/gpu_check.sh passes the check",
         "scripts/gpu_check.sh",
@@ -1331,11 +1392,20 @@ def tree_files(root: str) -> list[str]:
     return [p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(root, p))]
 
 
+# Compiled extensions built in place by the install (ignored by git) that the copy takes
+# along: the CUDA transport hands its plans to the driver only through sidecar/_kvcopy.c,
+# so its mutants' tests need it. The others stay out: the copy is what git lists.
+BUILT = ("sidecar/_kvcopy",)
+
+
 def copy_tree(root: str, dest: str) -> None:
     for rel in tree_files(root):
         target = os.path.join(dest, rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(os.path.join(root, rel), target)
+    for stem in BUILT:
+        for path in glob.glob(os.path.join(root, glob.escape(stem) + ".*.so")):
+            shutil.copy2(path, os.path.join(dest, os.path.relpath(path, root)))
 
 
 def run_tests(tree: str, tests: tuple[str, ...], timeout: float) -> int:

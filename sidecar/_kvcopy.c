@@ -11,6 +11,16 @@
  * only copies above its own threshold, 3/4 of the L3 cache and up, never a 64 KiB run of
  * one layer of one block). Runs that overlap, or are short, go through memmove. Addresses
  * are trusted: the caller built them inside its own mappings (sidecar/transports/base.py).
+ *
+ *   cuda_plan(plan, stream, batch, abi, each, order) -> (bytes, CUresult, failed run or -1)
+ *
+ * The same plan for the CUDA transport (sidecar/transports/cuda_ipc.py): its runs handed to
+ * the driver on `stream` with the GIL released, as one cuMemcpyBatchAsync (`batch`, a
+ * function pointer from cuGetProcAddress; `abi` 13000 or 12080, whose signature differs by
+ * the failIdx argument) with every run's source read in `order` (1: stream order), or,
+ * where the driver has no batch call (`batch` 0), as a loop of cuMemcpyAsync (`each`) here:
+ * no Python work per run either way. Copy engines only: no kernel is launched. No CUDA
+ * header or library is needed to build this file: the pointers come from the caller.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -114,10 +124,122 @@ run_plan(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(total);
 }
 
+/* The driver's types, as cuda.h declares them (CUdeviceptr is 64 bits, CUresult an enum). */
+typedef unsigned long long DevPtr;
+typedef struct {
+    int type; /* CUmemLocationType: 0, invalid (no hint) */
+    int id;
+} MemLocation;
+typedef struct {
+    int src_access_order; /* CUmemcpySrcAccessOrder */
+    MemLocation src_loc_hint;
+    MemLocation dst_loc_hint;
+    unsigned int flags;
+} MemcpyAttributes;
+typedef int (*memcpy_async_fn)(DevPtr, DevPtr, size_t, void *);
+typedef int (*batch_v12080_fn)(DevPtr *, DevPtr *, size_t *, size_t, MemcpyAttributes *,
+                               size_t *, size_t, size_t *, void *);
+typedef int (*batch_v13000_fn)(DevPtr *, DevPtr *, size_t *, size_t, MemcpyAttributes *,
+                               size_t *, size_t, void *);
+
+typedef struct {
+    DevPtr *dsts, *srcs;
+    size_t *sizes;
+    Py_ssize_t count;
+} Runs;
+
+/* The driver calls of one plan, without the GIL: the CUresult, and in *failed the run
+ * that failed (-1: none, or not one run's fault). */
+static int
+submit_runs(const Runs *r, void *stream, unsigned long long batch, int abi,
+            unsigned long long each, int order, Py_ssize_t *failed)
+{
+    *failed = -1;
+    if (batch) {
+        MemcpyAttributes attr;
+        memset(&attr, 0, sizeof attr);
+        attr.src_access_order = order;
+        size_t first = 0, fail_idx = (size_t)-1;
+        int err;
+        if (abi >= 13000)
+            err = ((batch_v13000_fn)(uintptr_t)batch)(r->dsts, r->srcs, r->sizes,
+                                                     (size_t)r->count, &attr, &first, 1, stream);
+        else
+            err = ((batch_v12080_fn)(uintptr_t)batch)(r->dsts, r->srcs, r->sizes,
+                                                     (size_t)r->count, &attr, &first, 1,
+                                                     &fail_idx, stream);
+        if (err && fail_idx < (size_t)r->count)
+            *failed = (Py_ssize_t)fail_idx;
+        return err;
+    }
+    memcpy_async_fn one = (memcpy_async_fn)(uintptr_t)each;
+    for (Py_ssize_t i = 0; i < r->count; i++) {
+        int err = one(r->dsts[i], r->srcs[i], r->sizes[i], stream);
+        if (err) {
+            *failed = i;
+            return err;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+cuda_plan(PyObject *self, PyObject *args)
+{
+    PyObject *plan;
+    unsigned long long stream, batch, each;
+    int abi, order;
+    if (!PyArg_ParseTuple(args, "O!KKiKi:cuda_plan", &PyList_Type, &plan, &stream, &batch,
+                          &abi, &each, &order))
+        return NULL;
+    if (!batch && !each) {
+        PyErr_SetString(PyExc_ValueError, "cuda_plan needs a batch or a per-run function");
+        return NULL;
+    }
+    Runs r;
+    r.count = PyList_GET_SIZE(plan);
+    size_t n = r.count ? (size_t)r.count : 1;
+    r.dsts = PyMem_RawMalloc(n * sizeof(DevPtr));
+    r.srcs = PyMem_RawMalloc(n * sizeof(DevPtr));
+    r.sizes = PyMem_RawMalloc(n * sizeof(size_t));
+    PyObject *out = NULL;
+    if (r.dsts == NULL || r.srcs == NULL || r.sizes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < r.count; i++) {
+        Run run;
+        if (parse_run(PyList_GET_ITEM(plan, i), &run) < 0)
+            goto done;
+        r.dsts[i] = (DevPtr)(uintptr_t)run.dst;
+        r.srcs[i] = (DevPtr)(uintptr_t)run.src;
+        r.sizes[i] = run.n;
+        total += run.n;
+    }
+    int err = 0;
+    Py_ssize_t failed = -1;
+    if (r.count) {
+        Py_BEGIN_ALLOW_THREADS
+        err = submit_runs(&r, (void *)(uintptr_t)stream, batch, abi, each, order, &failed);
+        Py_END_ALLOW_THREADS
+    }
+    out = Py_BuildValue("(Kin)", total, err, failed);
+done:
+    PyMem_RawFree(r.dsts);
+    PyMem_RawFree(r.srcs);
+    PyMem_RawFree(r.sizes);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"run_plan", run_plan, METH_VARARGS,
      "run_plan(plan, stream_min, /): copy each (dst, src, nbytes) run of a list with the GIL "
      "released, non-temporal stores for a plan of stream_min bytes or more; the bytes moved."},
+    {"cuda_plan", cuda_plan, METH_VARARGS,
+     "cuda_plan(plan, stream, batch, abi, each, order, /): hand each (dst, src, nbytes) run to "
+     "the CUDA driver on stream, as one batch call or a loop of per-run calls, with the GIL "
+     "released; (bytes, CUresult, index of the failed run or -1)."},
     {NULL, NULL, 0, NULL},
 };
 

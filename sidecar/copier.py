@@ -35,12 +35,16 @@ class CopyTimes:
     """Where the moves that completed spent their time, summed (the operator's
     `/v1/stats` "copies"): `wait_s` from the request's submit to its first job running on
     a copy thread (the hand-off), `copy_s` from there to its last job's end, `settle_s`
-    from that end to the loop running it (the wake-up back)."""
+    from that end to the loop running it (the wake-up back). `pages` and `runs`: the pages
+    those moves copied and the runs (one memmove or device copy each) their plans had:
+    runs / pages is 1 where nothing merged, and falls as adjacent pages merge."""
 
     moves: int = 0
     wait_s: float = 0.0
     copy_s: float = 0.0
     settle_s: float = 0.0
+    pages: int = 0
+    runs: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +56,8 @@ class _Move:
     finished: asyncio.Future
     times: CopyTimes
     submitted: float = 0.0
+    pages: int = 0
+    runs: int = 0  # the runs its jobs' plans had (`CopyJob.runs`)
     first: float = float("inf")  # the earliest start of its jobs
     last: float = 0.0  # the latest end
     jobs: list[Job] = field(default_factory=list)
@@ -62,6 +68,7 @@ class _Move:
     def job_ended(self, job: Job) -> None:
         if job.started:
             self.first, self.last = min(self.first, job.started), max(self.last, job.ended)
+            self.runs += getattr(job.fn, "runs", 0)
         if job.error is not None:
             self.failed = True
             if isinstance(job.error, CopyFailed):
@@ -80,6 +87,8 @@ class _Move:
             t.wait_s += self.first - self.submitted
             t.copy_s += self.last - self.first
             t.settle_s += time.monotonic() - self.last
+            t.pages += self.pages
+            t.runs += self.runs
         self.settle(ok)
         if not self.finished.done():
             self.finished.set_result(ok)
@@ -126,7 +135,7 @@ class Copier:
             settle(False)
             return False
         loop = asyncio.get_running_loop()
-        move = _Move(buf, settle, loop.create_future(), self.times, time.monotonic())
+        move = _Move(buf, settle, loop.create_future(), self.times, time.monotonic(), len(pages))
         try:
             jobs = copy_jobs(buf.mapping, buf.chunks, pages, into_engine, self.parallel)
         except BaseException:

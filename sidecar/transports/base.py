@@ -7,17 +7,18 @@ at `offset_c + i * stride_c`. In the host pool the same page is one contiguous s
     +--K slot0--+--K slot1--+ ... +--V slot0--+   +----K part----+----V part----+
     ^offset_0   ^offset_0+stride_0  ^offset_1     ^entry.offset  ^+size_0
 
-A copy plan is a list of (dst_address, src_address, nbytes), coalesced where runs touch.
-Every transport runs the same plan through one small protocol, `Mapping` (below): shm
-(`shm.py`: memmove, or pread/pwrite in fd mode) and CUDA IPC (`cuda_ipc.py`).
+A copy plan is a list of (dst_address, src_address, nbytes), coalesced where runs touch:
+a request whose engine slots and host slots are both adjacent (the host pool hands a
+request adjacent slots, pools/page_pool.py) is one run. Every transport runs the same plan
+through one small protocol, `Mapping` (below): shm (`shm.py`: memmove, or pread/pwrite in
+fd mode) and CUDA IPC (`cuda_ipc.py`: one driver call a plan, one stream sync a job).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 from sidecar.errors import BadRequest, GeometryMismatch, PayloadTooLarge
@@ -56,6 +57,11 @@ class Mapping(Protocol):
         a failed device copy): the request's pages answer false. Any other exception fails
         them the same way but is logged with its traceback, as a bug (`sidecar/copier.py`)."""
         ...
+
+    # Optional: `run_plans(plans, into_engine) -> int`, the plans of one job (an iterator,
+    # planned as it is read) run as `run_plan` runs one, waited for once at the end (CUDA:
+    # each plan submitted as it comes, the stream synchronized once). `copy_pages` uses it
+    # where a mapping has it.
 
     def close(self) -> None:
         """Release what the mapping holds (unmap, close the fd, close the IPC handles).
@@ -230,21 +236,51 @@ def _plan_one_run(
     return out
 
 
+class CopyJob:
+    """One copy thread's share of a move, called on that thread: its pages (planned as they
+    copy, `copy_pages`) or its part of a plan cut by bytes; the bytes moved. `runs` counts
+    the runs it handed to the transport (`/v1/stats` copies: runs per page)."""
+
+    __slots__ = ("chunks", "into_engine", "mapping", "pages", "plan", "runs")
+
+    def __init__(self, mapping, chunks, pages, into_engine: bool, plan=None):
+        self.mapping, self.chunks, self.pages = mapping, chunks, pages
+        self.into_engine, self.plan, self.runs = into_engine, plan, 0
+
+    def __call__(self) -> int:
+        if self.plan is not None:
+            self.runs = len(self.plan)
+            return self.mapping.run_plan(self.plan, self.into_engine)
+        return copy_pages(self.mapping, self.chunks, self.pages, self.into_engine, self)
+
+
 def copy_pages(
-    mapping, chunks: Sequence[Chunk], pages: Sequence[tuple[int, int]], into_engine: bool
+    mapping,
+    chunks: Sequence[Chunk],
+    pages: Sequence[tuple[int, int]],
+    into_engine: bool,
+    job: CopyJob | None = None,
 ) -> int:
     """Move `pages` on this (copy) thread: plan and run YIELD_RUNS runs at a time, then let
     the event loop's thread take the GIL. The plan of a request is never whole in memory,
-    and no copy thread holds the GIL for long (a 65,536-run move once stalled the loop)."""
+    and no copy thread holds the GIL for long (a 65,536-run move once stalled the loop).
+    A mapping with `run_plans` takes the plans as they come and waits once."""
+    plans = _plans(mapping, chunks, pages, into_engine, job)
+    run_plans = getattr(mapping, "run_plans", None)
+    if run_plans is not None:
+        return run_plans(plans, into_engine)
+    return sum(mapping.run_plan(plan, into_engine) for plan in plans)
+
+
+def _plans(mapping, chunks, pages, into_engine: bool, job: CopyJob | None):
     step = max(1, YIELD_RUNS // len(chunks))
-    moved = 0
     for i in range(0, len(pages), step):
         if i:
             time.sleep(0)
-        moved += mapping.run_plan(
-            build_plan(chunks, mapping.addresses, pages[i : i + step], into_engine), into_engine
-        )
-    return moved
+        plan = build_plan(chunks, mapping.addresses, pages[i : i + step], into_engine)
+        if job is not None:
+            job.runs += len(plan)
+        yield plan
 
 
 def copy_jobs(
@@ -253,22 +289,23 @@ def copy_jobs(
     pages: Sequence[tuple[int, int]],
     into_engine: bool,
     parts: int,
-) -> list[Callable[[], int]]:
+) -> list[CopyJob]:
     """One move as jobs for up to `parts` copy threads, cut by pages (all the same size).
     A move of fewer pages than threads is planned here (at most parts x MAX_CHUNKS runs)
     and its plan cut by bytes."""
     total = len(pages) * sum(c.size for c in chunks)
     if parts <= 1 or total < SPLIT_MIN:
-        return [partial(copy_pages, mapping, chunks, pages, into_engine)]
+        return [CopyJob(mapping, chunks, pages, into_engine)]
     if len(pages) >= parts:
         per = -(-len(pages) // parts)
         return [
-            partial(copy_pages, mapping, chunks, pages[i : i + per], into_engine)
+            CopyJob(mapping, chunks, pages[i : i + per], into_engine)
             for i in range(0, len(pages), per)
         ]
     plan = build_plan(chunks, mapping.addresses, pages, into_engine)
     return [
-        partial(mapping.run_plan, part, into_engine) for part in split_plan(plan, parts, SPLIT_MIN)
+        CopyJob(mapping, chunks, (), into_engine, part)
+        for part in split_plan(plan, parts, SPLIT_MIN)
     ]
 
 

@@ -10,9 +10,20 @@ tensors are many allocations) and registers them as one buffer of one or more re
 
 The sidecar opens each handle once per engine process (`cudaIpcOpenMemHandle`), keeps it
 while any buffer uses it, and closes it exactly once after syncing the device. Copies run
-on non-default streams (one per copy thread) with `cudaMemcpyAsync` (unified addressing:
-host arena <-> device), then sync before answering. Without a CUDA device nothing here
-calls CUDA: registration answers `transport_unavailable`.
+on non-default streams (one per copy thread), on the copy engines (no kernel), and sync
+once a job before answering. A plan's runs reach the driver in one call from C
+(sidecar/_kvcopy.c `cuda_plan`, the GIL released), unified addressing telling host arena
+from device:
+
+    cuMemcpyBatchAsync (CUDA 12.8+)   one call a plan; every source read in stream order
+    cuMemcpyAsync, a C loop           drivers without it: one call a run, none from Python
+    cudaMemcpyAsync from Python       only without the C extension (no compiler at install)
+
+Stream order (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM), never "any": "any" lets the DMA read a
+source before earlier work on the stream has written it (vllm-project/vllm#39306). The
+entry points come from the driver (`cuGetProcAddress`), asked for the version whose
+signature `_kvcopy.c` calls: CUDA 13's batch call lost 12.8's `failIdx` argument. Without
+a CUDA device nothing here calls CUDA: registration answers `transport_unavailable`.
 """
 
 from __future__ import annotations
@@ -22,12 +33,21 @@ import logging
 import queue
 import re
 import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from sidecar.errors import BadRequest, GeometryMismatch, TransportUnavailable
 from sidecar.transports.base import CopyFailed, _nonneg_int
 
+try:  # C (sidecar/_kvcopy.c): a plan's runs handed to the driver without Python per run
+    from sidecar import _kvcopy
+except ImportError:  # pragma: no cover - built wherever the package is installed
+    _kvcopy = None  # type: ignore[assignment]
+
 log = logging.getLogger("kv_sidecar.cuda")
+ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources read in stream order
+BATCH_ABIS = (13000, 12080)  # cuMemcpyBatchAsync's signatures: CUDA 13's, then 12.8's
 _HANDLE = re.compile(r"[0-9a-fA-F]{128}")
 _UUID = re.compile(
     r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
@@ -116,6 +136,63 @@ def register_host_memory(address: int, size: int) -> bool:
     return int(err) == 0
 
 
+@dataclass(frozen=True)
+class CopyCalls:
+    """The driver entry points a plan goes by: `batch` (cuMemcpyBatchAsync, of signature
+    `abi`) and `each` (cuMemcpyAsync); all 0: cudaMemcpyAsync a run from Python."""
+
+    batch: int = 0
+    abi: int = 0
+    each: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.batch:
+            return "cuMemcpyBatchAsync"
+        return "cuMemcpyAsync" if self.each else "cudaMemcpyAsync"
+
+    def describe(self) -> str:
+        if self.batch:
+            major, minor = divmod(self.abi // 10, 100)
+            return f"one cuMemcpyBatchAsync a plan (the CUDA {major}.{minor} signature)"
+        if self.each:
+            return "cuMemcpyAsync a run, looped in C (the driver has no cuMemcpyBatchAsync)"
+        return "cudaMemcpyAsync a run from Python (no C submission: _kvcopy or the driver)"
+
+
+def copy_calls(drv) -> CopyCalls:
+    """The driver's copy entry points (`cuGetProcAddress`): cuMemcpyBatchAsync where the
+    driver has it, asked for by the version whose signature is called (a driver older than
+    the version asked answers an error, never an older signature); cuMemcpyAsync for the
+    loop. CopyCalls() without the C extension or when the driver cannot be asked."""
+    if _kvcopy is None or not hasattr(_kvcopy, "cuda_plan"):
+        return CopyCalls()
+    try:
+        version = int(_check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+        each = _proc(drv, b"cuMemcpyAsync", 4000)
+        for abi in BATCH_ABIS:
+            batch = _proc(drv, b"cuMemcpyBatchAsync", abi) if version >= abi else 0
+            if batch:
+                return CopyCalls(batch, abi, each)
+    except Exception as exc:
+        log.warning("the CUDA driver's copy entry points cannot be read (%s)", exc)
+        return CopyCalls()
+    return CopyCalls(0, 0, each)
+
+
+def _proc(drv, symbol: bytes, version: int) -> int:
+    """The address of a driver function of the signature of CUDA `version`; 0 if none."""
+    err, pfn, *_ = drv.cuGetProcAddress(symbol, version, 0)
+    return int(pfn or 0) if int(err) == 0 else 0
+
+
+def _driver_error(drv, err: int) -> str:
+    try:
+        return str(drv.CUresult(err).name)
+    except Exception:
+        return f"CUresult {err}"
+
+
 def _check(result, what: str, error: type[Exception] = GeometryMismatch):
     """The value(s) of a cuda-python call's (err, value...) tuple; `error` when err != 0."""
     err, *rest = result if isinstance(result, tuple) else (result,)
@@ -129,14 +206,21 @@ def _check(result, what: str, error: type[Exception] = GeometryMismatch):
 class CudaIpc:
     """The process-wide registry of opened IPC handles (created once, only with CUDA)."""
 
-    def __init__(self) -> None:
-        self.rt, self.drv = bindings()
+    def __init__(self, cuda: tuple[Any, Any] | None = None) -> None:
+        """`cuda`: (runtime, driver), cuda-python's by default (`bindings`); a double on
+        a machine without a GPU (sidecar/transports/cuda_double.py)."""
+        self.rt, self.drv = cuda or bindings()
+        self.calls = copy_calls(self.drv)
         self._lock = threading.Lock()
         self._open: dict[tuple[int, bytes], list] = {}  # (pid, handle) -> [ptr, refs, device]
         self._streams = threading.local()
         self._closing: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._close_loop, name="kv-cuda-close", daemon=True).start()
         self.devices = self._devices()
+        if self.calls.batch or self.calls.each:
+            log.info("CUDA copies: %s", self.calls.describe())
+        else:
+            log.warning("CUDA copies: %s", self.calls.describe())
 
     @classmethod
     def create(cls) -> CudaIpc | None:
@@ -240,19 +324,50 @@ class CudaIpc:
             )
         return streams[dev]
 
-    def copy(self, dev: int, plan) -> int:
-        """Run (dst, src, n) copies between the host arena and device memory on this copy
-        thread's stream; wait for them. A failed copy is `CopyFailed` (its pages answer
-        false), never a caller error."""
+    def copy(self, dev: int, plans: Iterable[list]) -> int:
+        """Run plans of (dst, src, n) copies between the host arena and device memory on
+        this copy thread's stream, each submitted as it comes (`submit`), and wait for them
+        once, after a failed one too (no copy runs on once its slots are given back). A
+        failed copy is `CopyFailed` (its pages answer false), never a caller error."""
         _check(self.rt.cudaSetDevice(dev), "cudaSetDevice", CopyFailed)
-        stream, kind, moved = self.stream(dev), self.rt.cudaMemcpyKind.cudaMemcpyDefault, 0
+        moved = 0
+        try:
+            for plan in plans:
+                moved += self.submit(dev, plan)
+        finally:
+            self.wait(dev)
+        return moved
+
+    def submit(self, dev: int, plan: list) -> int:
+        """Queue a plan's runs on this thread's stream (its device current); the bytes.
+        One driver call from C (`CopyCalls`); a run at a time from Python only without the
+        C extension."""
+        stream, calls = self.stream(dev), self.calls
+        if calls.batch or calls.each:
+            moved, err, run = _kvcopy.cuda_plan(
+                plan if type(plan) is list else list(plan),
+                int(stream),
+                calls.batch,
+                calls.abi,
+                calls.each,
+                ORDER_STREAM,
+            )
+            if err:
+                where = f" at run {run}" if run >= 0 else ""
+                why = _driver_error(self.drv, err)
+                raise CopyFailed(f"{calls.name} of {len(plan)} runs failed{where}: {why}")
+            return moved
+        kind, moved = self.rt.cudaMemcpyKind.cudaMemcpyDefault, 0
         for dst, src, n in plan:
             _check(
                 self.rt.cudaMemcpyAsync(dst, src, n, kind, stream), "cudaMemcpyAsync", CopyFailed
             )
             moved += n
-        _check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize", CopyFailed)
         return moved
+
+    def wait(self, dev: int) -> None:
+        """Wait for this thread's stream on `dev` (its device current)."""
+        _check(self.rt.cudaStreamSynchronize(self.stream(dev)), "cudaStreamSynchronize", CopyFailed)
 
 
 class IpcMapping:
@@ -279,9 +394,21 @@ class IpcMapping:
             self.close()
             raise
 
+    @classmethod
+    def local(cls, cuda: CudaIpc, device: int, addresses: list[int]) -> IpcMapping:
+        """Device memory this process holds itself (the CUDA bench's sweep, the CPU tests):
+        the same copy path, with no handle to open or close."""
+        m = cls.__new__(cls)
+        m.cuda, m.pid, m.addresses, m._opened, m.device = cuda, 0, list(addresses), [], device
+        return m
+
     def run_plan(self, plan, into_engine: bool = False) -> int:
-        """cudaMemcpyAsync works out the direction from the addresses (UVA)."""
-        return self.cuda.copy(self.device, plan)
+        """The driver works out the direction from the addresses (UVA)."""
+        return self.cuda.copy(self.device, (plan,))
+
+    def run_plans(self, plans: Iterable[list], into_engine: bool = False) -> int:
+        """A job's plans, each submitted as it is planned; the stream synced once."""
+        return self.cuda.copy(self.device, plans)
 
     def close(self) -> None:
         """Release the handles on a thread of their own: the last use of a handle syncs the

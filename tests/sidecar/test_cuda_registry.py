@@ -124,10 +124,14 @@ def test_a_mapping_closes_its_handles_off_the_calling_thread(registry):
 
 
 def test_copy_errors_fail_the_pages_not_the_request(registry):
-    """A failed device copy is CopyFailed (its pages answer false), not a caller's 4xx."""
+    """A failed device copy is CopyFailed (its pages answer false), not a caller's 4xx: here
+    on the path without the C extension (this driver double has no entry points), one
+    cudaMemcpyAsync a run from Python. The C path's: tests/sidecar/test_cuda_copies.py."""
     ipc, rt = registry
+    assert ipc.calls == cuda_ipc.CopyCalls()
     rt.cudaMemcpyKind = SimpleNamespace(cudaMemcpyDefault=4)
     rt.cudaStreamCreateWithFlags = lambda flags: (0, "stream")
+    rt.cudaStreamSynchronize = lambda stream: (0,)
     rt.cudaMemcpyAsync = lambda *a: (700,)  # cudaErrorIllegalAddress
     with pytest.raises(cuda_ipc.CopyFailed, match="cudaMemcpyAsync"):
-        ipc.copy(0, [(1, 2, 3)])
+        ipc.copy(0, [[(1, 2, 3)]])
