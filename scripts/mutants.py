@@ -1378,6 +1378,37 @@ MUTANTS = [
             "tests/loadtest/test_bench_serve.py::test_every_arm_plays_the_same_requests_on_the_same_engines",
         ),
     ),
+    # -- the store off the engine's critical path (issue 53) ------------------------------
+    M(
+        "store: a step waits for the sidecar to give staging slots back",
+        "api/engine/vllm_worker.py",
+        "slots = self.slots.try_take(len(keys))",
+        "slots = self.slots.take(len(keys))",
+        (
+            "tests/api/test_vllm_connector_parts.py"
+            "::test_a_step_never_waits_for_the_sidecar_to_free_staging",
+        ),
+    ),
+    M(
+        "store: the tier writers compete with engines at full priority",
+        "sidecar/tiers/writer.py",
+        "    def _work(self) -> None:\n        yield_cpu()\n",
+        "    def _work(self) -> None:\n",
+        (
+            "tests/sidecar/tiers/test_back_pressure.py"
+            "::test_the_writer_threads_yield_the_cpu_to_engines",
+        ),
+    ),
+    M(
+        "store: a late exists answer always costs the request a whole step",
+        "api/engine/vllm_scheduler.py",
+        "where = look.future.result(timeout=self.wait_s())",
+        "where = look.future.result(timeout=self.lookup_wait)",
+        (
+            "tests/api/test_vllm_connector_parts.py"
+            "::test_a_late_answer_within_the_share_is_a_hit_not_a_skipped_step",
+        ),
+    ),
 ]
 
 

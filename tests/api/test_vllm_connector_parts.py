@@ -298,3 +298,26 @@ def test_a_late_answer_is_waited_for_up_to_a_share_of_a_step(monkeypatch):
     s.step_s = 1000.0
     assert s.wait_s() == s.lookup_timeout
     s.close()
+
+
+def test_a_late_answer_within_the_share_is_a_hit_not_a_skipped_step():
+    """The scheduler asks with the exists answer still out (its thread held by an event
+    that opens well within the wait): with steps of 100 s it waits up to 5 s and gets the
+    hit, where it once answered None and the request lost a whole step."""
+    gate = threading.Event()
+
+    def exists(ns, keys):
+        assert gate.wait(30)
+        return len(keys)
+
+    client = SimpleNamespace(exists=exists)
+    s = SchedulerSide(client, BS, lookup_wait=0.0, lookup_timeout=10.0)
+    s.specs = {"ns": {}}
+    s.step_s = 100.0
+    hashes = [hashlib.sha256(f"late{i}".encode()).digest() for i in range(4)]
+    req = request("r", 4 * BS, hashes)
+    opener = threading.Timer(0.2, gate.set)  # opens while `matched` waits (5 s at most)
+    opener.start()
+    assert s.matched(req, 0) == 3 * BS and s.stats["late"] == 0  # never the last token
+    opener.join()
+    s.close()
