@@ -1,7 +1,9 @@
 """Where a served request's time goes, as the connector sees it (issue 53): one JSON line a
 step, a set and a request, appended to the file `kv_connector_extra_config["timeline"]`
 names (off when unset: nothing is timed or kept). The engine writes it with its own rights,
-where its operator points it; the sidecar never sees it.
+where its operator points it, created 0600 and never through a symbolic link (a path in a
+shared directory cannot be turned on another file); the sidecar never sees it. It holds
+timings and counts only: no keys, no tokens.
 
     {"kind": "step",  "t": ..., "load_s", "load_pages", "save_s", "save_pages", "skipped"}
     {"kind": "set",   "t": ..., "set_s", "pages"}                     (the I/O thread's)
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
 log = logging.getLogger("kv_sidecar.vllm")
 FLUSH_ROWS = 64
 FLUSH_S = 1.0  # a bench reads the file a level at a time
+FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Timeline:
@@ -58,7 +62,8 @@ class Timeline:
         if not rows or self.path is None:
             return
         try:
-            with open(self.path, "a") as f:
+            fd = os.open(self.path, FLAGS, 0o600)  # the engine's own, never through a link
+            with os.fdopen(fd, "a") as f:
                 f.write("\n".join(rows) + "\n")
         except OSError as exc:
             log.warning("kv-sidecar: timeline %s not written (%s): off", self.path, exc)
