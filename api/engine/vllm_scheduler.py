@@ -16,7 +16,7 @@ Without it, that block is never claimed (the rule before issue 33).
 The exists call starts when the request arrives (`prefetch`, vLLM's `on_new_request`) and
 runs on a worker thread: by the time the scheduler asks, the answer is usually there. The
 scheduler waits for it at least `lookup_wait_ms` and up to `LOOKUP_STEP_SHARE` of a step
-(the steps' mean length, `step_s`): answering None costs the request a whole step (vLLM
+(the steps' mean length, `step_s`; 1 s before one is timed): answering None costs the request a whole step (vLLM
 asks again on the next one, seconds away when prefills fill the batch), waiting costs the
 batch only the wait. An answer later than `lookup_timeout_ms` counts as a miss. Every
 failure is a miss (0), never an exception.
@@ -44,6 +44,7 @@ from api.engine.vllm_timeline import OFF, Timeline
 
 LOOKUP_STEP_SHARE = 0.05  # of a step, the longest wait for a late exists answer
 STEP_EWMA = 0.2  # weight of the newest step in `step_s`
+STEP_PRIOR_S = 1.0  # the step length assumed before one is timed (a burst at start)
 
 log = logging.getLogger("kv_sidecar.vllm")
 
@@ -68,6 +69,7 @@ class Lookup:
     keys: list[str]
     tokens: int  # the request's tokens when asked: a load stops one short of them
     tail: bool  # keys[-1] is the tail key (the partial block of the last token)
+    answered: float = 0.0  # when the answer came (the timeline's `exists_s`)
 
 
 @dataclass
@@ -176,6 +178,7 @@ class SchedulerSide:
         look = Lookup(
             self.pool.submit(self._exists, keys), time.monotonic(), keys, request.num_tokens, tail
         )
+        look.future.add_done_callback(lambda _, lk=look: setattr(lk, "answered", time.monotonic()))
         self.lookups[request.request_id] = look
         self.stats["lookups"] += 1
         return look
@@ -211,19 +214,21 @@ class SchedulerSide:
             pass
         present = where[0]
         self.hits[rid] = Hit(num_computed, present)
-        self._time_lookup(request, rid, present)
+        self._time_lookup(request, look, present)
         tokens = max(self._loadable(look, present) - num_computed, 0)
         return (
             self._worth(rid, look, where, num_computed, tokens) if tokens and self.cost else tokens
         )
 
-    def _time_lookup(self, request, rid: str, present: int) -> None:
-        """The timeline's row: how long the request waited for the answer, in steps."""
-        since, steps = self.late.pop(rid, (0.0, 0))
+    def _time_lookup(self, request, look: Lookup, present: int) -> None:
+        """The timeline's row: how long the request waited for the answer, in steps, and
+        how long the exists call took from its start (0: not in when asked)."""
+        since, steps = self.late.pop(request.request_id, (0.0, 0))
         if self.timeline.on:
             self.timeline.add(
                 "request",
                 lookup_s=time.monotonic() - since if steps else 0.0,
+                exists_s=look.answered - look.started if look.answered else 0.0,
                 late_steps=steps,
                 hit_tokens=present * self.block_size,
                 prompt_tokens=request.num_tokens,
@@ -339,7 +344,8 @@ class SchedulerSide:
     def wait_s(self) -> float:
         """How long `matched` waits for a late answer: `lookup_wait`, or up to
         `LOOKUP_STEP_SHARE` of a step where steps are long (never past the timeout)."""
-        return max(self.lookup_wait, min(LOOKUP_STEP_SHARE * self.step_s, self.lookup_timeout))
+        step = self.step_s or STEP_PRIOR_S
+        return max(self.lookup_wait, min(LOOKUP_STEP_SHARE * step, self.lookup_timeout))
 
     def take_loads(self) -> list[Transfer]:
         """The step's loads (called once a step: it also times the steps)."""
