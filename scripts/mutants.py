@@ -1022,7 +1022,7 @@ MUTANTS = [
         "            **(self.usage(ns.owner) if who is OPERATOR or owner_of(who) == ns.owner else {}),",
         "            **self.usage(ns.owner),",
         (
-            "tests/api/test_trust_review.py::test_a_sharer_listing_pins_learns_nothing_of_the_owners_other_namespaces",
+            "tests/api/test_sharers_and_warm_jobs.py::test_a_sharer_listing_pins_learns_nothing_of_the_owners_other_namespaces",
         ),
     ),
     M(
@@ -1031,7 +1031,7 @@ MUTANTS = [
         "        for j in mine[: max(own + 1 - WARM_KEPT_PER_OWNER, 0)]:",
         "        for j in mine[:0]:",
         (
-            "tests/api/test_trust_review.py::test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys",
+            "tests/api/test_sharers_and_warm_jobs.py::test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys",
         ),
     ),
     M(
@@ -1040,7 +1040,7 @@ MUTANTS = [
         "            job.keys = []  # 256 ended jobs",
         "            pass  # 256 ended jobs",
         (
-            "tests/api/test_trust_review.py::test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys",
+            "tests/api/test_sharers_and_warm_jobs.py::test_a_tenants_warm_jobs_neither_push_out_anothers_nor_keep_their_keys",
         ),
     ),
     M(
@@ -1082,7 +1082,7 @@ MUTANTS = [
         "and (ns.spec == spec if spec is not None else peer.uid in ns.joined)",
         "and (spec is None or ns.spec == spec)",
         (
-            "tests/api/test_trust_review.py::test_a_name_means_a_shared_namespace_only_to_whom_joined_it",
+            "tests/api/test_sharers_and_warm_jobs.py::test_a_name_means_a_shared_namespace_only_to_whom_joined_it",
         ),
     ),
     M(
@@ -1091,7 +1091,7 @@ MUTANTS = [
         "    if share_gid is None or who is OPERATOR:\n        return",
         "    if True:\n        return",
         (
-            "tests/api/test_trust_round4.py::test_share_gid_is_taken_only_from_a_member_of_the_group",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_share_gid_is_taken_only_from_a_member_of_the_group",
         ),
     ),
     M(
@@ -1100,7 +1100,7 @@ MUTANTS = [
         "    if share_gid is None or who is OPERATOR:",
         "    if share_gid is None or not isinstance(who, Peer):",
         (
-            "tests/api/test_trust_round4.py::test_share_gid_is_taken_only_from_a_member_of_the_group",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_share_gid_is_taken_only_from_a_member_of_the_group",
         ),
     ),
     M(
@@ -1108,7 +1108,9 @@ MUTANTS = [
         "sidecar/peer.py",
         "PY_OPTLEN = 1024 ",
         "PY_OPTLEN = 4096 ",
-        ("tests/api/test_trust_round4.py::test_supplementary_groups_are_read_from_the_kernel",),
+        (
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_supplementary_groups_are_read_from_the_kernel",
+        ),
     ),
     M(
         "peer: past 256 groups none counted",
@@ -1116,7 +1118,7 @@ MUTANTS = [
         "        raw = _many_groups(sock.fileno())",
         "        return ()",
         (
-            "tests/api/test_trust_round4.py::test_supplementary_groups_are_read_from_the_kernel[300]",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_supplementary_groups_are_read_from_the_kernel[300]",
         ),
     ),
     M(
@@ -1125,7 +1127,7 @@ MUTANTS = [
         "                and (ns.spec == spec if spec is not None else peer.uid in ns.joined)",
         "                and (True if spec is not None else peer.uid in ns.joined)",
         (
-            "tests/api/test_trust_round4.py::test_a_put_joins_the_shared_namespace_of_its_spec_not_the_oldest",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_a_put_joins_the_shared_namespace_of_its_spec_not_the_oldest",
         ),
     ),
     M(
@@ -1134,7 +1136,7 @@ MUTANTS = [
         "    return None if who is OPERATOR else TCP_TENANT",
         "    return None",
         (
-            "tests/api/test_trust_round4.py::test_anonymous_tcp_cannot_reserve_the_pool_over_a_tenants_pages",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_anonymous_tcp_cannot_reserve_the_pool_over_a_tenants_pages",
         ),
     ),
     M(
@@ -1144,7 +1146,7 @@ MUTANTS = [
         "    from sidecar.tenancy import OPERATOR\n"
         "    return who(ctx, scope) if scope.get(PEER_KEY) else OPERATOR\n\n\ndef ready",
         (
-            "tests/api/test_trust_round4.py::test_tcp_sees_only_its_own_names_unless_it_is_the_operator[None]",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_tcp_sees_only_its_own_names_unless_it_is_the_operator[None]",
         ),
     ),
     M(
@@ -1153,7 +1155,7 @@ MUTANTS = [
         "names.get(ref, ref if who is OPERATOR else None)",
         "names.get(ref, ref)",
         (
-            "tests/api/test_trust_round4.py::test_tcp_sees_only_its_own_names_unless_it_is_the_operator[None]",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_tcp_sees_only_its_own_names_unless_it_is_the_operator[None]",
         ),
     ),
     M(
@@ -1226,7 +1228,7 @@ MUTANTS = [
         "            capped = ns.owner is not None",
         "            capped = False",
         (
-            "tests/api/test_trust_round4.py::test_anonymous_tcp_buffers_count_against_one_tenants_share",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_anonymous_tcp_buffers_count_against_one_tenants_share",
         ),
     ),
     M(
@@ -1235,7 +1237,7 @@ MUTANTS = [
         '        return owner\n    return f"uid:{owner}"',
         '        return "operator"\n    return f"uid:{owner}"',
         (
-            "tests/api/test_trust_round4.py::test_anonymous_tcp_and_the_operator_never_share_tier_identity",
+            "tests/api/test_share_groups_and_anonymous_tcp.py::test_anonymous_tcp_and_the_operator_never_share_tier_identity",
         ),
     ),
     # -- the GPU check and the linker's device path (issue 46) ----------------------------

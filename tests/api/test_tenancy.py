@@ -72,7 +72,7 @@ def _tenant_b_probes(url: str) -> dict:
     }
     out = {name: status(fn) for name, fn in probes.items()}
     # a member joins the namespace shared with B's group by a PUT of its spec (before, the
-    # name does not mean it: tests/api/test_trust_review.py)
+    # name does not mean it: tests/api/test_sharers_and_warm_jobs.py)
     out["team_join"] = c.put_namespace("team", PAGE, share_gid=B)["owner"]
     out["listed"] = sorted(ns["name"] for ns in c.list_namespaces())
     out["stats"] = sorted(c.stats()["namespaces"])

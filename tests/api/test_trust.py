@@ -67,7 +67,7 @@ def open_server(make_server):
     c = srv.client()
     # shared with the attacker's group: it reaches the namespace, so what it tries is
     # refused by the buffer and lease rules themselves (tests/api/test_tenancy.py: not shared);
-    # made by root in nobody's group (only a member may share: tests/api/test_trust_round4.py)
+    # made by root in nobody's group (only a member may share: tests/api/test_share_groups_and_anonymous_tcp.py)
     as_user(
         lambda url: SidecarClient(url).put_namespace("victim", PAGE, share_gid=NOBODY),
         srv.socket_url,
