@@ -71,6 +71,10 @@ class Lookup:
     tail: bool  # keys[-1] is the tail key (the partial block of the last token)
     answered: float = 0.0  # when the answer came (the timeline's `exists_s`)
 
+    def stamp(self, _: Future) -> None:
+        """The answer is in (the future's done callback)."""
+        self.answered = time.monotonic()
+
 
 @dataclass
 class Hit:
@@ -178,7 +182,7 @@ class SchedulerSide:
         look = Lookup(
             self.pool.submit(self._exists, keys), time.monotonic(), keys, request.num_tokens, tail
         )
-        look.future.add_done_callback(lambda _, lk=look: setattr(lk, "answered", time.monotonic()))
+        look.future.add_done_callback(look.stamp)
         self.lookups[request.request_id] = look
         self.stats["lookups"] += 1
         return look

@@ -71,7 +71,7 @@ def test_loads_go_straight_into_the_kv_blocks(server):
     }
     src_layout = PageLayout.of(src, N)
     spec = namespace_spec(scope, src_layout)
-    saver = WorkerSide(SidecarClient(server.socket_url), src_layout, spec, 4)
+    saver = WorkerSide(SidecarClient(server.socket_url), src_layout, spec, 8)  # holds the save
     keys = [hashlib.sha256(f"d{i}".encode()).hexdigest() for i in range(5)]
     saver.save([Transfer("s", keys, [1, 2, 3, 4, 5])])  # through staging, the usual save
     saver.drain()
