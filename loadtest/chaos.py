@@ -1,6 +1,6 @@
 """Chaos soak: engine-shaped Locust traffic on real sidecars while a seeded driver breaks them.
 
-    python -m loadtest.chaos --seed 7 --duration 600 [--workdir DIR] [--events]
+    python -m loadtest.chaos --seed 7 --duration 600 [--workdir DIR] [--events] [--tiers 3fs]
 
 Two sidecar processes (a write_through one and a write_back one, two namespaces each) keep
 their file tier on a small tmpfs (root; else a plain directory, said in the summary). Locust
@@ -16,8 +16,9 @@ seconds, injects one fault, cycling the kinds in a seeded order:
 A flusher answers `POST /v1/flush` every 2 s (a 200 makes write_through pages durable).
 At the end the users stop, every node is checked, stopped with SIGTERM, started and checked
 again. `--events` turns KV events on in both (`ipc://` sockets in the workdir, no
-subscriber). Exit status 1 on any violation (see chaos_ledger.VIOLATIONS); the last line printed
-is `CHAOS-SUMMARY {json}`.
+subscriber); `--tiers 3fs` gives both one shared 3FS dir on the same disk as well (its
+writes killed, filled, deleted under and restarted with the rest). Exit status 1 on any
+violation (see chaos_ledger.VIOLATIONS); the last line printed is `CHAOS-SUMMARY {json}`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Soak:
             "--shutdown-timeout",
             "30",
         ]
+        if args.tiers == "3fs":  # both nodes also share one 3FS dir on the same small disk
+            extra += ["--hf3fs-dir", os.path.join(self.disk.root, "3fs"), "--hf3fs-size"]
+            extra.append(str(int(self.disk.size * 0.1)))
         self.procs = {}
         for name, policy in (("wt", "write_through"), ("wb", "write_back")):
             node = Node(name, policy)
@@ -386,6 +390,7 @@ def summary(soak: Soak, elapsed: float) -> dict:
     }
     return {
         "seed": soak.args.seed,
+        "tiers": soak.args.tiers,
         "duration_s": round(elapsed, 1),
         "disk": soak.disk.mode,
         "requests": w.counts["requests"],
@@ -416,6 +421,7 @@ def summary(soak: Soak, elapsed: float) -> dict:
                 "write_failed": sp.node.failed,
                 "write_dropped": sp.node.dropped,
                 "incarnations": sp.incarnations,
+                "hf3fs_pages_max": sp.node.hf3fs_pages,
             }
             for sp in soak.procs.values()
         },
@@ -505,6 +511,12 @@ def main(argv=None) -> int:
         type=float,
         default=0.0,
         help="mean seconds between faults (default: duration/16, 2..20)",
+    )
+    p.add_argument(
+        "--tiers",
+        choices=("file", "3fs"),
+        default="file",
+        help="file: the file tier; 3fs: also a 3FS tier both nodes share (slotted, issue 55)",
     )
     p.add_argument("--keep", action="store_true", help="keep the temp workdir")
     p.add_argument(

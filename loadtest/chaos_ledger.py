@@ -61,6 +61,7 @@ class Node:
     failed_used: int = 0
     dropped: int = 0
     dropped_seen: int = 0
+    hf3fs_pages: int = 0  # the most a 3FS tier indexed at a poll (--tiers 3fs)
 
     def poll(self, stats: dict) -> None:
         """Fold one /v1/stats answer into the counters (per-incarnation values grow)."""
@@ -71,6 +72,8 @@ class Node:
         self.dropped += max(0, wq.get("dropped", 0) - self.dropped_seen)
         self.evictions_seen, self.failed_seen = ev, wq.get("failed", 0)
         self.dropped_seen = wq.get("dropped", 0)
+        hf3fs = stats.get("tiers", {}).get("hf3fs", {}).get("pages", 0)
+        self.hf3fs_pages = max(self.hf3fs_pages, hf3fs)
 
     def restarted(self) -> None:
         self.evictions_seen = self.failed_seen = self.dropped_seen = 0

@@ -56,6 +56,7 @@ MODULES = (
     "loadtest.redteam_tenancy",
     "loadtest.redteam_skipped",
     "loadtest.redteam_roles",
+    "loadtest.redteam_3fs",
 )
 HEALTHZ_LIMIT_MS = 50.0
 

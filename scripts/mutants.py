@@ -607,13 +607,6 @@ MUTANTS = [
         ("tests/api/test_claims.py::test_readyz_is_503_until_tiers_are_recovered",),
     ),
     M(
-        "3fs: no periodic rescan",
-        "sidecar/context.py",
-        "        while shared:\n",
-        "        while False:\n",
-        ("tests/api/test_claims.py::test_hf3fs_and_shm_flags_from_the_command_line",),
-    ),
-    M(
         "prefetch: a failed promotion reported as done",
         "sidecar/store.py",
         'state["state"] = "failed"',
@@ -1378,6 +1371,27 @@ MUTANTS = [
         "return max(warmup, -(-requests // users))",
         (
             "tests/loadtest/test_bench_serve.py::test_every_arm_plays_the_same_requests_on_the_same_engines",
+        ),
+    ),
+    # -- the 3FS tier at cluster scale (issue 55) -----------------------------------------
+    M(
+        "3fs: a torn or damaged slot served",
+        "sidecar/tiers/hf3fs_slots.py",
+        "    return digest is not None and xxhash.xxh3_64_intdigest(dst) == digest",
+        "    return digest is not None",
+        (
+            "tests/sidecar/tiers/test_hf3fs_tier.py"
+            "::test_a_damaged_or_truncated_slot_file_is_a_miss",
+        ),
+    ),
+    M(
+        "3fs: a rescan after start instead of reading the logs",
+        "sidecar/tiers/hf3fs_tier.py",
+        "        if self._ready.is_set():\n            return self.poll_once()",
+        "        if False:\n            return self.poll_once()",
+        (
+            "tests/sidecar/tiers/test_hf3fs_tier.py"
+            "::test_no_rescan_after_start_only_the_logs_are_read",
         ),
     ),
     # -- the store off the engine's critical path (issue 53) ------------------------------

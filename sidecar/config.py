@@ -99,7 +99,7 @@ class Config:
     file_tier_size: int = 0  # 0: min(64 GiB, 90% of free + held), see datadir
     hf3fs_dir: str | None = None
     hf3fs_size: int = 0  # 0: no limit (the cluster's storage is managed elsewhere)
-    hf3fs_rescan: float = 30.0  # seconds between scans for other nodes' pages
+    hf3fs_rescan: float = 30.0  # ignored since the slotted 3FS tier (it tails logs; docs/3fs.md)
     hf3fs_group: str | None = None  # nodes' sidecars share 3FS pages through this group
     mooncake_master: str | None = None  # HOST:PORT of mooncake_master: adds the Mooncake tier
     mooncake_metadata: str = "P2PHANDSHAKE"

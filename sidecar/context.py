@@ -25,6 +25,7 @@ from sidecar.samples import Sampler
 from sidecar.store import Store
 from sidecar.tenancy import OPERATOR, Caller
 from sidecar.tiering import Tiering
+from sidecar.tiers import hf3fs_tier
 from sidecar.tiers.base import Tier
 from sidecar.tiers.file_tier import FileTier
 from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
@@ -45,9 +46,8 @@ def build_tiers(config: Config) -> list[Tier]:
         tiers.append(file_tier(config))
     if config.hf3fs_dir:
         group = group_id(config.hf3fs_group) if config.hf3fs_group else None
-        tiers.append(
-            FileTier("hf3fs", config.hf3fs_dir, config.hf3fs_size or None, shared=True, group=group)
-        )
+        node = hf3fs_tier.node_name(config.data_dir)  # a restart keeps its name
+        tiers.append(hf3fs_tier.Hf3fsTier(config.hf3fs_dir, config.hf3fs_size or None, group, node))
     if config.mooncake_master:
         tiers.append(
             MooncakeTier(

@@ -199,6 +199,9 @@ def test_two_sidecars_share_one_hf3fs_directory(spawn, tmp_path):
     ca.put_page("kv", "k", data("k"))
     ca.put_page("kv2", "k", data("other"))
     ca.request("POST", "/v1/flush")
+    deadline = time.time() + 5  # B reads A's index log every 0.1 s (a new log: within 1 s)
+    while cb.exists("kv", ["k"]) != 1 and time.time() < deadline:
+        time.sleep(0.02)
     assert cb.exists("kv", ["k"]) == 1  # written on node A, a hit on B
     assert cb.get_page("kv", "k") == data("k")
     assert cb.get_page("kv2", "k") == data("other")  # specs never collide

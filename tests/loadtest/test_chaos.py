@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 KINDS = ("sigkill", "sigterm", "disk_fill", "ns_delete", "stall")
 
 
-def run_soak(tmp_path, seed: int, duration: int) -> tuple[int, dict, str]:
+def run_soak(tmp_path, seed: int, duration: int, *extra: str) -> tuple[int, dict, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -32,6 +32,7 @@ def run_soak(tmp_path, seed: int, duration: int) -> tuple[int, dict, str]:
         "3",
         "--workdir",
         str(tmp_path / "soak"),
+        *extra,
     ]
     out = subprocess.run(
         cmd,
@@ -63,6 +64,18 @@ def test_chaos_soak_short_seeded(tmp_path):
         if n
     }
     assert not seen, f"violations: {seen}\n{log}"
+    assert rc == 0, log
+
+
+@pytest.mark.slow
+def test_chaos_soak_with_a_shared_3fs_tier(tmp_path):
+    """Both nodes also write one 3FS dir (the slotted tier, issue 55) on the soak's disk:
+    killed mid-write, filled, restarted; no violation, and the tier was used."""
+    rc, s, log = run_soak(tmp_path, 13, 30, "--tiers", "3fs")
+    assert s["tiers"] == "3fs" and s["requests"] > 200, log
+    seen = {(w, n): c for w, per in s["violations_by_node"].items() for n, c in per.items() if c}
+    assert not seen, f"violations: {seen}\n{log}"
+    assert all(t["hf3fs_pages_max"] > 0 for t in s["tier"].values()), log  # it was used
     assert rc == 0, log
 
 
