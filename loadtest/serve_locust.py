@@ -132,9 +132,7 @@ class ConversationUser(User):
         got = stream_completion(
             "127.0.0.1", engine, PLAN["model"], prompt, conv.turns[self.k].max_tokens
         )
-        _record(
-            self, got, cid=conv.cid, turn=self.k, engine=engine, prompt_tokens=len(prompt)
-        )
+        _record(self, got, cid=conv.cid, turn=self.k, engine=engine, prompt_tokens=len(prompt))
         self.prompt, self.answer = prompt, got["tokens"]
         self.k, self.n = self.k + 1, self.n + 1
         if self.k == len(conv.turns) or "error" in got:
