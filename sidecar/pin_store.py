@@ -255,23 +255,7 @@ class PinStore:
                 pagefile.fsync_dir(self.root)
             return
         self._make_dir()
-        tmp = os.path.join(self.root, pagefile.temp_name())
-        data = encode(identity, ref, pins)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            pagefile.write_all(fd, [data])
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            pagefile._unlink(tmp)
-            raise
-        os.close(fd)
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            pagefile._unlink(tmp)
-            raise
-        pagefile.fsync_dir(self.root)
+        pagefile.publish(self.root, os.path.basename(path), encode(identity, ref, pins), 0o600)
 
     def _make_dir(self) -> None:
         """The records' directory, 0700; one already there must be a real directory."""

@@ -38,6 +38,15 @@ class TierStats:
     evictions: int = 0
     delete_errors: int = 0
 
+    def failed(self, what: str) -> None:
+        """Count one failed `read`, `delete` or write (anything else)."""
+        if what == "read":
+            self.read_errors += 1
+        elif what == "delete":
+            self.delete_errors += 1
+        else:
+            self.write_errors += 1
+
 
 class Tier:
     """The base every tier derives from; subclasses fill in the I/O."""

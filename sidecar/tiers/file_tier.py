@@ -390,12 +390,7 @@ class FileTier(Tier):
 
     def _failed(self, what: str, exc: OSError) -> None:
         with self._lock:
-            if what == "read":
-                self.stats.read_errors += 1
-            elif what == "delete":
-                self.stats.delete_errors += 1
-            else:
-                self.stats.write_errors += 1
+            self.stats.failed(what)
             self.degraded = f"{what}: {exc.strerror or exc}"
         now = time.monotonic()
         if now - self._last_log > 10:  # one line per 10 s, not one per page

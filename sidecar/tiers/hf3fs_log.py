@@ -233,27 +233,6 @@ def read_all(fd: int, offset: int = 0) -> bytes:
             return b"".join(parts)
 
 
-def publish(directory: str, name: str, data: bytes, mode: int) -> None:
-    """Write `data` as `name` in `directory`: a unique temporary, fsync, rename, dir fsync."""
-    tmp = os.path.join(directory, pagefile.temp_name())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        os.fchmod(fd, mode)
-        pagefile.write_all(fd, [memoryview(data)])
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        pagefile._unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.rename(tmp, os.path.join(directory, name))
-    except BaseException:
-        pagefile._unlink(tmp)
-        raise
-    pagefile.fsync_dir(directory)
-
-
 class LogWriter:
     """This node's log: appends records durably (write, fsync: on 3FS the fsync also
     settles the file's length other clients see) one batch at a time. A
@@ -317,7 +296,7 @@ class LogWriter:
     def switch(self, snapshot: bytes, gen: int) -> None:
         """Compaction, under `lock` held by the caller: publish snap.<gen>, create the
         empty log.<gen>, end this log with NEXT, go on there; remove generation gen - 2."""
-        publish(self.directory, snap_name(gen), snapshot, self.mode)
+        pagefile.publish(self.directory, snap_name(gen), snapshot, self.mode)
         old_fd, old_gen = self.fd, self.gen
         self._open(gen, truncate=True)  # (one left by a switch that failed after it)
         new_fd, self.fd, self.gen = self.fd, old_fd, old_gen

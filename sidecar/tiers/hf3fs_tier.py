@@ -541,12 +541,7 @@ class Hf3fsTier(Tier):
 
     def _failed(self, what: str, exc: OSError) -> None:
         with self._lock:
-            if what == "read":
-                self.stats.read_errors += 1
-            elif what == "delete":
-                self.stats.delete_errors += 1
-            else:
-                self.stats.write_errors += 1
+            self.stats.failed(what)
             self.degraded = f"{what}: {exc.strerror or exc}"
         self._ratelog(logging.ERROR, "3FS tier %s failed: %s (a miss)", what, exc)
 

@@ -215,6 +215,27 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def publish(directory: str, name: str, data: bytes, mode: int) -> None:
+    """Write `data` as `name` in `directory`: a unique temporary, fsync, rename, dir fsync."""
+    tmp = os.path.join(directory, temp_name())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+        write_all(fd, [memoryview(data)])
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, os.path.join(directory, name))
+    except BaseException:
+        _unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
 def read_into(path: str, key: str, dst: memoryview) -> bool:
     """Fill `dst` with the page at `path`; False when the file is not a whole, valid page.
     Raises OSError for I/O errors (a missing file is FileNotFoundError).
