@@ -53,29 +53,11 @@ _ATTRS = ctypes.POINTER(MemcpyAttributes)
 _EACH = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
 )
-_BATCH_13000 = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    _PTRS,
-    _PTRS,
-    _SIZES,
-    ctypes.c_size_t,
-    _ATTRS,
-    _SIZES,
-    ctypes.c_size_t,
-    ctypes.c_void_p,
-)
-_BATCH_12080 = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    _PTRS,
-    _PTRS,
-    _SIZES,
-    ctypes.c_size_t,
-    _ATTRS,
-    _SIZES,
-    ctypes.c_size_t,
-    _SIZES,
-    ctypes.c_void_p,
-)
+# cuMemcpyBatchAsync: dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, then 12.8's
+# failIdx, then the stream
+_BATCH_ARGS = (_PTRS, _PTRS, _SIZES, ctypes.c_size_t, _ATTRS, _SIZES, ctypes.c_size_t)
+_BATCH_13000 = ctypes.CFUNCTYPE(ctypes.c_int, *_BATCH_ARGS, ctypes.c_void_p)
+_BATCH_12080 = ctypes.CFUNCTYPE(ctypes.c_int, *_BATCH_ARGS, _SIZES, ctypes.c_void_p)
 
 
 class Stream:
