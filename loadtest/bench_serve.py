@@ -152,6 +152,7 @@ def plan(args, shape: str, users: int, work: list, offset: int) -> tuple[dict, s
             "requests": [list(vars(r).values()) for r in reqs],
             "block": bt.block_of(args.trace_scale),
             "time_scale": args.time_scale,
+            "shared_fraction": bt.shared_fraction(reqs),  # of its blocks, an earlier one's
         }, "TraceUser"
     return {
         "per_user": sl.per_user(args.requests, users, args.warmup),
@@ -234,6 +235,7 @@ def run_level(args, arm: Arm, servers: list, model: str, level: dict) -> dict:
         "cache_rss": after[2]["rss"],
         "cache_peak_rss": after[2]["peak_rss"],
         "conversations_from": level["offset"],
+        "trace_shared": body.get("shared_fraction"),
     }
 
 
