@@ -152,30 +152,34 @@ class Hf3fsTier(Tier):
                 continue
             seen.add(h)
             todo.append((i, ident, key, memoryview(page).cast("B"), h))
-        placed = self._place(todo)
-        try:
-            for i in self._publish(self._sync(placed)):
-                ok[i] = True
-        finally:
-            with self._lock:
-                for _i, _ident, _key, _h, f, _s, _n in placed:
-                    f.busy -= 1
-            self._reap([f for *_, f, _s, _n in placed])
+        while todo:  # a batch that fills the cap commits, then evicts its own files
+            placed, todo = self._place(todo)
+            try:
+                for i in self._publish(self._sync(placed)):
+                    ok[i] = True
+            finally:
+                with self._lock:
+                    for _i, _ident, _key, _h, f, _s, _n in placed:
+                        f.busy -= 1
+                self._reap([f for *_, f, _s, _n in placed])
         if self.log.records > self.compact_at:
             self.compact()
         return ok
 
-    def _place(self, todo: list) -> list:
-        """Write each page into a fresh slot (not synced); (i, ident, key, h, file, slot,
-        length) of those written, each holding its file busy."""
-        placed = []
-        for i, ident, key, view, h in todo:
+    def _place(self, todo: list) -> tuple[list, list]:
+        """Write pages into fresh slots (not synced): (i, ident, key, h, file, slot, length)
+        of those written, each holding its file busy, and the pages not tried because the
+        cap is held by this batch's own files (commit those placed, then go on)."""
+        placed: list = []
+        for n, (i, ident, key, view, h) in enumerate(todo):
             for attempt in range(ENOSPC_RETRIES + 1):
                 try:
                     f, s = self._slot(len(view))
                 except OSError as exc:
                     if attempt < ENOSPC_RETRIES and hlog.no_space(exc) and self._evict_one():
                         continue
+                    if hlog.no_space(exc) and placed:
+                        return placed, todo[n:]
                     self._failed("write", exc)
                     break
                 try:
@@ -189,7 +193,7 @@ class Hf3fsTier(Tier):
                     break
                 placed.append((i, ident, key, h, f, s, len(view)))
                 break
-        return placed
+        return placed, []
 
     def _slot(self, length: int) -> tuple[OwnFile, int]:
         """The next free slot for a page of `length` (a new file when none), held busy."""

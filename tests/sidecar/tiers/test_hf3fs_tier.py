@@ -165,6 +165,17 @@ def test_deletes_and_evictions_reach_the_other_nodes_and_the_owner_frees(tmp_pat
     assert b.count(ID) == a.count(ID) == a.describe()["own_pages"]
 
 
+def test_one_batch_past_the_cap_commits_its_first_files_then_evicts_them(tmp_path):
+    """A writer batch bigger than --hf3fs-size is not refused for holding the cap itself:
+    it publishes what it placed, evicts its own oldest files, and places the rest."""
+    a = node(tmp_path, "a", capacity=16 * slots.stride(SIZE))  # four files of four slots
+    keys = [f"k{i}" for i in range(40)]
+    assert write(a, *keys) == [True] * 40
+    assert a.stats.evictions > 0 and a.stats.write_errors == 0, a.stats
+    assert a.held() <= a.capacity and read(a, "k39") == page("k39")
+    assert not a.contains(ID, "k0") and a.count(ID) == a.describe()["own_pages"] < 40
+
+
 def test_two_nodes_writing_one_key_both_publish_and_serve_only_right_bytes(tmp_path):
     a, b, c = node(tmp_path, "a"), node(tmp_path, "b"), node(tmp_path, "c")
     assert write(a, "same") == [True] and write(b, "same") == [True]  # neither saw the other
