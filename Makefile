@@ -143,7 +143,7 @@ test-vllm: $(VLLM_VENV)/.installed
 
 # Time to first token of a 2,000-token prompt with and without a sidecar hit (docs/vllm.md)
 bench-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m tests.engines.vllm.bench_ttft $(ARGS)
+	$(VPY) -m loadtest.engines.ttft $(ARGS)
 
 # The sidecar at the engine level (docs/performance.md, issues 27 and 33), about 30 minutes:
 # TTFT cold / in-engine hit / restored / restored by a second engine on vLLM's CPU engine beside
@@ -154,9 +154,9 @@ BENCH_OUT ?= build/bench-engines
 LMCACHE ?= 1
 LMCACHE_VENV ?= .venv-lmcache
 bench-engines: $(VLLM_VENV)/.installed $(VENV)/.installed $(if $(filter 1,$(LMCACHE)),$(LMCACHE_VENV)/.installed)
-	$(VPY) -m loadtest.bench_engines --out $(BENCH_OUT) \
+	$(VPY) -m loadtest.engines.bench --out $(BENCH_OUT) \
 	  $(if $(filter 1,$(LMCACHE)),--lmcache-python $(LMCACHE_VENV)/bin/python) $(ARGS)
-	$(PY) -m loadtest.bench_engines_chart $(BENCH_OUT)/bench-engines.jsonl $(BENCH_OUT)/bench-engines.png
+	$(PY) -m loadtest.engines.chart $(BENCH_OUT)/bench-engines.jsonl $(BENCH_OUT)/bench-engines.png
 
 # LMCache 0.5.6 for the peer arm: a copy of .venv-vllm with lmcache added without its dependencies
 # (they name CUDA wheels; what its server and vLLM connector import is in vLLM's venv already)
@@ -182,41 +182,41 @@ gpu-wheels:
 .PHONY: bench-serve
 SERVE_OUT ?= build/bench-serve
 bench-serve: $(VLLM_VENV)/.installed $(VENV)/.installed $(if $(filter 1,$(LMCACHE)),$(LMCACHE_VENV)/.installed)
-	$(VPY) -m loadtest.bench_serve --out $(SERVE_OUT) --locust $(VENV)/bin/locust \
+	$(VPY) -m loadtest.serving.bench --out $(SERVE_OUT) --locust $(VENV)/bin/locust \
 	  $(if $(filter 1,$(LMCACHE)),--lmcache-python $(LMCACHE_VENV)/bin/python) $(ARGS)
-	$(PY) -m loadtest.bench_serve_report $(SERVE_OUT)
+	$(PY) -m loadtest.serving.report $(SERVE_OUT)
 
 bench: $(VENV)/.installed
-	$(PY) -m loadtest.bench $(ARGS)
-	$(PY) -m loadtest.bench_socket
+	$(PY) -m loadtest.micro.bench $(ARGS)
+	$(PY) -m loadtest.micro.unix_socket
 
 # A vLLM CPU restore (exists + get into a layer-major KV memfd) against memcpy, quiet and
-# beside 2 CPU burners (issue 44); ARGS= passes loadtest.bench_restore's flags
+# beside 2 CPU burners (issue 44); ARGS= passes loadtest.micro.restore's flags
 .PHONY: bench-restore
 bench-restore: $(VENV)/.installed
-	$(PY) -m loadtest.bench_restore $(ARGS)
-	$(PY) -m loadtest.bench_restore --busy 2 $(ARGS)
+	$(PY) -m loadtest.micro.restore $(ARGS)
+	$(PY) -m loadtest.micro.restore --busy 2 $(ARGS)
 
 # The file tier's index rebuilt from 1,000,000 page files (written in a temp dir, removed
 # after): in process, memory per page, and process start to ready (target < 10 s)
 .PHONY: bench-recovery prometheus
 bench-recovery: $(VENV)/.installed
-	$(PY) -m loadtest.bench_recovery $(ARGS)
+	$(PY) -m loadtest.micro.recovery $(ARGS)
 
 bench-mooncake: $(VENV)/.installed
-	$(PY) -m loadtest.bench_mooncake $(ARGS)
+	$(PY) -m loadtest.micro.mooncake_store $(ARGS)
 
 # The 3FS tier at cluster scale (issue 55): 4 node processes sharing one directory as the
 # mount, 1,000,000 pages, the slotted tier against the file-per-page one; ARGS=--pages N
 .PHONY: bench-3fs
 bench-3fs: $(VENV)/.installed
-	$(PY) -m loadtest.bench_3fs $(ARGS)
+	$(PY) -m loadtest.micro.hf3fs $(ARGS)
 
 # Locust against a sidecar already running on its default engine socket (bounded in users
 # and time); set ENGINE_URL=unix:///path/to/socket for another one
 ENGINE_URL ?= unix://$(shell $(PY) -c 'from sidecar.config import Config; print(Config().socket)')
 loadtest: $(VENV)/.installed
-	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host $(ENGINE_URL) --only-summary
+	$(VENV)/bin/locust -f loadtest/micro/locustfile.py --headless -u 8 -r 8 -t 60s --host $(ENGINE_URL) --only-summary
 
 # Chaos soak (docs/chaos.md): two sidecars of its own under Locust traffic while a seeded driver
 # SIGKILLs/SIGTERMs and restarts them, fills their disk, deletes namespaces and stalls uploads;
@@ -224,7 +224,7 @@ loadtest: $(VENV)/.installed
 SOAK_SEED ?= 1
 SOAK_DURATION ?= 600
 soak: $(VENV)/.installed
-	$(PY) -m loadtest.chaos --seed $(SOAK_SEED) --duration $(SOAK_DURATION) $(ARGS)
+	$(PY) -m loadtest.chaos.soak --seed $(SOAK_SEED) --duration $(SOAK_DURATION) $(ARGS)
 
 # replay the shared conversation trace against a sidecar started with --no-file-tier
 replay: $(VENV)/.installed

@@ -139,7 +139,7 @@ run sidecar 90 "$PY" - <<'EOF'
 import time
 t = time.perf_counter()
 from api.engine.client import SidecarClient
-from loadtest.procs import start_sidecar
+from loadtest.kit.procs import start_sidecar
 side = start_sidecar("--host-pool", "1GiB", "--no-file-tier")
 try:
     ready = time.perf_counter() - t
@@ -155,18 +155,18 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra --timeout 150)
 run gpu 200 "${PYTEST[@]}" tests/api/test_cuda_ipc_gpu.py tests/sidecar/test_cuda_ipc.py
 step "gpu tests: $(status) (${TOOK}s) $(pytest_tail "$LOGS/gpu.log")"
 
-run linker 150 "${PYTEST[@]}" tests/api/test_linker_cuda_gpu.py tests/api/test_linker_cuda.py
+run linker 150 "${PYTEST[@]}" tests/engines/adapters/test_linker_cuda_gpu.py tests/engines/adapters/test_linker_cuda.py
 step "linker device path: $(status) (${TOOK}s) $(pytest_tail "$LOGS/linker.log")"
 
 # -- bench ----------------------------------------------------------------------------------
-run bench 150 "$PY" -m loadtest.bench_cuda
+run bench 150 "$PY" -m loadtest.micro.cuda_copy
 if [ $DRY = 1 ] && [ "$RC" -eq 2 ]; then RC=0; fi   # no device: nothing to measure, as expected
 step "bench: $(status) (${TOOK}s) $(grep '^bench_cuda:' "$LOGS/bench.log" | tail -1 | cut -c13-)"
 [ "$RC" -eq 0 ] && grep -E '^(set|get|registration|device|sweep)' "$LOGS/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 
 SWEEP=(--sweep)
 [ $DRY = 1 ] && SWEEP=(--sweep --dry-run)
-run sweep 150 "$PY" -m loadtest.bench_cuda "${SWEEP[@]}"
+run sweep 150 "$PY" -m loadtest.micro.cuda_copy "${SWEEP[@]}"
 step "sweep: $(status) (${TOOK}s) $(grep '^bench_cuda sweep:' "$LOGS/sweep.log" | tail -1 | cut -c19-)"
 [ "$RC" -eq 0 ] && grep -E '^(sweep|  *(page|[0-9]+ [KM]iB) )' "$LOGS/sweep.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 

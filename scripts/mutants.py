@@ -998,7 +998,9 @@ MUTANTS = [
         "sidecar/tiering.py",
         "        if self.writer is None:\n            return 0\n        n = 0\n",
         "        if True:\n            return 0\n        n = 0\n",
-        ("tests/api/test_controls_cli.py::test_pinned_pages_are_written_first_and_outlive_a_kill",),
+        (
+            "tests/api/cli/test_controls_cli.py::test_pinned_pages_are_written_first_and_outlive_a_kill",
+        ),
     ),
     M(
         "controls: a tenant controls a namespace it does not own",
@@ -1171,49 +1173,55 @@ MUTANTS = [
         "api/engine/restore_cost.py",
         "            if restore < tokens / rate:",
         "            if True:",
-        ("tests/api/test_restore_cost.py", "-k", "learns or round_trip or choose"),
+        ("tests/engines/adapters/test_restore_cost.py", "-k", "learns or round_trip or choose"),
     ),
     M(
         "restore cost: a tier judged slow is never tried again",
         "api/engine/restore_cost.py",
         "            if now - since >= wait:",
         "            if False:",
-        ("tests/api/test_restore_cost.py::test_a_tier_judged_slow_is_probed_again",),
+        ("tests/engines/adapters/test_restore_cost.py::test_a_tier_judged_slow_is_probed_again",),
     ),
     M(
         "restore cost: a tier still slow is probed as often",
         "api/engine/restore_cost.py",
         "                self.waits[slow] = min(2 * wait, 3600.0)",
         "                self.waits[slow] = wait",
-        ("tests/api/test_restore_cost.py::test_a_tier_judged_slow_is_probed_again",),
+        ("tests/engines/adapters/test_restore_cost.py::test_a_tier_judged_slow_is_probed_again",),
     ),
     M(
         "restore cost: a mixed load charged to the fast tier",
         "api/engine/restore_cost.py",
         "            slowest = max(moved, key=TIERS.index)",
         "            slowest = min(moved, key=TIERS.index)",
-        ("tests/api/test_restore_cost.py::test_a_mixed_load_charges_its_slowest_tier",),
+        (
+            "tests/engines/adapters/test_restore_cost.py::test_a_mixed_load_charges_its_slowest_tier",
+        ),
     ),
     M(
         "skipped: a sharer counts on another's namespace",
         "sidecar/store.py",
         '        if isinstance(who, Peer) and ns.owner != who.uid:\n            raise Forbidden(\n                f"namespace {ns.name!r} is shared with you; only its owner counts',
         '        if False:\n            raise Forbidden(\n                f"namespace {ns.name!r} is shared with you; only its owner counts',
-        ("tests/api/test_restore_cost.py::test_a_tenant_counts_only_on_its_own_namespaces",),
+        (
+            "tests/engines/adapters/test_restore_cost.py::test_a_tenant_counts_only_on_its_own_namespaces",
+        ),
     ),
     M(
         "skipped: a count without bound",
         "api/routes_pages.py",
         "    if type(value) is not int or not 0 <= value <= limit:",
         "    if type(value) is not int or value < 0:",
-        ("tests/api/test_restore_cost.py::test_skipped_restores_are_counted",),
+        ("tests/engines/adapters/test_restore_cost.py::test_skipped_restores_are_counted",),
     ),
     M(
         "exists where: the host run counts tier pages",
         "api/fastpath.py",
         "        host = min(ctx.store.namespace(name).pool.prefix(keys), local) if local else 0",
         "        host = local",
-        ("tests/api/test_restore_cost.py::test_exists_where_tells_host_pool_from_file_tier",),
+        (
+            "tests/engines/adapters/test_restore_cost.py::test_exists_where_tells_host_pool_from_file_tier",
+        ),
     ),
     M(
         "tenancy: anonymous TCP's buffers uncapped",
@@ -1239,7 +1247,7 @@ MUTANTS = [
         "api/engine/sglang_linker_cuda.py",
         'return "a buffer\'s pages are not a view of it"',
         "pass",
-        ("tests/api/test_linker_cuda.py::test_what_cannot_go_direct_says_why",),
+        ("tests/engines/adapters/test_linker_cuda.py::test_what_cannot_go_direct_says_why",),
     ),
     M(
         "gpu: a wheel for another Python carried to the GPU machine",
@@ -1343,21 +1351,21 @@ MUTANTS = [
     # -- bench-serve (issue 44): conversations and the manifest's flags --------------------
     M(
         "bench-serve: turn k's prompt leaves out turn k-1's answer",
-        "loadtest/bench_serve_lib.py",
+        "loadtest/serving/lib.py",
         "return (prev_prompt + prev_answer + new) if k else new",
         "return (prev_prompt + new) if k else new",
         ("tests/loadtest/test_bench_serve.py::test_turns_grow_by_the_traces_new_tokens",),
     ),
     M(
         "bench-serve: vllm serve drops the manifest's flags",
-        "loadtest/bench_serve_lib.py",
+        "loadtest/serving/lib.py",
         "        args.append(a)\n    return args + list(extra)",
         "    return args + list(extra)",
         ("tests/loadtest/test_bench_serve.py::test_serve_args_keep_the_manifests_flags",),
     ),
     M(
         "bench-serve: the warm-up counted",
-        "loadtest/bench_serve_lib.py",
+        "loadtest/serving/lib.py",
         'kept = [r for r in recs if r["n"] >= warmup]',
         "kept = list(recs)",
         (
@@ -1366,7 +1374,7 @@ MUTANTS = [
     ),
     M(
         "bench-serve: a user's warm-up taken from its measured share",
-        "loadtest/bench_serve_lib.py",
+        "loadtest/serving/lib.py",
         "return warmup + -(-requests // users)",
         "return max(warmup, -(-requests // users))",
         (
@@ -1401,7 +1409,7 @@ MUTANTS = [
         "slots = self.slots.try_take(len(keys))",
         "slots = self.slots.take(len(keys))",
         (
-            "tests/api/test_vllm_connector_parts.py"
+            "tests/engines/adapters/test_vllm_connector_parts.py"
             "::test_a_step_never_waits_for_the_sidecar_to_free_staging",
         ),
     ),
@@ -1421,7 +1429,7 @@ MUTANTS = [
         "where = look.future.result(timeout=self.wait_s())",
         "where = look.future.result(timeout=self.lookup_wait)",
         (
-            "tests/api/test_vllm_connector_parts.py"
+            "tests/engines/adapters/test_vllm_connector_parts.py"
             "::test_a_late_answer_within_the_share_is_a_hit_not_a_skipped_step",
         ),
     ),

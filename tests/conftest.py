@@ -1,16 +1,13 @@
 """Fixtures: a real uvicorn server on loopback (in a thread, so tests can check the pool's
-invariants on its own loop), and a helper to run `python -m sidecar serve` as a process."""
+invariants on its own loop), and `spawn` to run `python -m sidecar serve` as a process
+(loadtest/kit/procs.py's launcher)."""
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,15 +18,16 @@ import uvicorn
 
 from api.app import create_app
 from api.engine.client import SidecarClient
-from loadtest.procs import free_port, socket_path
+from loadtest.kit.procs import SidecarProcess, free_port, socket_path
 from sidecar.config import Config
 from sidecar.server import listeners, uvicorn_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Engine suites need the engine's own virtualenv: `make test-sglang` runs tests/engines/sglang
-# there (naming the path, which collect_ignore does not block). The project's suite skips them.
-collect_ignore = ["engines"]
+# there (naming the path, which collect_ignore does not block). The project's suite skips them
+# and runs tests/engines/adapters (the adapters' own parts, no engine needed).
+collect_ignore = ["engines/sglang", "engines/vllm"]
 
 # Every default the sidecar reads from the environment, pointed by `hermetic` at a fresh
 # temp dir per test (short: a socket path holds at most 100 bytes). The first four are
@@ -98,19 +96,6 @@ def engine_connection(server, timeout: float = 10) -> socket.socket:
     s.settimeout(timeout)
     s.connect(server.config.socket)
     return s
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """http.client over the engine socket (raw requests the client would never send)."""
-
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
 
 
 class LiveServer:
@@ -210,65 +195,6 @@ def client(server) -> SidecarClient:
     c.close()
 
 
-class SidecarProcess:
-    """`python -m sidecar serve` as a child process on a free loopback port."""
-
-    def __init__(
-        self,
-        *args: str,
-        env: dict | None = None,
-        port: int | None = None,
-        socket: str | None = None,
-    ):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.socket = socket or socket_path()
-        self.socket_url = f"unix://{self.socket}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--port",
-            str(self.port),
-            "--socket",
-            self.socket,
-            *args,
-        ]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        # a file, not a pipe: a pipe nobody reads could block the server
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the server writes it until it exits)
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, text=True
-        )
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def wait_ready(self, token: str | None = None, timeout: float = 30) -> SidecarProcess:
-        c = SidecarClient(self.url, token=token, timeout=2)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.output()}")
-            if c.ready():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("sidecar did not become ready")
-
-    def terminate(self, timeout: float = 30) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=timeout)
-        return self.proc.returncode, self.output()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def spawn():
     procs = []
@@ -335,7 +261,7 @@ def wait_for(cond, timeout: float = 30.0) -> None:
 @pytest.fixture
 def cluster():
     """A real Mooncake cluster on loopback: mooncake_master and one store node."""
-    from loadtest.mooncake_cluster import Master, StoreNode
+    from loadtest.kit.mooncake_cluster import Master, StoreNode
 
     master = Master().start()
     node = StoreNode(master, "64MB").start()

@@ -1,5 +1,7 @@
-"""Dependencies point one way: loadtest -> api -> sidecar -> pools, with no circles, and a
-module named in a string counts as an import. Only the CUDA transport touches CUDA."""
+"""Dependencies point one way: loadtest -> api -> sidecar -> pools, with no circles anywhere
+in the repository (tests and tools too), and a module named in a string counts as an
+import. Tests stand above the tools: `tests -> loadtest`, never back; inside loadtest/ the
+tools' floor (loadtest/kit/) imports no other tool. Only the CUDA transport touches CUDA."""
 
 import ast
 import pathlib
@@ -37,15 +39,34 @@ def test_sidecar_does_not_import_api():
     assert bad == []
 
 
-def test_product_never_imports_loadtest():
-    """No import statement in api/, sidecar/ or pools/ names loadtest: at the top of a file,
-    in a function (the replay command once imported its quantile from the bench there), or
-    behind `if TYPE_CHECKING`."""
+def test_product_never_imports_loadtest_or_tests():
+    """No import statement in api/, sidecar/ or pools/ names loadtest or tests: at the top of
+    a file, in a function (the replay command once imported its quantile from the bench
+    there), or behind `if TYPE_CHECKING`."""
     bad = [
         (f, n)
         for pkg in ("pools", "sidecar", "api")
         for f, top, n in imports(pkg)
-        if top == "loadtest"
+        if top in ("loadtest", "tests")
+    ]
+    assert bad == []
+
+
+def test_tools_never_import_tests():
+    """loadtest/ runs from a checkout without tests/: what both need lives in loadtest/kit/
+    (the benches once imported the vLLM engine kit from tests/, a circle of packages)."""
+    bad = [(f, n) for f, top, n in imports("loadtest") if top == "tests"]
+    bad += [(f, n) for f, n in strings_in("loadtest") if n.startswith("tests.")]
+    assert bad == []
+
+
+def test_the_tools_floor_imports_no_tool():
+    """loadtest/kit/ is the floor the benches, the red team, the chaos soak and the tests
+    stand on: it imports the product and nothing else of loadtest/."""
+    bad = [
+        (f, n)
+        for f, top, n in imports("loadtest/kit")
+        if top == "loadtest" and not n.startswith("loadtest.kit")
     ]
     assert bad == []
 
@@ -61,7 +82,7 @@ def test_only_cuda_ipc_touches_cuda():
 def test_files_stay_small():
     big = [
         p.name
-        for pkg in ("pools", "sidecar", "api")
+        for pkg in ("pools", "sidecar", "api", "loadtest")
         for p in (ROOT / pkg).rglob("*.py")
         if len(p.read_text().splitlines()) > 600
     ]
@@ -79,17 +100,25 @@ def test_engine_side_imports_no_server_code():
     assert bad == []
 
 
-MODULE_NAME = re.compile(r"(?:pools|sidecar|api|loadtest)(?:\.\w+)+")
+MODULE_NAME = re.compile(r"(?:pools|sidecar|api|loadtest|tests)(?:\.\w+)+")
+PACKAGES = ("pools", "sidecar", "api", "loadtest", "tests")  # the repository's, top to bottom
 
 
 def modules() -> dict[str, pathlib.Path]:
-    """Every module of the product's packages by dotted name."""
+    """Every module of the repository's packages by dotted name."""
     out = {}
-    for pkg in ("pools", "sidecar", "api"):
+    for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
+
+
+def strings_in(package: str):
+    """(file, module) for every module name a file of `package` holds as a string."""
+    for path in (ROOT / package).rglob("*.py"):
+        for name in named_by_string(path):
+            yield path.relative_to(ROOT).as_posix(), name
 
 
 def named_by_string(path: pathlib.Path):
@@ -123,8 +152,9 @@ def test_no_upward_import_by_string():
 
 
 def test_no_import_circles():
-    """No module imports (directly or through others, type-only imports included) a module
-    that imports it back."""
+    """No module of the repository (product, tools, tests) imports, directly or through
+    others (type-only imports and names in strings included), a module that imports it
+    back."""
     mods = modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, path in mods.items():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests import conftest
-from tests.loadtest import test_replay
+from tests.api.cli import test_replay
 
 
 def test_a_broken_cuda_ipc_import_is_an_error_not_a_skip(monkeypatch):

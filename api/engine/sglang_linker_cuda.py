@@ -16,7 +16,7 @@ sidecar page is the same as the staging path's (each tensor's bytes of a page in
 order), so a linker on a GPU and one on a CPU share pages. The gate is kept on the engine's
 side (the sidecar's copies start after the offload thread saw the events complete): the
 HTTP contract carries no CUDA events. Nothing here imports SGLang: the GPU tests drive it
-with plain torch tensors laid out as SGLang's pools (tests/api/test_linker_cuda_gpu.py).
+with plain torch tensors laid out as SGLang's pools (tests/engines/adapters/test_linker_cuda_gpu.py).
 """
 
 from __future__ import annotations

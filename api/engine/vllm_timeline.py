@@ -12,7 +12,7 @@ timings and counts only: no keys, no tokens.
 `save_s` is what the step waited for the saves (copies into the staging memfd and waiting
 for free staging slots); `skipped` pages found no free staging slot and were not saved;
 `lookup_s` how long the scheduler held a request back for the sidecar's `exists` answer.
-`loadtest.bench_serve_trace.breakdown` sums them per arm beside vLLM's own histograms.
+`loadtest.serving.trace_replay.breakdown` sums them per arm beside vLLM's own histograms.
 """
 
 from __future__ import annotations

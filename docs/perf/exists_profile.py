@@ -14,7 +14,7 @@ import time
 import orjson
 
 from api.app import create_app
-from loadtest.bare_app import create_bare_app
+from loadtest.micro.bare_app import create_bare_app
 from sidecar.config import Config
 from sidecar.spec import parse_spec
 

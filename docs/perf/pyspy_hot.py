@@ -15,8 +15,8 @@ import orjson
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.bench import exists_keys, measure, post_loop
-from loadtest.procs import start_sidecar
+from loadtest.kit.procs import start_sidecar
+from loadtest.micro.bench import exists_keys, measure, post_loop
 
 EXTRA = [
     {"namespace": "mamba", "policy": "trailing_pages", "window": 1},

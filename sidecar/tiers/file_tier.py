@@ -401,7 +401,7 @@ class FileTier(Tier):
     def recover(self) -> int:
         """Rebuild the index from the directory (LRU order by mtime); remove abandoned
         temporaries (pagefile.abandoned), never another live writer's. The new index is
-        built aside in bulk (1,000,000 pages: loadtest/bench_recovery.py) and swapped in."""
+        built aside in bulk (1,000,000 pages: loadtest/micro/recovery.py) and swapped in."""
         with self._lock:
             self._scan_log = {}
         try:

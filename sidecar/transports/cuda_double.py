@@ -1,6 +1,6 @@
 """A CUDA runtime and driver over host memory, for machines without a GPU.
 
-The CPU tests of the CUDA transport and `python -m loadtest.bench_cuda --sweep --dry-run`
+The CPU tests of the CUDA transport and `python -m loadtest.micro.cuda_copy --sweep --dry-run`
 run the sidecar's own copy path against it: `CudaIpc((double, double))` (cuda_ipc.py), the
 plans of sidecar/transports/base.py and the submission in C (sidecar/_kvcopy.c
 `cuda_plan`), which calls this double's driver entry points as it would call the driver's:

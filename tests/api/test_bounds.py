@@ -16,9 +16,9 @@ import pytest
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer
 from api.wire import MAX_JSON_VALUES
+from loadtest.kit.unix_http import UnixHTTPConnection
 from sidecar.keys import MAX_BATCH
 from sidecar.transports.base import MAX_RUNS
-from tests.conftest import UnixHTTPConnection
 
 CHUNKS = MAX_RUNS // MAX_BATCH  # 16 runs a page: the largest request is 4,096 x 16
 CHUNK = 1024

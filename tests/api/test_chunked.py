@@ -22,7 +22,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from api.engine.client import SidecarClient
-from loadtest.redteam_conn import FLOODS_ENGINE, FLOODS_TCP, refused_chunks, tiny_chunk_round
+from loadtest.redteam.conn import FLOODS_ENGINE, FLOODS_TCP, refused_chunks, tiny_chunk_round
 from sidecar.server import (
     CHUNK_MIN_AVG,
     CHUNKS_AHEAD,

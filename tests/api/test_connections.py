@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from api.engine.client import SidecarClient
-from loadtest.hostile import lingering_tcp
+from loadtest.redteam.hostile import lingering_tcp
 from sidecar import connections
 from sidecar.connections import SO_PASSRIGHTS, refuse_fd_passing
 from sidecar.server import PeerHttpProtocol

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from api.engine.client import SidecarClient, SidecarError
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
+from loadtest.kit.calls import status
 from sidecar import ledger
 from tests.conftest import wait_for
 
@@ -29,14 +30,6 @@ def put(c, ns, keys):
 
 def post(c, path, body, ok=()):
     return c.request("POST", path, body, ok=ok)
-
-
-def status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 def tiered(make_server, tmp_path, **kw):

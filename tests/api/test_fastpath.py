@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from api.engine.shm import SharedBuffer, page_first_chunks
-from tests.conftest import UnixHTTPConnection
+from loadtest.kit.unix_http import UnixHTTPConnection
 
 PAGE = 4096
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from sidecar import events as events_mod
 from sidecar.events import block_hash
 from tests.conftest import replay_frames, wait_for

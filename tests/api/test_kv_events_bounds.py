@@ -15,7 +15,7 @@ import pytest
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from sidecar.config import Config
 from tests.conftest import wait_for
 

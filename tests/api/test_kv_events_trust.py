@@ -16,12 +16,12 @@ import orjson
 import pytest
 
 from api.engine.shm import SharedBuffer, page_first_chunks
+from loadtest.kit.as_uid import as_user
 from sidecar import events as events_mod
 from sidecar.config import Config
 from sidecar.publisher import Limits
 from tests.api.test_kv_events import PAGE, Subscriber, endpoints, settled
 from tests.conftest import replay_frames, wait_for
-from tests.deploy.as_uid import run_as
 
 zmq = pytest.importorskip("zmq")
 NOBODY, ENGINES, ROUTERS = 65534, 4, 100  # uid nobody; groups adm and users
@@ -69,7 +69,7 @@ def test_event_sockets_are_the_sidecars_users_alone_by_default(make_server, scra
     for path in (pub, rep):
         st = os.stat(path)
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
-        assert run_as(NOBODY, [ENGINES], _connect, path) == "EACCES"
+        assert as_user(_connect, path, uid=NOBODY, groups=[ENGINES]) == "EACCES"
     assert _topics(f"ipc://{rep}") == [b"t@kv"]
     srv.stop()
     assert not os.path.lexists(pub) and not os.path.lexists(rep)
@@ -82,9 +82,9 @@ def test_event_sockets_take_the_group_the_operator_names(make_server, scratch):
     for path in (pub, rep):
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == ROUTERS
-        assert run_as(NOBODY, [ENGINES], _connect, path) == "EACCES"
-        assert run_as(NOBODY, [ROUTERS], _connect, path) == "connected"
-    assert run_as(NOBODY, [ROUTERS], _topics, f"ipc://{rep}") == [b"t@kv"]
+        assert as_user(_connect, path, uid=NOBODY, groups=[ENGINES]) == "EACCES"
+        assert as_user(_connect, path, uid=NOBODY, groups=[ROUTERS]) == "connected"
+    assert as_user(_topics, f"ipc://{rep}", uid=NOBODY, groups=[ROUTERS]) == [b"t@kv"]
 
 
 def _set_with_tokens(srv, page_tokens: int, tokens: list) -> tuple:

@@ -21,7 +21,7 @@ import pytest
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.hostile import lingering_tcp
+from loadtest.redteam.hostile import lingering_tcp
 from sidecar import leases, store
 from sidecar.transports import shm
 from tests.api.test_trust import NOBODY, as_nobody, root_only, status_of

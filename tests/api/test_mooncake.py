@@ -8,7 +8,7 @@ import pytest
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.mooncake_cluster import Master, StoreNode
+from loadtest.kit.mooncake_cluster import Master, StoreNode
 from tests.conftest import wait_for
 
 PAGE = 64 * 1024

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from api.engine.client import SidecarClient
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
 from sidecar import ledger
 from sidecar.tiers.file_tier import FileTier
 from tests.conftest import Gate, wait_for

@@ -18,7 +18,7 @@ import yaml
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from tests.api.test_grafana import exprs
 from tests.conftest import ROOT
 

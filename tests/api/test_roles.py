@@ -20,8 +20,9 @@ import sys
 import pytest
 
 from api.engine.client import SidecarClient
-from loadtest.procs import free_port
-from loadtest.redteam import as_user, status
+from loadtest.kit.as_uid import as_user
+from loadtest.kit.calls import status
+from loadtest.kit.procs import free_port
 from sidecar.credentials import Credentials, read_tenants
 from sidecar.tenancy import OPERATOR, TcpTenant
 

@@ -17,7 +17,8 @@ import pytest
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import page_first_chunks
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
+from loadtest.kit.calls import status
 from sidecar import report
 from sidecar.peer import peer_of
 from tests.conftest import wait_for
@@ -31,14 +32,6 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="other uids and groups 
 
 def page(tag: str, size: int = PAGE) -> bytes:
     return hashlib.shake_256(tag.encode()).digest(size)
-
-
-def status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 def _open(srv) -> None:

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from api.engine.client import SidecarClient
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
 from sidecar import controls
 from tests.api.test_controls import PAGE, TOKEN, post, put, tiered
 from tests.conftest import wait_for

@@ -13,7 +13,8 @@ import os
 import pytest
 
 from api.engine.client import SidecarClient, SidecarError
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
+from loadtest.kit.calls import status
 from tests.conftest import wait_for
 
 PAGE = 4096
@@ -29,14 +30,6 @@ def page(tag: str) -> bytes:
 def read(c: SidecarClient, ns: str, key: str) -> bytes:
     """GET a page; a 404 raises (the client's get_page answers None for it)."""
     return c.request("GET", f"/v1/namespaces/{ns}/pages/{key}", raw=True)[1]
-
-
-def status(call) -> int:
-    try:
-        call()
-    except SidecarError as exc:
-        return exc.status
-    return 200
 
 
 @pytest.fixture

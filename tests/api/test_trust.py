@@ -23,7 +23,7 @@ import pytest
 
 from api.engine.client import SidecarClient, SidecarError
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
 from tests.conftest import wait_for
 
 PAGE = 4096

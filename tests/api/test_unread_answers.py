@@ -14,8 +14,9 @@ import http.client
 import socket
 import time
 
-from loadtest.redteam_roles import unread
-from tests.conftest import UnixHTTPConnection, wait_for
+from loadtest.kit.unix_http import UnixHTTPConnection
+from loadtest.redteam.roles import unread
+from tests.conftest import wait_for
 
 MIB = 2**20
 
@@ -64,7 +65,7 @@ def test_two_hundred_unread_answers_hold_no_copies_and_never_the_loop(make_serve
     )
     assert grown < 64, grown  # before: +803 MiB
     # the loop's own monitor: the server shares this process (and its GIL) with the probes,
-    # so their latency is not the server's; loadtest.redteam times /healthz from outside
+    # so their latency is not the server's; loadtest.redteam.runner times /healthz from outside
     assert longest < 0.05, longest
 
 

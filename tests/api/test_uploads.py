@@ -13,7 +13,7 @@ import pytest
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.redteam import as_user
+from loadtest.kit.as_uid import as_user
 
 PAGE = 1 << 20  # one page a segment: each upload in flight pins a segment
 TENANTS = range(65500, 65508)  # eight uids (gid = uid): with TCP's and root's, ten owners

@@ -125,7 +125,7 @@ def test_init_container_dirs_start_the_sidecar_and_admit_only_its_group():
     script run on it, then the sidecar's own args as uid 10001: it starts, the readiness
     probe's command passes, an engine uid in group 10001 sets a page over the socket and
     one outside the group cannot connect."""
-    from tests.deploy.as_uid import Sidecar, run_as
+    from loadtest.kit.as_uid import Sidecar, as_user
 
     spec = daemonset()["spec"]["template"]["spec"]
     init, side = spec["initContainers"][0], spec["containers"][0]
@@ -151,8 +151,8 @@ def test_init_container_dirs_start_the_sidecar_and_admit_only_its_group():
                 != 0
             )
             # an engine in the group stores and reads a page with no token at all
-            assert run_as(20001, [gid], srv.engine_put, None) == b"p" * 4096
-            assert run_as(20002, [], srv.engine_connect) == "PermissionError"
+            assert as_user(srv.engine_put, None, uid=20001, groups=[gid]) == b"p" * 4096
+            assert as_user(srv.engine_connect, uid=20002) == "PermissionError"
         assert srv.returncode == 0, srv.log()
     finally:
         shutil.rmtree(base, ignore_errors=True)

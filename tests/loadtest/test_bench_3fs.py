@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 @pytest.mark.slow
 def test_bench_3fs_small_run():
     out = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_3fs", "--pages", "3000", "--nodes", "3",
+        [sys.executable, "-m", "loadtest.micro.hf3fs", "--pages", "3000", "--nodes", "3",
          "--seconds", "1", "--latency-pages", "40", "--rate", "300", "--json"],
         cwd=ROOT,
         capture_output=True,

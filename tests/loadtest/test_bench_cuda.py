@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_cuda --sweep --dry-run` (issue 54): the sweep's every row on a
+"""`python -m loadtest.micro.cuda_copy --sweep --dry-run` (issue 54): the sweep's every row on a
 CPU machine, through the sidecar's copy path and the CUDA double (host memory), bytes
 checked both ways. The device figures are docs/gpu.md's; here only the run is checked."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from loadtest import bench_cuda
+from loadtest.micro import cuda_copy as bench_cuda
 from sidecar.transports import base, cuda_ipc
 from sidecar.transports.cuda_double import HostCuda
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from loadtest import bench_engines_lib as lib
-from loadtest.bench_engines_report import restore_figures, tables
-from loadtest.bench_engines_share import share_record
+from loadtest.engines import lib as lib
+from loadtest.engines.report import restore_figures, tables
+from loadtest.engines.share import share_record
 
 B = 32
 
@@ -294,7 +294,7 @@ def test_sidecar_env_is_set_only_while_the_sidecar_starts(monkeypatch):
 
 
 def test_the_chart_draws_the_memcpy_floor_and_the_target(tmp_path):
-    from loadtest import bench_engines_chart as chart
+    from loadtest.engines import chart as chart
 
     recs = restore_figures(fabricated(), ["none", "sidecar", "lmcache"], [1024], 786432)
     xs, floor, target = chart.floors(recs)

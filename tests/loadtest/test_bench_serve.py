@@ -1,4 +1,4 @@
-"""`make bench-serve`'s arithmetic (loadtest/bench_serve_lib.py): the trace's conversations
+"""`make bench-serve`'s arithmetic (loadtest/serving/lib.py): the trace's conversations
 made into token prompts, the `vllm serve` command kept in step with deploy/engine-vllm.yaml,
 and the report's figures and targets."""
 
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from loadtest import bench_serve_fleet as fl
-from loadtest import bench_serve_lib as sl
+from loadtest.serving import fleet as fl
+from loadtest.serving import lib as sl
 
 ROWS = [  # two conversations (shared prefixes of 2+ blocks) and one lone request
     {"input_length": 1000, "output_length": 100, "hash_ids": [0, 1]},
@@ -217,7 +217,7 @@ def test_core_shares_split_the_cores_and_wrap_round_the_ring():
 
 
 def test_report_keys_each_kept_request_by_user_and_number(tmp_path):
-    from loadtest import bench_serve_report as rep
+    from loadtest.serving import report as rep
 
     row = {"arm": "shared", "engines": 2, "policy": "rr", "users_per_engine": 1, "warmup": 1}
     lines = [

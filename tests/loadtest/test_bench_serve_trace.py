@@ -1,4 +1,4 @@
-"""`make bench-serve`'s second shape (loadtest/bench_serve_trace.py, issue 53): the trace's
+"""`make bench-serve`'s second shape (loadtest/serving/trace_replay.py, issue 53): the trace's
 requests made into prompts that share exactly the trace's shared prefixes, where a level's
 time went, and the shape's targets with the sidecar at the product's defaults."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from loadtest import bench_serve_trace as bt
+from loadtest.serving import trace_replay as bt
 
 ROWS = [
     {"timestamp": 1000, "input_length": 1000, "output_length": 100, "hash_ids": [0, 1]},
@@ -99,7 +99,7 @@ def test_trace_targets_judge_the_product_defaults():
 
 
 def test_the_report_pairs_trace_requests_by_their_trace_index(tmp_path):
-    from loadtest import bench_serve_report as rep
+    from loadtest.serving import report as rep
 
     base = {"engines": 2, "policy": "rr", "users_per_engine": 4, "warmup": 1, "shape": "trace"}
     for arm, ttfts in (("defaults", [9.0, 1.0, 2.0]), ("lmcache", [9.0, 3.0, 4.0])):

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 @pytest.mark.slow
 def test_bench_quick_json():
     out = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "loadtest.bench", "--quick", "--json"],
+        [sys.executable, "-W", "ignore", "-m", "loadtest.micro.bench", "--quick", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -40,7 +40,7 @@ def test_bench_quick_json():
 def test_bench_socket_reaches_the_engine_sockets_namespaces_over_tcp():
     """`make bench`'s second half: TCP reads and writes the namespaces made on the engine
     socket, which takes the token since namespaces have owners (docs/security.md)."""
-    from loadtest import bench_socket
+    from loadtest.micro import unix_socket as bench_socket
 
     res = bench_socket.run(1, 10)
     assert res["exists"]["tcp"]["req_s"] > 0 and res["exists"]["uds"]["req_s"] > 0
@@ -50,7 +50,7 @@ def test_bench_socket_reaches_the_engine_sockets_namespaces_over_tcp():
 
 @pytest.mark.slow
 def test_bench_events_runs_both_sidecars():
-    from loadtest import bench_events
+    from loadtest.micro import events as bench_events
 
     res = bench_events.run(1, 20, 4096, ring=1 << 20)  # the fill: until a 1 MiB ring wraps
     assert res["set"]["on_rps"] > 0 and res["set"]["off_rps"] > 0
@@ -58,8 +58,8 @@ def test_bench_events_runs_both_sidecars():
 
 
 def test_bench_stalls_runs_each_scenario_against_its_limit():
-    """`python -m loadtest.bench_stalls` end to end at a small size (figures unchecked)."""
-    from loadtest import bench_stalls
+    """`python -m loadtest.micro.stalls` end to end at a small size (figures unchecked)."""
+    from loadtest.micro import stalls as bench_stalls
 
     res = bench_stalls.run(pages=4096, keys=256)
     assert set(res) == {"full_pool", "neighbour", "drop"}
@@ -67,9 +67,9 @@ def test_bench_stalls_runs_each_scenario_against_its_limit():
 
 
 def test_bench_restore_times_each_restore_beside_its_burners():
-    """`python -m loadtest.bench_restore` end to end at small sizes (figures unchecked):
+    """`python -m loadtest.micro.restore` end to end at small sizes (figures unchecked):
     every restore is one move the sidecar timed, and the burners are gone after it."""
-    from loadtest import bench_restore
+    from loadtest.micro import restore as bench_restore
 
     args = bench_restore.parse(
         ["--sizes", "1,2", "--rounds", "2", "--layers", "3", "--run-kib", "16", "--busy", "1"]

@@ -1,6 +1,6 @@
 """The chaos soak, short and seeded: every fault kind injected, then the verdict.
 
-`python -m loadtest.chaos` runs as its own process (it monkey-patches with gevent), with two
+`python -m loadtest.chaos.soak` runs as its own process (it monkey-patches with gevent), with two
 sidecars of its own. Every violation it reports must be 0 (issue 11's write-back loss at
 SIGTERM and on a full queue, deletes that came back and temporaries left behind were seen
 here before their fixes; they now fail this test like any other violation).
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from loadtest.chaos_ledger import Ledger, Node
+from loadtest.chaos.ledger import Ledger, Node
 from tests.conftest import ROOT
 
 KINDS = ("sigkill", "sigterm", "disk_fill", "ns_delete", "stall")
@@ -23,7 +23,7 @@ def run_soak(tmp_path, seed: int, duration: int, *extra: str) -> tuple[int, dict
     cmd = [
         sys.executable,
         "-m",
-        "loadtest.chaos",
+        "loadtest.chaos.soak",
         "--seed",
         str(seed),
         "--duration",

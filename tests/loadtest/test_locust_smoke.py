@@ -19,7 +19,7 @@ def test_locust_smoke_has_no_failures(spawn, tmp_path):
         [
             locust,
             "-f",
-            "loadtest/locustfile.py",
+            "loadtest/micro/locustfile.py",
             "--headless",
             "-u",
             "4",

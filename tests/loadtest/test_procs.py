@@ -1,10 +1,10 @@
-"""loadtest.procs: what the benchmarks and tests start their servers with."""
+"""loadtest.kit.procs: what the benchmarks and tests start their servers with."""
 
 from __future__ import annotations
 
 import socket
 
-from loadtest import procs
+from loadtest.kit import procs
 
 
 class _Kernel:
@@ -41,3 +41,30 @@ def test_free_port_is_free_and_new_each_time():
     assert len(set(ports)) == 50
     with socket.socket() as s:  # free: it binds
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_a_sidecar_that_cannot_start_says_why():
+    p = procs.SidecarProcess("--host-pool", "lots")
+    try:
+        procs_error = None
+        try:
+            p.wait_ready(timeout=30)
+        except RuntimeError as exc:  # its output, not a timeout
+            procs_error = str(exc)
+        assert procs_error is not None and "not a size: 'lots'" in procs_error, procs_error
+        assert p.proc.returncode not in (None, 0)
+    finally:
+        p.kill()
+
+
+def test_a_variant_is_a_subclass_with_its_entry_point_and_environment(tmp_path):
+    """The slowed file tier (a fault on purpose) starts through the same launcher: its own
+    module, the delay in its environment, the same readiness and a clean exit."""
+    p = procs.SlowTierSidecar("--data-dir", str(tmp_path / "d"), delay_ms=5).wait_ready()
+    try:
+        assert p.proc.args[1:3] == ["-m", "loadtest.kit.vllm.slow_tier"]
+        with open(f"/proc/{p.proc.pid}/environ", "rb") as f:
+            assert b"KV_SIDECAR_TEST_READ_DELAY_MS=5" in f.read().split(b"\0")
+    finally:
+        rc, out = p.terminate()
+    assert rc == 0, out

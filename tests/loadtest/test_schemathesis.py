@@ -20,7 +20,7 @@ def test_schemathesis_finds_no_server_error(spawn):
         [
             st,
             "--config-file",
-            "loadtest/schemathesis.toml",
+            "loadtest/micro/schemathesis.toml",
             "run",
             f"{p.url}/openapi.json",
             "--checks",

@@ -7,7 +7,7 @@ driver call, those the C code makes through the driver's function pointers inclu
     older driver            cuMemcpyAsync a run, every one of them called from C
     either                  no cudaMemcpyAsync from Python; one stream sync a copy job
 
-The device figures are docs/gpu.md's (`python -m loadtest.bench_cuda --sweep`)."""
+The device figures are docs/gpu.md's (`python -m loadtest.micro.cuda_copy --sweep`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from tests.conftest import replay_frames
 
 zmq = pytest.importorskip("zmq")

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from pools.page_pool import PagePool
 
 zmq = pytest.importorskip("zmq")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from tests.conftest import replay_frames, wait_for
 
 zmq = pytest.importorskip("zmq")

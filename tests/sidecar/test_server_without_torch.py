@@ -24,7 +24,8 @@ import pytest
 
 from api.engine.client import SidecarClient
 from api.engine.shm import SharedBuffer, page_first_chunks
-from tests.conftest import ROOT, SidecarProcess
+from loadtest.kit.procs import SidecarProcess
+from tests.conftest import ROOT
 
 BLOCKER = """import sys
 class _NoTorch:

@@ -61,8 +61,8 @@ from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhas
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import CacheRequestHandle, PoolHitPolicy, PoolName, PoolTransfer
+from loadtest.kit.sglang import pools as kit
+from loadtest.kit.sglang.pools import CacheRequestHandle, PoolHitPolicy, PoolName, PoolTransfer
 
 DSA_P, DSA_TOKENS = 64, 64 * 8
 V4_P, V4_FULL, V4_SWA = 256, 256 * 8, 256 * 4  # SGLang hardcodes DeepSeek-V4's page at 256

@@ -17,8 +17,8 @@ import hashlib
 import json
 import sys
 
+from loadtest.kit.sglang import pools as kit
 from tests.engines.sglang import assembled as asm
-from tests.engines.sglang import kit
 
 TOKENS = list(range(7000, 7000 + 4 * asm.DSA_P))
 

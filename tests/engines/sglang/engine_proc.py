@@ -15,7 +15,7 @@ import hashlib
 import json
 import sys
 
-from tests.engines.sglang import kit
+from loadtest.kit.sglang import pools as kit
 
 TOKENS = list(range(100, 116))
 

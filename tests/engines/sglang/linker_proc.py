@@ -1,5 +1,5 @@
 """One SGLang engine process with the kv-sidecar linker, for the multi-process tests (the tree,
-pools and steps of linker_kit.py).
+pools and steps of loadtest/kit/sglang/linker.py).
 
     python -m tests.engines.sglang.linker_proc URL share KIND SEED
         computes its own prompt (pages 6, tokens from SEED * 1000), prints {"wrote": digests};
@@ -21,8 +21,8 @@ import sys
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
-from tests.engines.sglang import kit
-from tests.engines.sglang import linker_kit as lk
+from loadtest.kit.sglang import linker as lk
+from loadtest.kit.sglang import pools as kit
 
 PAGES = 6
 

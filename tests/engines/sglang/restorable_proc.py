@@ -19,9 +19,9 @@ import sys
 
 import torch
 
+from loadtest.kit.sglang import pools as kit
+from loadtest.kit.sglang.pools import PoolName
 from tests.engines.sglang import assembled as asm
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import PoolName
 
 P = asm.SMALL_P
 TOKENS = list(range(80000, 80000 + 4 * P))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from api.engine.sglang_pools import namespace_name, namespace_spec
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import indices
+from loadtest.kit.sglang import pools as kit
+from loadtest.kit.sglang.pools import indices
 
 FP8 = torch.float8_e4m3fn
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from loadtest.kit.sglang import pools as kit
 from tests.conftest import ROOT
-from tests.engines.sglang import kit
 
 TOKENS = list(range(1000, 1016))  # 4 pages
 

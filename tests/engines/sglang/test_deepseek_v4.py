@@ -6,9 +6,9 @@ Replaced, GPU-only: cudaHostRegister (assembled.py)."""
 
 import pytest
 
+from loadtest.kit.sglang import pools as kit
+from loadtest.kit.sglang.pools import PoolHitPolicy, PoolName, PoolTransfer
 from tests.engines.sglang import assembled as asm
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import PoolHitPolicy, PoolName, PoolTransfer
 
 P = asm.V4_P
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES

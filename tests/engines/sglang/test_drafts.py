@@ -11,9 +11,9 @@ per rank (each rank loads its own pages). Replaced, GPU-only: cudaHostRegister (
 
 import pytest
 
+from loadtest.kit.sglang import pools as kit
+from loadtest.kit.sglang.pools import PoolHitPolicy, PoolName
 from tests.engines.sglang import assembled as asm
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import PoolHitPolicy, PoolName
 
 
 class Ranks:

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from loadtest.kit.sglang import pools as kit
+from loadtest.kit.sglang.pools import PoolHitPolicy, PoolName
 from tests.conftest import ROOT
 from tests.engines.sglang import assembled as asm
-from tests.engines.sglang import kit
-from tests.engines.sglang.kit import PoolHitPolicy, PoolName
 
 P = asm.DSA_P
 

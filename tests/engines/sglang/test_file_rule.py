@@ -10,12 +10,12 @@ import asyncio
 import pytest
 import torch
 
+from loadtest.kit.sglang import pools as h
 from pools import Arena, HostPool
 from sidecar.buffers import Sources
 from sidecar.hybrid import ExtraPool, batch_exists
 from sidecar.spec import parse_spec
 from sidecar.store import Store
-from tests.engines.sglang import kit as h
 
 KEYS = [f"{i:064x}" for i in range(3)]
 W1 = h.PoolHitPolicy.TRAILING_PAGES

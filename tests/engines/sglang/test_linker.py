@@ -1,7 +1,7 @@
 """The kv-sidecar UnifiedCacheLinker under SGLang 0.5.23's own UnifiedRadixCache, on CPU device
 pools, against a live sidecar: SGLang's `create_tree_cache` loads it from the documented config,
 its `UnifiedCacheLinkerWrapper` drives it, and the scheduler's steps are taken in order
-(linker_kit.py names them). Pages are compared byte for byte."""
+(loadtest/kit/sglang/linker.py names them). Pages are compared byte for byte."""
 
 import pytest
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -10,10 +10,10 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from api.engine.sglang_linker_pools import device_pool_group
 from api.sglang_linker import SidecarLinker
+from loadtest.kit.sglang import linker as lk
+from loadtest.kit.sglang import pools as kit  # SGLang's CPU settings before anything imports SGLang
+from loadtest.kit.sglang.linker import P
 from tests.conftest import Gate
-from tests.engines.sglang import kit  # SGLang's CPU settings before anything imports SGLang
-from tests.engines.sglang import linker_kit as lk
-from tests.engines.sglang.linker_kit import P
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The kv-sidecar linker across processes: two SGLang engine processes on one sidecar process,
 two TP ranks of one engine (a gloo group, SGLang's tree intersecting their answers), and a
-sidecar restart with pages back from its file tier (linker_proc.py, linker_kit.py)."""
+sidecar restart with pages back from its file tier (linker_proc.py, loadtest/kit/sglang/linker.py)."""
 
 import json
 import os
@@ -10,10 +10,10 @@ import sys
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from api.engine.client import SidecarClient
+from loadtest.kit.sglang import linker as lk
+from loadtest.kit.sglang import pools as kit  # SGLang's CPU settings before anything imports SGLang
+from loadtest.kit.sglang.linker import P
 from tests.conftest import ROOT
-from tests.engines.sglang import kit  # SGLang's CPU settings before anything imports SGLang
-from tests.engines.sglang import linker_kit as lk
-from tests.engines.sglang.linker_kit import P
 
 
 def engine_procs(*args_list):

@@ -1,13 +1,13 @@
 """The linker's lookup answers "recompute" when restoring a prefix would be slower than its
 prefill (issue 44, api/engine/restore_cost.py), under SGLang's own UnifiedRadixCache on CPU
-device pools against a live sidecar (linker_kit.py), and the sidecar counts the skip."""
+device pools against a live sidecar (loadtest/kit/sglang/linker.py), and the sidecar counts the skip."""
 
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
-from tests.engines.sglang import kit  # noqa: F401  SGLang's CPU settings first
-from tests.engines.sglang import linker_kit as lk
-from tests.engines.sglang.linker_kit import P
+from loadtest.kit.sglang import linker as lk
+from loadtest.kit.sglang import pools as kit  # noqa: F401  SGLang's CPU settings first
+from loadtest.kit.sglang.linker import P
 
 
 @pytest.fixture

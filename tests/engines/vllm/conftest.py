@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.engines.vllm.engine_proc import Engine
+from loadtest.kit.vllm.engine import Engine
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from tests.engines.vllm.tiny_model import build
+    from loadtest.kit.vllm.tiny_model import build
 
     return build(str(tmp_path_factory.mktemp("tiny-llama")))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from loadtest import bench_engines
-from loadtest import bench_engines_lib as lib
+from loadtest.engines import bench as bench_engines
+from loadtest.engines import lib as lib
 
 BLOCK = 32
 

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from api.engine.shm import SharedBuffer, page_first_chunks
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 from tests.conftest import wait_for
 
 PAGE = 4096

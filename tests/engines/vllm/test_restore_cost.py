@@ -13,50 +13,13 @@ prefix in the host pool still loads.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-import tempfile
 
 from api.engine.client import SidecarClient
-from loadtest.procs import free_port
-from tests.conftest import ROOT, SidecarProcess, socket_path
+from loadtest.kit.procs import SlowTierSidecar, free_port, socket_path
 
 TOKEN = "vllm-test-token"
 DELAY_MS = 250
-
-
-class SlowTierSidecar(SidecarProcess):
-    """`sidecar serve` whose file tier reads each page `delay_ms` late."""
-
-    def __init__(self, *args: str, delay_ms: int, port: int, socket: str):
-        self.port, self.socket = port, socket
-        self.url, self.socket_url = f"http://127.0.0.1:{port}", f"unix://{socket}"
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "KV_SIDECAR_TEST_READ_DELAY_MS": str(delay_ms),
-        }
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the sidecar writes it until it exits)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.engines.vllm.slow_tier",
-                "serve",
-                "--port",
-                str(port),
-                "--socket",
-                socket,
-                *args,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:

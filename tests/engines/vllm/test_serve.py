@@ -20,9 +20,9 @@ import time
 import pytest
 
 from api.engine.client import SidecarClient
-from loadtest import bench_serve_fleet as fl
-from loadtest import bench_serve_lib as sl
-from tests.conftest import SidecarProcess
+from loadtest.kit.procs import SidecarProcess
+from loadtest.serving import fleet as fl
+from loadtest.serving import lib as sl
 
 TOKEN = "serve-test-token"
 SIDECAR_ARGS = ("--host-pool", "64MiB", "--token", TOKEN, "--log-level", "warning")

@@ -18,7 +18,7 @@ import random
 import time
 
 from api.engine.client import SidecarClient
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 
 BLOCK = 32
 TOKEN = "vllm-test-token"

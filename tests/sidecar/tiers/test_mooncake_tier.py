@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from loadtest.mooncake_cluster import Master, StoreNode
+from loadtest.kit.mooncake_cluster import Master, StoreNode
 from pools import Arena
 from sidecar.tiers import pagefile
 from sidecar.tiers.mooncake_tier import MooncakeSettings, MooncakeTier

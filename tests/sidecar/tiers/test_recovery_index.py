@@ -150,7 +150,7 @@ def test_bench_recovery_runs_small(capsys, tmp_path):
     """`make bench-recovery` at 2,000 pages: every figure is there, and the temp dir goes."""
     import orjson
 
-    from loadtest import bench_recovery
+    from loadtest.micro import recovery as bench_recovery
 
     assert (
         bench_recovery.main(["--pages", "2000", "--rounds", "1", "--dir", str(tmp_path), "--json"])
