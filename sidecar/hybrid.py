@@ -222,7 +222,7 @@ async def batch_exists(
         raise BadRequest("'kv' must name the KV namespace")
     plan = resolve(store, kv, extra, who)
     out = await _batch_exists(store, keys, plan, restorable)
-    out["pools"] = dict(zip(plan.asked, out["pools"], strict=False))
+    out["pools"] = dict(zip(plan.asked, out["pools"], strict=True))
     return out
 
 
@@ -301,7 +301,7 @@ async def _batch_exists(store: Store, keys: Any, plan: Plan, restorable: bool) -
         )
         seen = [
             Presence(store, pool.namespace, keys, top, m)
-            for pool, m in zip(extra, found, strict=False)
+            for pool, m in zip(extra, found, strict=True)
         ]
     elif not restorable and restores_top(store, extra, keys, top, held):
         return {"hit": top, "kv": top, "pools": [top] * len(extra)}
@@ -325,7 +325,7 @@ def run_of(masks: bytes, bits: tuple[int, ...], extra: Sequence[ExtraPool]) -> i
     """The leading run of `masks` that the KV pool and every all-pages pool hold (`bits`:
     the KV pool's, then each extra pool's)."""
     need = bits[0]
-    for bit, pool in zip(bits[1:], extra, strict=False):
+    for bit, pool in zip(bits[1:], extra, strict=True):
         if pool.policy == ALL_PAGES:
             need |= bit
     end = held_by(masks, need).find(0)
@@ -339,7 +339,7 @@ def rule_on_masks(
     extra pool's `pools.joint.table`): each pool's pages read in C, no look-up left."""
     masks, tables = walked
     held = [masks.translate(t) for t in tables]
-    own = [bits_cap(pool, h, top) for pool, h in zip(extra, held, strict=False)]
+    own = [bits_cap(pool, h, top) for pool, h in zip(extra, held, strict=True)]
     if min(own, default=top) == top and not restorable:  # every pool restores it all
         return {"hit": top, "kv": top, "pools": own}
     out = {"hit": common_hit(extra, (bits_cap, held), own, top), "kv": top, "pools": own}
@@ -373,7 +373,7 @@ def hit_rule(
     extra: Sequence[ExtraPool], seen: list[Presence], top: int, restorable: bool
 ) -> dict[str, Any]:
     """The answer, each pool's pages as its Presence finds them."""
-    own = [cap(pool, s, top) for pool, s in zip(extra, seen, strict=False)]
+    own = [cap(pool, s, top) for pool, s in zip(extra, seen, strict=True)]
     out = {"hit": common_hit(extra, (cap, seen), own, top), "kv": top, "pools": own}
     if restorable:
         out["restorable"] = common_endpoints(extra, [s.all() for s in seen], top)
@@ -391,14 +391,14 @@ def common_hit(
     low = min(
         [
             o if o == hit else cap_of(pool, seen, hit)
-            for pool, seen, o in zip(extra, pages, own, strict=False)
+            for pool, seen, o in zip(extra, pages, own, strict=True)
         ],
         default=hit,
     )
     while low != hit:  # every endpoint in (low, hit] is one some pool cannot restore
         hit = low
         low = min(
-            [cap_of(pool, seen, hit) for pool, seen in zip(extra, pages, strict=False)], default=hit
+            [cap_of(pool, seen, hit) for pool, seen in zip(extra, pages, strict=True)], default=hit
         )
     return hit
 
@@ -407,7 +407,7 @@ def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) ->
     """Every endpoint in 1..top that every pool can restore, ascending (`bits`: each
     pool's pages [0, top))."""
     common = int.from_bytes(bytearray(b"\x01") * (top + 1), "little")
-    for pool, b in zip(extra, bits, strict=False):
+    for pool, b in zip(extra, bits, strict=True):
         window = top if pool.policy == ALL_PAGES else pool.window
         common &= int.from_bytes(legal_endpoints(b, top, window), "little")
     return list(compress(range(1, top + 1), common.to_bytes(top + 1, "little")[1:]))
@@ -464,7 +464,7 @@ async def batch_set(
             for i in items
         )
     )
-    return {name: r for name, r in zip(_names(raw_items), results, strict=False)}
+    return {name: r for name, r in zip(_names(raw_items), results, strict=True)}
 
 
 def _names(raw_items: list) -> list[str]:
@@ -500,5 +500,5 @@ async def batch_get(
         )
     else:
         results = [[False] * len(i.keys) for i in rest]
-    loaded.update({i.namespace: r for i, r in zip(rest, results, strict=False)})
-    return {name: loaded[i.namespace] for name, i in zip(_names(raw_items), items, strict=False)}
+    loaded.update({i.namespace: r for i, r in zip(rest, results, strict=True)})
+    return {name: loaded[i.namespace] for name, i in zip(_names(raw_items), items, strict=True)}

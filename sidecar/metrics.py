@@ -119,7 +119,7 @@ class _Collector:
         )
         for route, counts in sorted(self.snap["hist"].items()):
             acc, buckets = 0, []
-            for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts, strict=False):
+            for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts, strict=True):
                 acc += n
                 buckets.append((bound, acc))
             lat.add_metric([route], buckets, self.snap["sums"][route])

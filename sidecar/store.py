@@ -331,12 +331,9 @@ class Store:
                     None if len(committed) == len(keys) else [i for i, _ in todo if stored[i]],
                     meta,
                 )
-            queued = (
-                self.tiering.queue_committed(ns.identity, ns.pool, committed, credits)
-                if credits
-                else []
-            )
-            futures.update(zip((e.key for e in committed), queued, strict=False))
+            if credits:  # (none: no write-through, nothing queued)
+                queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits)
+                futures.update(zip((e.key for e in committed), queued, strict=True))
 
         await self.copier.copy(
             buf,

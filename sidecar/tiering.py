@@ -89,10 +89,10 @@ class Tiering:
             if not todo:
                 break
             found = await self._lookup(tier, identity, [keys[i] for i in todo])
-            for i, hit in zip(todo, found, strict=False):
+            for i, hit in zip(todo, found, strict=True):
                 if hit:
                     where[i] = tier
-            todo = [i for i, hit in zip(todo, found, strict=False) if not hit]
+            todo = [i for i, hit in zip(todo, found, strict=True) if not hit]
         return where
 
     async def present(self, identity: str, keys: list[str]) -> list[bool]:
@@ -117,7 +117,7 @@ class Tiering:
                     if index is None
                     else map(index.__contains__, asked)
                 )
-                for i, hit in zip(todo, hits, strict=False):
+                for i, hit in zip(todo, hits, strict=True):
                     found[i] = bool(hit)
         return found
 
@@ -146,11 +146,11 @@ class Tiering:
             if tier.remote_lookup:
                 todo = [i for i, hit in enumerate(found) if not hit]
                 for i, hit in zip(
-                    todo, await self._lookup(tier, identity, [keys[i] for i in todo]), strict=False
+                    todo, await self._lookup(tier, identity, [keys[i] for i in todo]), strict=True
                 ):
                     found[i] = hit
         n = 0
-        for k, hit in zip(keys, found, strict=False):
+        for k, hit in zip(keys, found, strict=True):
             if not (hit or k in ready or any(t.contains(identity, k) for t in local)):
                 break
             n += 1
@@ -345,7 +345,7 @@ class Tiering:
         keys = [k for k in keys if not pool.contains(k)]
         found = [
             (k, t)
-            for k, t in zip(keys, await self.locate(identity, keys) if keys else [], strict=False)
+            for k, t in zip(keys, await self.locate(identity, keys) if keys else [], strict=True)
             if t is not None
         ]
         todo = await self._reserve_room(pool, found)
@@ -386,7 +386,7 @@ class Tiering:
             for part, got in zip(parts, done, strict=True):
                 if isinstance(got, BaseException):
                     raise got
-                for i, good in zip(part, got, strict=False):
+                for i, good in zip(part, got, strict=True):
                     results[i] = good
         except asyncio.CancelledError:
             for job in jobs:
@@ -395,7 +395,7 @@ class Tiering:
             raise
         finally:
             del self._undone[mine]
-            for (_, r), good in zip(todo, results, strict=False):
+            for (_, r), good in zip(todo, results, strict=True):
                 if good and r.key not in undone and (pool.name, r.key) not in self.being_deleted:
                     loaded += pool.commit(r)  # (False: deleted meanwhile, its slot freed)
                 else:
@@ -462,7 +462,7 @@ class Tiering:
             items = [
                 (todo[i][1].key, self.host_pool.view(todo[i][1].offset, page_bytes)) for i in idx
             ]
-            for i, good in zip(idx, tier.read_batch(identity, items), strict=False):
+            for i, good in zip(idx, tier.read_batch(identity, items), strict=True):
                 out[i] = bool(good)
         return out
 

@@ -233,6 +233,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         targets = target_locations or [None] * len(keys)
+        # SGLang's lists: never raise into its storage thread
         return [self.get(k, t) for k, t in zip(keys, targets, strict=False)]
 
     @never_raises(False)
@@ -245,7 +246,9 @@ class SidecarHiCacheStorage(HiCacheStorage):
         return True
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        return all(self.set(k, v) for k, v in zip(keys, values or [None] * len(keys), strict=False))
+        values = values or [None] * len(keys)
+        # SGLang's lists: never raise into its storage thread
+        return all(self.set(k, v) for k, v in zip(keys, values, strict=False))
 
     @never_raises(False)
     def exists(self, key) -> bool:

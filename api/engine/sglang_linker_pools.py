@@ -194,7 +194,7 @@ class PoolLayout:
         if not n:
             return
         index, table = self._index(rows), self.table(stage)
-        for pages, off in zip(self.pages, self.offsets, strict=False):
+        for pages, off in zip(self.pages, self.offsets, strict=True):
             size = pages.shape[1]
             if self.on_cpu:
                 table.numpy()[first_slot : first_slot + n, off : off + size] = pages.numpy()[index]
@@ -209,7 +209,7 @@ class PoolLayout:
         if not n:
             return
         index, table = self._index(rows), self.table(stage)
-        for pages, off in zip(self.pages, self.offsets, strict=False):
+        for pages, off in zip(self.pages, self.offsets, strict=True):
             src = table[first_slot : first_slot + n, off : off + pages.shape[1]]
             if self.on_cpu:
                 pages.numpy()[index] = src.numpy()

@@ -151,7 +151,7 @@ class PoolBinding:
     def inline(self, client, op: str, keys: list[str], slots: list[int]) -> list[bool]:
         """Copy pages through the inline endpoints (pools that are not shareable)."""
         P, out, pad = self.page_size, [], bytes(max(0, self.stored_bytes - self.page_bytes))
-        for key, slot in zip(keys, slots, strict=False):
+        for key, slot in zip(keys, slots, strict=True):
             if op == "set":
                 tensor = self.host_pool.get_data_page(
                     slot * P, flat=True

@@ -275,7 +275,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kv-sidecar: unsupported KV cache groups (%s): disabled", why)
             return
         sides = []
-        for plan, group in zip(plans, kcc.kv_cache_groups, strict=False):
+        for plan, group in zip(plans, kcc.kv_cache_groups, strict=True):
             layers = {n: kv_caches[n] for n in group.layer_names if n in kv_caches}
             sides.append(
                 self._side(PageLayout.of(layers, num_blocks), layers, plan.pool, plan.describe)

@@ -138,7 +138,7 @@ class HybridScheduler(SchedulerSide):
         extra: list[dict[str, Any]] = []
         anchor = self.anchor
         for r, names in enumerate(self.ranks):
-            for plan, ns in zip(self.plans, names, strict=False):
+            for plan, ns in zip(self.plans, names, strict=True):
                 if r == 0 and plan.index == anchor:
                     continue
                 if plan.kind == FULL or plan.index == anchor:
@@ -184,7 +184,7 @@ class HybridScheduler(SchedulerSide):
             ids = groups[plan.index]
             pick = [
                 (k, i)
-                for k, i in zip(keys, index, strict=False)
+                for k, i in zip(keys, index, strict=True)
                 if i < len(ids) and ids[i] != NULL_BLOCK
             ]
             if plan.kind == MAMBA:

@@ -56,7 +56,7 @@ class PageLayout:
     def staging_views(self, staging: torch.Tensor) -> list[torch.Tensor]:
         """The matching [slots, size_j] windows of a uint8 [slots, page_bytes] staging tensor."""
         return [
-            staging[:, o : o + v.shape[1]] for v, o in zip(self.views, self.offsets, strict=False)
+            staging[:, o : o + v.shape[1]] for v, o in zip(self.views, self.offsets, strict=True)
         ]
 
     def to_staging(
@@ -64,7 +64,7 @@ class PageLayout:
     ) -> None:
         """Copy KV blocks `blocks` into staging slots `slots` (all layers)."""
         for b, s, n in _runs(blocks, slots):
-            for view, window in zip(self.views, staging, strict=False):
+            for view, window in zip(self.views, staging, strict=True):
                 window[s : s + n].copy_(view[b : b + n])
 
     def from_staging(
@@ -72,7 +72,7 @@ class PageLayout:
     ) -> None:
         """Copy staging slots `slots` into KV blocks `blocks` (all layers)."""
         for b, s, n in _runs(blocks, slots):
-            for view, window in zip(self.views, staging, strict=False):
+            for view, window in zip(self.views, staging, strict=True):
                 view[b : b + n].copy_(window[s : s + n])
 
 

@@ -274,6 +274,7 @@ class WorkerSide:
         for t in transfers:
             started = time.monotonic()
             ok = self._load_one(t)
+            # `ok` is short (or []) when the load failed: the blocks past it are failed below
             failed = [b for b, good in zip(t.block_ids, ok, strict=False) if not good]
             failed += t.block_ids[len(ok) :]
             if t.tiers and t.keys and not failed:
@@ -300,7 +301,7 @@ class WorkerSide:
                 slots = self.slots.take(len(keys))
                 try:
                     got = self._call(self.client.get, keys, slots)
-                    good = [(s, b) for s, b, g in zip(slots, blocks, got, strict=False) if g]
+                    good = [(s, b) for s, b, g in zip(slots, blocks, got, strict=True) if g]
                     if good:
                         self.layout.from_staging(
                             self.windows, [s for s, _ in good], [b for _, b in good]

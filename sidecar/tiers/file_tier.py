@@ -510,7 +510,7 @@ def _build_index(scans: list) -> tuple[dict, tuple[list, list], int]:
     mtimes: list[float] = []
     used = 0
     for ident, found, sizes, mt in scans:
-        keys[ident] = dict(zip(found, sizes, strict=False))
+        keys[ident] = dict(zip(found, sizes, strict=True))
         idents += repeat(ident, len(found))
         names += found
         mtimes += mt

@@ -264,7 +264,7 @@ class MooncakeTier(Tier):
         else:
             self.degraded = None
         found = [c == 1 for c in codes]
-        for k, hit in zip(keys, found, strict=False):
+        for k, hit in zip(keys, found, strict=True):
             if hit:
                 self._remember(identity, k)
         return found
@@ -299,7 +299,7 @@ class MooncakeTier(Tier):
         try:
             with _Staged(self, jobs) as addrs:
                 keys, ptrs, sizes = [], [], []
-                for j, ((identity, key, page), addr) in enumerate(zip(jobs, addrs, strict=False)):
+                for j, ((identity, key, page), addr) in enumerate(zip(jobs, addrs, strict=True)):
                     mkey = self._key(identity, key)
                     ctypes.memmove(block + j * HEADER, pagefile.encode_header(mkey, page), HEADER)
                     keys.append(mkey)
@@ -311,7 +311,7 @@ class MooncakeTier(Tier):
                     )
         finally:
             self._blocks.put(block)
-        return [self._written(job, code) for job, code in zip(jobs, codes, strict=False)]
+        return [self._written(job, code) for job, code in zip(jobs, codes, strict=True)]
 
     def _written(self, job: tuple, code: int) -> bool:
         identity, key, page = job
@@ -358,7 +358,7 @@ class MooncakeTier(Tier):
             self._blocks.put(block)
         return [
             self._verify(identity, item, mkey, head, code)
-            for item, mkey, head, code in zip(items, keys, heads, codes, strict=False)
+            for item, mkey, head, code in zip(items, keys, heads, codes, strict=True)
         ]
 
     def _verify(self, identity: str, item: tuple, mkey: str, head: bytes, code: int) -> bool:
@@ -468,7 +468,7 @@ class _Staged:
         self.tier._staging_lock.acquire()
         self.locked = True
         base, at, addrs = _mapped_address(staging), 0, []
-        for (_, _, page), a in zip(self.jobs, found, strict=False):
+        for (_, _, page), a in zip(self.jobs, found, strict=True):
             if a is None:
                 staging[at : at + len(page)] = page
                 a = base + at

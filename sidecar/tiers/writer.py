@@ -194,8 +194,8 @@ class TierWriter:
                 if not live:
                     break
                 res = tier.write_batch([(j.identity, j.key, j.page) for j in live])
-                ok = [a and b for a, b in zip(ok, res, strict=False)]
-            good = {id(j): g for j, g in zip(live, ok, strict=False)}
+                ok = [a and b for a, b in zip(ok, res, strict=True)]
+            good = {id(j): g for j, g in zip(live, ok, strict=True)}
             self.loop.call_soon_threadsafe(self._finish, batch, good)
 
     def _finish(self, batch: list[WriteJob], good: dict[int, bool]) -> None:
