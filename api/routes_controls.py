@@ -1,4 +1,4 @@
-"""Operators' controls (sidecar/controls.py): pin, unpin, evict and warm pages by keys or by
+"""Operators' controls (sidecar/controls/): pin, unpin, evict and warm pages by keys or by
 chain, pins listed, warm jobs followed, and what a cached token costs."""
 
 from __future__ import annotations

@@ -935,15 +935,15 @@ MUTANTS = [
     ),
     M(
         "loop turns: an owner's newest pins end in one turn",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "            while order and n < CHUNK and len(",
         "            while order and len(",
         ("tests/api/test_loop_turns.py",),
     ),
-    # -- operators' controls (issue 47, sidecar/controls.py) --------------------------------
+    # -- operators' controls (issue 47, sidecar/controls/) -----------------------------------
     M(
         "controls: a pinned page left on the LRU (evicted)",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "        got = ns.pool.pin(key)\n",
         "        got = e\n",
         (
@@ -952,7 +952,7 @@ MUTANTS = [
     ),
     M(
         "controls: a pin past its owner's bound",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "        if len(held) + len(adds) > bound or not self.ledger.may_pin(",
         "        if False and not self.ledger.may_pin(",
         (
@@ -970,14 +970,14 @@ MUTANTS = [
     ),
     M(
         "controls: a pin outlives its TTL",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "            if pin.expires > now:  # renewed: its one entry goes back, later",
         "            if True:",
         ("tests/api/test_controls.py::test_a_pin_ends_at_its_ttl",),
     ),
     M(
         "controls: evict by chain leaves the tiers' copies (back after a restart)",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "            d, f = await self.store.delete(ref, sel.keys[i : i + CHUNK])",
         "            d, f = sum(map(self.store.namespace(ref).pool.delete, sel.keys[i:i + CHUNK])), 0",
         (
@@ -1004,7 +1004,7 @@ MUTANTS = [
     ),
     M(
         "controls: a tenant controls a namespace it does not own",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "        if who is not OPERATOR and owner_of(who) != ns.owner:",
         "        if False:",
         (
@@ -1013,7 +1013,7 @@ MUTANTS = [
     ),
     M(
         "controls: a sharer's pins listing shows the owner's usage of every namespace",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "            **(self.usage(ns.owner) if who is OPERATOR or owner_of(who) == ns.owner else {}),",
         "            **self.usage(ns.owner),",
         (
@@ -1022,7 +1022,7 @@ MUTANTS = [
     ),
     M(
         "controls: one owner's ended warm jobs push out another's",
-        "sidecar/controls.py",
+        "sidecar/controls/warm.py",
         "        for j in mine[: max(own + 1 - WARM_KEPT_PER_OWNER, 0)]:",
         "        for j in mine[:0]:",
         (
@@ -1031,7 +1031,7 @@ MUTANTS = [
     ),
     M(
         "controls: an ended warm job keeps its list of keys",
-        "sidecar/controls.py",
+        "sidecar/controls/warm.py",
         "            job.keys = []  # 256 ended jobs",
         "            pass  # 256 ended jobs",
         (
@@ -1040,7 +1040,7 @@ MUTANTS = [
     ),
     M(
         "pins kept: a pin restored into another owner's namespace of the same name",
-        "sidecar/pin_store.py",
+        "sidecar/controls/pin_store.py",
         '    return f"{identity}\\n{ref}".encode()',
         "    return ref.encode()",
         (
@@ -1049,7 +1049,7 @@ MUTANTS = [
     ),
     M(
         "pins kept: a TTL's end left in the record (back after a restart)",
-        "sidecar/controls.py",
+        "sidecar/controls/core.py",
         "        self.expired += n\n        self._touch(ended)\n",
         "        self.expired += n\n",
         (
@@ -1065,7 +1065,7 @@ MUTANTS = [
     ),
     M(
         "pins kept: a damaged record restored",
-        "sidecar/pin_store.py",
+        "sidecar/controls/pin_store.py",
         "    if magic != MAGIC or digest != xxhash.xxh3_64_intdigest(scope(identity, ref) + body):",
         "    if magic != MAGIC:",
         ("tests/api/test_pins_kept.py::test_a_damaged_record_is_ignored_counted_and_removed",),

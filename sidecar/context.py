@@ -16,11 +16,11 @@ from pools import Arena, HostPool
 from sidecar import datadir, report
 from sidecar.buffers import Quota, Sources
 from sidecar.config import Config
+from sidecar.controls import Keeper, PinStore
 from sidecar.copier import Copier
 from sidecar.leases import LeaseRegistry, LendServer, fd_socket_path
 from sidecar.metrics import RequestStats
 from sidecar.peer import bind_unix, group_id
-from sidecar.pin_store import Keeper, PinStore
 from sidecar.samples import Sampler
 from sidecar.store import Store
 from sidecar.tenancy import OPERATOR, Caller
@@ -129,7 +129,7 @@ class Context:
         # TCP without a tenant's token is the operator when its token is set; with no
         # credential configured at all, TCP is anyone on the node (the anonymous tenant)
         store.operator_tcp = config.token is not None
-        if config.file_tier:  # operators' pins kept across a restart (sidecar/pin_store.py)
+        if config.file_tier:  # operators' pins kept across a restart (sidecar/controls/keeper.py)
             saved = PinStore(os.path.join(config.data_dir, "pins"))
             store.controls.keeper = Keeper(store.controls, saved)
         ctx = cls(config, arena, host_pool, store, executor)

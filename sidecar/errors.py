@@ -84,7 +84,7 @@ class NoRoom(SidecarError):
 
 
 class PinBound(SidecarError):
-    """A pin would hold more of the host pool than its owner's bound (sidecar/controls.py)."""
+    """A pin would hold more of the host pool than its owner's bound (sidecar/controls/core.py)."""
 
     code = "pin_bound"
 

@@ -156,7 +156,7 @@ class Ledger:
         acct = self.accounts.get(owner)
         return len(acct.held) if acct is not None else 0
 
-    # -- pins (sidecar/controls.py) -----------------------------------------------------
+    # -- pins (sidecar/controls/core.py) -----------------------------------------------------
     def pinned_segments(self, owner: Hashable) -> Counter:
         acct = self.accounts.get(owner)
         return acct.pins if acct is not None else Counter()

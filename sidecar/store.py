@@ -87,7 +87,7 @@ class Store:
         self.lookup = Lookup(self.namespaces, self.namespace, self.tiering, self.joints)
         self.events: Events | None = None  # with --kv-events
         self.totals = Counters()  # every namespace since start, deleted ones too (the sampler's)
-        self.controls = Controls(self)  # operator pins and warm jobs (sidecar/controls.py)
+        self.controls = Controls(self)  # operator pins and warm jobs (sidecar/controls/)
         self._base = host_pool.arena.address
 
     # -- namespaces -------------------------------------------------------------------
@@ -153,7 +153,7 @@ class Store:
 
     async def drop_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
         """`delete_namespace` (403 first to anyone but the owner or the operator), its
-        pins ended first, CHUNK a loop turn (sidecar/controls.py `end_pins`)."""
+        pins ended first, CHUNK a loop turn (sidecar/controls/core.py `end_pins`)."""
         self._check_delete(self.namespace(ref), who)
         await self.controls.end_pins(ref)
         return self.delete_namespace(ref, who)

@@ -256,7 +256,7 @@ class Tiering:
 
     def write_first(self, identity: str, pool: PagePool, keys: list[str]) -> int:
         """Queue now the pages of `keys` no tier holds and none is writing (operator pins,
-        sidecar/controls.py), while the writer has room; the rest go as usual. Returns
+        sidecar/controls/core.py), while the writer has room; the rest go as usual. Returns
         how many were queued."""
         if self.writer is None:
             return 0

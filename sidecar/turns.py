@@ -2,7 +2,7 @@
 on its event loop, and the helper that frees what a path drops a bounded part a turn.
 
 Paths whose work grows with pages, pins, keys or subscribers run in bounded chunks a turn:
-the controls end pins CHUNK (512) a turn (sidecar/controls.py), a dropped pool's entries
+the controls end pins CHUNK (512) a turn (sidecar/controls/core.py), a dropped pool's entries
 are freed REAP a turn (`reap_later`), listings show 4,096 at most, the write-back flush
 checks 4,096 pages a turn (sidecar/tiering.py). tests/api/test_loop_turns.py holds them to
 50 ms at a million items, measured by this monitor.

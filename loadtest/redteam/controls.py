@@ -1,4 +1,4 @@
-"""Red-team attacks on the operators' controls (issue 47, sidecar/controls.py), for
+"""Red-team attacks on the operators' controls (issue 47, sidecar/controls/), for
 `python -m loadtest.redteam.runner`: a tenant acts on another's namespace; a tenant pins past its
 bound to keep a neighbour's share; a tenant sends the largest chains it may, without pause,
 to stall the loop (the runner times /healthz meanwhile); an evict racing a warm of the same
@@ -139,7 +139,7 @@ def huge_chains(t: Target, stop: threading.Event) -> dict:
     return {"held": got["requests"] > 5 and got["5xx"] == 0 and got["413"] > 0, **got}
 
 
-# -- pin records in the data dir kept busy (sidecar/pin_store.py) ------------------------------
+# -- pin records in the data dir kept busy (sidecar/controls/pin_store.py) ---------------------
 def _pin_flood(url: str, stop_flag: str) -> dict:
     """Pin and unpin in 8 namespaces without pause: each answer waits for a record write."""
     import os

@@ -1,4 +1,4 @@
-"""Operators' controls (issue 47; sidecar/controls.py): pin, unpin, evict and warm by keys
+"""Operators' controls (issue 47; sidecar/controls/): pin, unpin, evict and warm by keys
 or by chain, through the HTTP API, under another tenant's load, across a restart."""
 
 import hashlib

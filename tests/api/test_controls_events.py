@@ -1,4 +1,4 @@
-"""The KV events of the operators' controls (sidecar/controls.py): a pin moves no page and
+"""The KV events of the operators' controls (sidecar/controls/): a pin moves no page and
 says nothing; an eviction is BlockRemoved from every medium that held the page; a warm is
 BlockStored on CPU_PINNED. A subscriber's model matches what the sidecar holds after each."""
 

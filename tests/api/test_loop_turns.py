@@ -44,11 +44,11 @@ def _pin_all(srv, ref: str) -> None:
         def step(start=start):
             expires = srv.ctx.loop.time() + 3600
             return sum(
-                ctl._hold(ref, ns, f"k{i}", expires, bound) for i in range(start, start + STEP)
+                ctl.hold(ref, ns, f"k{i}", expires, bound) for i in range(start, start + STEP)
             )
 
         assert srv.on_loop(step) == STEP
-    srv.on_loop(lambda: ctl._arm(srv.ctx.loop))
+    srv.on_loop(lambda: ctl.arm(srv.ctx.loop))
 
 
 def _longest(srv) -> float:

@@ -1,6 +1,7 @@
-"""Operators' pins outlive a restart (sidecar/pin_store.py): kept in the data dir, restored
-into the namespace made again with the same spec by the same owner, never another's; an
-unpin, a TTL's end and a delete stick; a damaged record is ignored and counted."""
+"""Operators' pins outlive a restart (sidecar/controls/keeper.py): kept in the data dir,
+restored into the namespace made again with the same spec by the same owner, never
+another's; an unpin, a TTL's end and a delete stick; a damaged record is ignored and
+counted."""
 
 import hashlib
 import os

@@ -1,5 +1,6 @@
-"""The pin records' files (sidecar/pin_store.py): written durable and private, coalesced to
-one write in flight a record, read only for their own scope, swept of what is stale."""
+"""The pin records' files (sidecar/controls/pin_store.py): written durable and private,
+coalesced to one write in flight a record, read only for their own scope, swept of what is
+stale."""
 
 import asyncio
 import os
@@ -7,7 +8,7 @@ import stat
 import threading
 import time
 
-from sidecar.pin_store import PinStore, encode
+from sidecar.controls.pin_store import PinStore, encode
 from sidecar.tiers import pagefile
 
 IDENT, REF = "0" * 32, "kv@1000"

@@ -1,18 +1,5 @@
-"""Operators' controls over what is cached: pin, unpin, evict and warm, by keys or by chain.
-
-    who                      may control
-    the operator (token)     every namespace
-    any other caller         the namespaces it owns (`owner_of(caller) == ns.owner`);
-                             a namespace shared with it (share_gid) is not its own: 403
-
-A request names its pages as `{"keys": [...]}` (each of them) or `{"chain": [...], "from":
-K}` (the chain's keys from K on; the first when `from` is absent). The sidecar keeps no
-parent links between pages (an engine's page keys are opaque hashes, and a set's `parent`
-goes into KV events only), so the caller passes the chain in order, as it passes it to
-`exists`. Pin and warm take the chain's leading run of present pages from K (a page past a
-hole is no use to an engine); evict takes every page from K on. At most 4,096 keys a request
-(the batch bound): pinned, unpinned or deleted CHUNK a loop turn, promoted by a warm
-WARM_CHUNK a step.
+"""The operators' controls themselves: `Controls` pins, unpins, evicts and warms the pages
+of a namespace its caller owns (sidecar/controls/__init__.py says who may).
 
 Pins: a pinned page holds one pin of its pool (`PagePool.pin`, a count shared with the
 in-flight copies; the controls hold exactly one per pinned page), so it is off the LRU list
@@ -22,14 +9,9 @@ pinned pages hold: at most PIN_SHARE of the owner's fair share (`bound_segments`
 before any page is pinned (all or nothing, 507 `pin_bound`) and again while pins exist
 (owners coming shrink the share: the newest pins go first). A pin ends at its TTL, at unpin,
 or when its page or namespace is deleted. A pinned page no tier holds is queued for the
-tiers at once (`Tiering.write_first`). With a data dir, pins outlive a restart: each
-namespace's pins (key, expiry as wall-clock time) are kept in the data dir (sidecar/
-pin_store.py; a pin or unpin answers once they are); a namespace re-created with the same
-spec and owner after a restart gets them back (`restore`: promoted, as a warm does, and
-pinned for what is left of their TTL, oldest first under the bound).
-
-Warm: a job promotes pages from any tier (file, 3FS, Mooncake) into the host pool,
-WARM_CHUNK at a time (`Tiering.promote`), its progress in `/v1/warm/{job}` and `/v1/stats`.
+tiers at once (`Tiering.write_first`). With a data dir, each change of a namespace's pins is
+kept (sidecar/controls/keeper.py; a pin or unpin answers once it is). At most 4,096 keys a
+request (the batch bound): pinned, unpinned or deleted CHUNK a loop turn.
 """
 
 from __future__ import annotations
@@ -38,62 +20,25 @@ import asyncio
 import heapq
 import itertools
 import math
-import secrets
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pools import HostPool
 from pools.page_pool import Entry, PagePool
-from sidecar.errors import BadRequest, Forbidden, JobNotFound, NamespaceNotFound, PinBound, TooMany
-from sidecar.keys import check_key, check_keys
+from sidecar.controls.keeper import Keeper
+from sidecar.controls.selection import Selection
+from sidecar.controls.warm import Warmer, WarmJob
+from sidecar.errors import Forbidden, NamespaceNotFound, PinBound
 from sidecar.ledger import Ledger
 from sidecar.lookup import Lookup
 from sidecar.namespace import Namespace
-from sidecar.pin_store import Keeper
 from sidecar.tenancy import OPERATOR, Caller, Directory, owner_of
 from sidecar.tiering import Tiering
 
-TTL_DEFAULT = 3600.0  # seconds
-TTL_MAX = 7 * 86400.0
 CHUNK = 512  # keys an evict deletes a step, expired pins ended a loop turn
-WARM_CHUNK = 64
-WARM_RUNNING_PER_OWNER = 4
-WARM_KEPT = 256  # finished jobs remembered (the oldest go first)
-WARM_KEPT_PER_OWNER = 16  # of them an owner's (its oldest go first: none pushes out another's)
 RECHECK = 1.0  # seconds between checks of the bounds while pins exist
 LIST_MAX = 4096  # pins one listing shows
-
-
-@dataclass(slots=True)
-class Selection:
-    keys: list[str]
-    chain: bool
-
-
-def select(body: Any) -> Selection:
-    """The pages a request names: `keys`, or `chain` from `from` on (module docstring)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object with 'keys' or 'chain'")
-    if "keys" in body:
-        return Selection(list(dict.fromkeys(check_keys(body["keys"]))), False)
-    if "chain" not in body:
-        raise BadRequest("name the pages as 'keys': [...] or 'chain': [...] (with 'from')")
-    chain = check_keys(body["chain"], "chain")
-    start = body.get("from")
-    if start is None:
-        return Selection(list(dict.fromkeys(chain)), True)
-    check_key(start)
-    if start not in chain:
-        raise BadRequest(f"'from' {start[:140]!r} is not a key of 'chain'")
-    return Selection(list(dict.fromkeys(chain[chain.index(start) :])), True)
-
-
-def ttl_of(body: dict) -> float:
-    ttl = body.get("ttl", TTL_DEFAULT)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= TTL_MAX:
-        raise BadRequest(f"'ttl' must be a number of seconds in (0, {TTL_MAX:.0f}]")
-    return float(ttl)
 
 
 @dataclass(slots=True, eq=False)
@@ -104,32 +49,6 @@ class Pin:
     expires: float
     seq: int
     due: int = 0  # the whole second whose bucket holds it (`Controls._schedule`)
-
-
-@dataclass(slots=True, eq=False)
-class WarmJob:
-    id: str
-    ns: Namespace
-    keys: list[str]  # emptied when the job ends (`pages` stays)
-    pages: int = 0
-    state: str = "running"
-    done: int = 0
-    loaded: int = 0
-    error: str | None = None
-    task: Any = field(default=None, repr=False)
-
-    def describe(self, label: str) -> dict[str, Any]:
-        out = {
-            "job": self.id,
-            "namespace": label,
-            "state": self.state,
-            "pages": self.pages,
-            "done": self.done,
-            "loaded": self.loaded,
-        }
-        if self.error is not None:
-            out["error"] = self.error
-        return out
 
 
 class Holder(Protocol):
@@ -160,7 +79,7 @@ class Controls:
         self.ending: set[asyncio.Task] = set()  # a dropped namespace's pins, ending
         self.emptied: set[str] = set()  # namespaces whose pins `end_pins` ended (a drop)
         self.ledger = store.ledger  # pins are charged there, with the owner's other holds
-        self.jobs: dict[str, WarmJob] = {}
+        self.warming = Warmer(store)  # warm jobs
         self.released = 0  # pins ended by the bound recheck
         self.expired = 0
         # pins by the whole second their TTL ends in: second -> seq -> (ref, key); and a
@@ -175,7 +94,7 @@ class Controls:
 
     # -- who ---------------------------------------------------------------------------
     def owned(self, ref: str, who: Caller) -> Namespace:
-        """The namespace `ref` if `who` may control it (module docstring), else 403."""
+        """The namespace `ref` if `who` may control it (the package's docstring), else 403."""
         ns = self.store.namespace(ref)
         if who is not OPERATOR and owner_of(who) != ns.owner:
             raise Forbidden(
@@ -232,9 +151,9 @@ class Controls:
                 await asyncio.sleep(0)
                 if self.store.namespaces.get(ref) is not ns:
                     raise NamespaceNotFound(f"namespace {ns.name!r} was deleted meanwhile")
-            pinned += sum(self._hold(ref, ns, k, expires, bound) for k in new[i : i + CHUNK])
+            pinned += sum(self.hold(ref, ns, k, expires, bound) for k in new[i : i + CHUNK])
         queued = self.store.tiering.write_first(ns.identity, pool, new)
-        self._arm(loop)
+        self.arm(loop)
         return {
             "pinned": pinned,
             "missing": len(sel.keys) - pinned,
@@ -262,9 +181,11 @@ class Controls:
             )
         return bound
 
-    def _hold(self, ref: str, ns: Namespace, key: str, expires: float, bound: int) -> bool:
-        """Pin one page; False when it is gone, pinned already, or its segment would put
-        the owner past `bound`."""
+    def hold(self, ref: str, ns: Namespace, key: str, expires: float, bound: int) -> bool:
+        """Pin one page until `expires` (loop time); False when it is gone, pinned already,
+        or its segment would put the owner past `bound` (`bound_segments`). Call `arm`
+        after a batch of holds: it starts the expiry and bound checks. The pin's record is
+        not kept (`pin` and the keeper's restore keep it)."""
         e, mine = ns.pool.ready.get(key), self.pins.get(ref, {})
         if e is None or key in mine:
             return False
@@ -348,14 +269,9 @@ class Controls:
             for ns in d.visible(who)
             if ns.ref in self.pins
         }
-        warm = [
-            j.describe(d.label(j.ns, who))
-            for j in self.jobs.values()
-            if self.store.namespaces.get(j.ns.ref) is j.ns and d.reaches(who, j.ns)
-        ]
         return {
             "namespaces": spaces,
-            "warm": warm,
+            "warm": self.warming.visible(who),
             "expired": self.expired,
             "released_over_bound": self.released,
             "kept": None if self.keeper is None else self.keeper.describe(),
@@ -384,9 +300,7 @@ class Controls:
         fut = self._keep(ns) if kept else None
         if fut is not None:
             self.dropped[ns] = fut
-        for job in self.jobs.values():
-            if job.ns is ns and job.task is not None:
-                job.task.cancel()
+        self.warming.cancel(ns)
 
     async def end_pins(self, ref: str) -> None:
         """Before a namespace is dropped: end its pins, CHUNK a loop turn (its pool then
@@ -404,7 +318,7 @@ class Controls:
             for pin in pins[i : i + CHUNK]:
                 self._end(pin)
 
-    # -- kept across a restart (sidecar/pin_store.py) -----------------------------------
+    # -- kept across a restart (sidecar/controls/keeper.py) -----------------------------
     def _keep(self, ns: Namespace) -> asyncio.Future | None:
         return None if self.keeper is None else self.keeper.keep(ns)
 
@@ -436,7 +350,9 @@ class Controls:
             await self.keeper.close(timeout)
 
     # -- expiry and bounds ---------------------------------------------------------------
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Check pins' TTLs and the owners' bounds while pins exist: at the first TTL to
+        end or in RECHECK seconds (the checks go on alone once armed; no-op when armed)."""
         if self._timer is not None or not self.pins:
             return
         now = loop.time()
@@ -450,7 +366,7 @@ class Controls:
         if more and self.pins:  # the rest on the loop's next turns, CHUNK a turn
             self._timer = loop.call_at(loop.time(), self._tick)
             return
-        self._arm(loop)
+        self.arm(loop)
 
     def expire(self, now: float) -> int:
         """End every pin whose TTL passed by `now` (CHUNK of them a loop turn at most: the
@@ -523,18 +439,16 @@ class Controls:
         return {"deleted": deleted, "failed": failed}
 
     # -- warm ------------------------------------------------------------------------------
+    @property
+    def jobs(self) -> dict[str, WarmJob]:
+        """Every warm job, by id (sidecar/controls/warm.py)."""
+        return self.warming.jobs
+
     async def warm(self, ref: str, who: Caller, sel: Selection) -> dict[str, Any]:
         """Start a job bringing the selected pages present in some tier into the host pool
         (a chain: its leading run of present pages). 429 past WARM_RUNNING_PER_OWNER."""
         ns = self.owned(ref, who)
-        running = sum(
-            1 for j in self.jobs.values() if j.state == "running" and j.ns.owner == ns.owner
-        )
-        if running >= WARM_RUNNING_PER_OWNER:
-            raise TooMany(
-                f"{running} warm jobs of this owner are running; at most "
-                f"{WARM_RUNNING_PER_OWNER}: wait for one to end"
-            )
+        self.warming.check_room(ns.owner)
         if sel.chain:
             keys = sel.keys[: await self.store.lookup.prefix(ref, sel.keys)]
         else:
@@ -545,52 +459,8 @@ class Controls:
                 )
                 if hit
             ]
-        ns = self.owned(ref, who)
-        job = WarmJob("w-" + secrets.token_hex(8), ns, keys, len(keys))
-        self._trim_jobs(ns.owner)
-        self.jobs[job.id] = job
-        job.task = asyncio.get_running_loop().create_task(self._warm(job))
+        job = self.warming.start(self.owned(ref, who), keys)
         return {"job": job.id, "pages": len(keys)}
 
-    async def _warm(self, job: WarmJob) -> None:
-        ns, tiering = job.ns, self.store.tiering
-        try:
-            for i in range(0, len(job.keys), WARM_CHUNK):
-                if ns.pool.closed:
-                    raise RuntimeError("the namespace was deleted")
-                part = job.keys[i : i + WARM_CHUNK]
-                if tiering.enabled:
-                    got = await tiering.promote(ns.identity, ns.pool, part)
-                    ns.counters.tier_hits += got
-                job.done += len(part)
-                job.loaded += sum(ns.pool.present(part))
-                await asyncio.sleep(0)
-            job.state = "done"
-        except asyncio.CancelledError:
-            job.state, job.error = "failed", "the namespace was deleted"
-        except Exception as exc:  # reported through the job, never raised into the loop
-            job.state, job.error = "failed", str(exc)[:200]
-        finally:
-            job.keys = []  # 256 ended jobs of 4,096 keys each would hold ~190 MB
-
-    def _trim_jobs(self, owner: Hashable) -> None:
-        """Room for a job of `owner`: its own oldest ended jobs past WARM_KEPT_PER_OWNER go,
-        then anyone's oldest ended past WARM_KEPT."""
-        ended = [j for j, job in self.jobs.items() if job.state != "running"]
-        own = sum(job.ns.owner == owner for job in self.jobs.values())
-        mine = [j for j in ended if self.jobs[j].ns.owner == owner]
-        for j in mine[: max(own + 1 - WARM_KEPT_PER_OWNER, 0)]:
-            del self.jobs[j]
-            ended.remove(j)
-        for j in ended[: max(len(self.jobs) + 1 - WARM_KEPT, 0)]:
-            del self.jobs[j]
-
     def job(self, job_id: str, who: Caller) -> dict[str, Any]:
-        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
-        if (
-            job is None
-            or self.store.namespaces.get(job.ns.ref) is not job.ns
-            or not self.store.dir.reaches(who, job.ns)
-        ):
-            raise JobNotFound(f"warm job {str(job_id)[:40]!r} is unknown, expired or not yours")
-        return job.describe(self.store.dir.label(job.ns, who))
+        return self.warming.job(job_id, who)
