@@ -12,6 +12,7 @@ from starlette.types import Scope
 from sidecar.context import Context
 from sidecar.credentials import TENANT_KEY
 from sidecar.errors import NotReady
+from sidecar.namespace import Ref
 from sidecar.peer import PEER_KEY
 from sidecar.tenancy import Caller
 
@@ -26,7 +27,7 @@ def who(ctx: Context, scope: Scope) -> Caller:
     return ctx.store.caller(scope.get(PEER_KEY), scope.get(TENANT_KEY))
 
 
-def ref(ctx: Context, scope: Scope, name: str) -> str:
+def ref(ctx: Context, scope: Scope, name: str) -> Ref:
     """The namespace `name` means to the caller of this request (404 when none)."""
     return ctx.store.resolve(name, who(ctx, scope))
 

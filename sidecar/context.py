@@ -264,8 +264,8 @@ class Context:
         for tier in self.tiering.tiers:
             await self.loop.run_in_executor(None, tier.close)
         await self.store.controls.close(timeout)  # the pins stay kept: no delete below
-        for name in list(self.store.namespaces):
-            self.store.delete_namespace(name)
+        for ns in list(self.store.namespaces.values()):
+            self.store.delete_namespace(ns.ref)
         if self.events is not None:
             self.events.flush()
             self.events.publisher.close()

@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 
@@ -34,6 +34,7 @@ from sidecar.errors import BadRequest, PayloadTooLarge
 from sidecar.events import check_tokens, set_meta
 from sidecar.joints import joint_bits
 from sidecar.keys import MAX_BATCH
+from sidecar.namespace import Ref
 from sidecar.peer import Peer
 from sidecar.spec import check_name
 from sidecar.store import Store
@@ -45,11 +46,12 @@ TRAILING_PAGES = "trailing_pages"
 POLICIES = (ALL_PAGES, TRAILING_PAGES)
 _EXTRA_FIELDS = frozenset({"namespace", "policy", "window"})
 MIN_CHUNK = 32  # pages a Presence looks up at least at a time (one local_mask call each)
+N = TypeVar("N", bound=str)  # an extra pool's namespace: its name as asked, or its Ref
 
 
 @dataclass(frozen=True, slots=True)
-class ExtraPool:
-    namespace: str
+class ExtraPool(Generic[N]):
+    namespace: N
     policy: str = ALL_PAGES
     window: int = 1
 
@@ -70,7 +72,7 @@ def legal_endpoints(mask: bytes, top: int, window: int) -> bytearray:
     return ok
 
 
-def parse_extra(raw: Any) -> tuple[ExtraPool, ...]:
+def parse_extra(raw: Any) -> tuple[ExtraPool[str], ...]:
     """The extra pools of a batch/exists. An engine sends the same few lists again and
     again: each distinct one (by its JSON bytes) is checked once, then looked up (the
     same tuple each time, which `resolve` keeps its plans by)."""
@@ -89,10 +91,10 @@ def parse_extra(raw: Any) -> tuple[ExtraPool, ...]:
 
 
 PARSED_MAX = 256
-_PARSED: dict[bytes, tuple[ExtraPool, ...]] = {}
+_PARSED: dict[bytes, tuple[ExtraPool[str], ...]] = {}
 
 
-def _parse_extra(raw: list) -> tuple[ExtraPool, ...]:
+def _parse_extra(raw: list) -> tuple[ExtraPool[str], ...]:
     out = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("namespace"), str):
@@ -122,19 +124,19 @@ class Presence:
     where the first look-up may as well reach down to (a partial hit's answer lies near
     the all-pages pools' run: one look-up instead of a doubling series)."""
 
-    __slots__ = ("store", "name", "keys", "top", "lo", "bits", "run", "run_ends", "floor")
+    __slots__ = ("store", "ref", "keys", "top", "lo", "bits", "run", "run_ends", "floor")
 
     def __init__(
         self,
         store: Store,
-        name: str,
+        ref: Ref,
         keys: list[str],
         top: int,
         bits: bytes | None = None,
         run: int = 0,
         floor: int | None = None,
     ):
-        self.store, self.name, self.keys, self.top = store, name, keys, top
+        self.store, self.ref, self.keys, self.top = store, ref, keys, top
         self.lo, self.bits = (top, b"") if bits is None else (0, bits)
         self.run, self.run_ends = run, False
         self.floor = top if floor is None else floor
@@ -143,7 +145,7 @@ class Presence:
         if i < self.lo:
             lo = max(0, min(i, 2 * self.lo - self.top, self.lo - MIN_CHUNK, self.floor))
             self.floor = self.top
-            self.bits = self.store.lookup.local_mask(self.name, self.keys[lo : self.lo]) + self.bits
+            self.bits = self.store.lookup.local_mask(self.ref, self.keys[lo : self.lo]) + self.bits
             self.lo = lo
 
     def last_window(self, p: int, window: int) -> int:
@@ -167,7 +169,7 @@ class Presence:
         if self.lo > 0:
             below = min(p, self.lo)
             if self.run < below and not self.run_ends:
-                self.run = self.store.lookup.local_run(self.name, self.keys, below, self.run)
+                self.run = self.store.lookup.local_run(self.ref, self.keys, below, self.run)
                 self.run_ends = self.run < below
             if self.run < below or p <= self.lo:
                 return min(self.run, p)
@@ -208,7 +210,7 @@ async def batch_exists(
     store: Store,
     keys: Any,
     kv: Any,
-    extra: Sequence[ExtraPool],
+    extra: Sequence[ExtraPool[str]],
     restorable: bool = False,
     who: Caller = OPERATOR,
 ) -> dict[str, Any]:
@@ -232,15 +234,15 @@ class Plan:
     and the bit of each in their joint (`sidecar.joints.joint_bits`): the KV pool's, then
     the extra pools' in order."""
 
-    kv: str
-    extra: tuple[ExtraPool, ...]
+    kv: Ref
+    extra: tuple[ExtraPool[Ref], ...]
     asked: tuple[str, ...]
-    names: list[str]  # the refs of `extra`
+    names: list[Ref]  # the refs of `extra`
     bits: tuple[int, ...]
     tables: tuple[bytes, ...]  # each extra pool's `pools.joint.table`
 
 
-def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> Plan:
+def resolve(store: Store, kv: str, extra: Sequence[ExtraPool[str]], who: Caller) -> Plan:
     """The Plan of `kv` and `extra` for `who`. An engine asks with the same names again
     and again: a plan is kept by the parsed list (`parse_extra` hands out one tuple per
     distinct list) until a namespace comes or goes (`Directory.version`, of this store's
@@ -254,14 +256,14 @@ def resolve(store: Store, kv: str, extra: Sequence[ExtraPool], who: Caller) -> P
         and kept[2] == store.dir.version
     ):
         return kept[3]
-    kv = store.resolve(kv, who)
+    ref = store.resolve(kv, who)
     refs = tuple(
         ExtraPool(store.dir.ref(pool.namespace, who), pool.policy, pool.window) for pool in extra
     )
     names = [pool.namespace for pool in refs]
-    bits = joint_bits((kv, *names))
+    bits = joint_bits((ref, *names))
     plan = Plan(
-        kv, refs, tuple(pool.namespace for pool in extra), names, bits, tuple(map(table, bits[1:]))
+        ref, refs, tuple(pool.namespace for pool in extra), names, bits, tuple(map(table, bits[1:]))
     )
     if len(_PLANS) >= PARSED_MAX:
         _PLANS.clear()
@@ -349,7 +351,7 @@ def rule_on_masks(
 
 
 def restores_top(
-    store: Store, extra: Sequence[ExtraPool], keys: list[str], top: int, held: int = 0
+    store: Store, extra: Sequence[ExtraPool[Ref]], keys: list[str], top: int, held: int = 0
 ) -> bool:
     """Whether every pool restores the whole KV prefix (then it is the hit, and each
     pool's own best): the usual answer, one local look-up per pool, the windows first.
@@ -415,7 +417,7 @@ def common_endpoints(extra: Sequence[ExtraPool], bits: list[bytes], top: int) ->
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    namespace: str
+    namespace: Ref  # the ref of the name the item was asked by (`parse_items`)
     keys: Any  # checked by `Store.check_move` as the item is parsed
     buffer_id: Any
     slots: Any

@@ -20,7 +20,7 @@ joint is evicted, so asking other sets does not make the sidecar build again and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pools.joint import MAX_POOLS, Joint
@@ -50,11 +50,11 @@ class Joints:
         self._asked: dict[tuple[str, ...], tuple[str, ...]] = {}  # as asked -> sorted names
         self._building: set[asyncio.Task] = set()
 
-    def get(self, kv: str, others: list[str]) -> Joint | None:
+    def get(self, kv: str, others: Sequence[str]) -> Joint | None:
         """The joint of namespace `kv` and `others`, None when there is none (yet)."""
         return self.by_names.get(self._names(kv, others))
 
-    def make(self, kv: str, others: list[str], namespaces: Mapping[str, Any]) -> None:
+    def make(self, kv: str, others: Sequence[str], namespaces: Mapping[str, Any]) -> None:
         """Make the joint of `kv` and `others` among `namespaces` (by name, each with its
         `.pool`) unless it exists, a namespace does not, or a bound is reached."""
         names = self._names(kv, others)
@@ -72,7 +72,7 @@ class Joints:
         joint = self.by_names[names] = Joint(pools)
         self._build(names, joint)
 
-    def _names(self, kv: str, others: list[str]) -> tuple[str, ...]:
+    def _names(self, kv: str, others: Sequence[str]) -> tuple[str, ...]:
         asked = (kv, *others)
         names = self._asked.get(asked)
         if names is None:

@@ -19,18 +19,20 @@ for a ref that does not exist (an extra pool the caller named, not yet made).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pools.joint import Joint
 from sidecar.joints import Joints
 from sidecar.keys import check_batch, check_keys
-from sidecar.namespace import Namespace
+from sidecar.namespace import Namespace, Ref
 from sidecar.tiering import Tiering
 
 
 class Lookup:
-    """Presence of keys in a namespace, host pool first, then the tiers."""
+    """Presence of keys in a namespace, host pool first, then the tiers. Each method takes
+    a Ref; `prefix` (and the `local_prefix`, `remote_prefix` it calls) and `present` are
+    typed str only while sidecar/controls.py calls them with its refs typed str."""
 
     def __init__(
         self,
@@ -45,11 +47,11 @@ class Lookup:
         self.joints = joints
 
     # -- runs ---------------------------------------------------------------------------
-    def local_prefix(self, name: str, keys: Any) -> tuple[int, bool]:
+    def local_prefix(self, ref: str, keys: Any) -> tuple[int, bool]:
         """(n, more): the leading run of keys in the host pool or a local tier, and whether
         a remote tier must still be asked about the rest (then call `remote_prefix`).
         `keys`: a request's JSON, validated here (BadRequest, InvalidKey)."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         try:
             n = ns.pool.prefix(check_batch(keys))
         except TypeError:
@@ -57,12 +59,12 @@ class Lookup:
         return self._local_past(ns, keys, n)
 
     def joint_walk(
-        self, name: str, keys: list[str], joint: Joint, bit: int
+        self, ref: Ref, keys: list[str], joint: Joint, bit: int
     ) -> tuple[int, bool, bytes]:
-        """`local_prefix(name, keys)`, and the masks (`pools.joint`) of the keys of the
-        leading run `name`'s pool (`bit` in `joint`, built) holds in the host pool: which
+        """`local_prefix(ref, keys)`, and the masks (`pools.joint`) of the keys of the
+        leading run `ref`'s pool (`bit` in `joint`, built) holds in the host pool: which
         pools of the joint hold each, in one walk for all of them."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         try:
             masks = joint.walk(check_batch(keys), bit)
         except TypeError:  # an unhashable key: the full check below names it
@@ -80,22 +82,22 @@ class Lookup:
         n += tiering.local_prefix(ns.identity, keys[n:], ns.pool.ready)
         return n, n < len(keys) and tiering.remote
 
-    async def remote_prefix(self, name: str, keys: list[str], n: int) -> int:
+    async def remote_prefix(self, ref: str, keys: list[str], n: int) -> int:
         """`local_prefix`'s n, extended by what the remote tiers hold."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         return n + await self.tiering.remote_prefix(ns.identity, keys[n:], ns.pool.ready)
 
-    async def prefix(self, name: str, keys: Any) -> int:
+    async def prefix(self, ref: str, keys: Any) -> int:
         """Longest run of keys from index 0 present in the host pool or any tier (`keys`:
         a request's JSON, validated by `local_prefix`)."""
-        n, more = self.local_prefix(name, keys)
-        return await self.remote_prefix(name, keys, n) if more else n
+        n, more = self.local_prefix(ref, keys)
+        return await self.remote_prefix(ref, keys, n) if more else n
 
-    def local_run(self, name: str, keys: list[str], hi: int, known: int = 0) -> int:
+    def local_run(self, ref: Ref, keys: list[str], hi: int, known: int = 0) -> int:
         """The leading run of `keys[:hi]` in the host pool or a local tier, for keys already
         validated; stops at the first miss. `known`: a run the caller knows is there (the
         walk starts after it)."""
-        ns = self.namespaces.get(name)
+        ns = self.namespaces.get(ref)
         if ns is None:
             return 0
         n = known + ns.pool.prefix(keys[known:hi])
@@ -104,10 +106,10 @@ class Lookup:
         return n
 
     # -- masks --------------------------------------------------------------------------
-    async def present(self, name: str, keys: Any) -> list[bool]:
+    async def present(self, ref: str, keys: Any) -> list[bool]:
         """Each key's presence in the host pool or any tier (`keys`: a request's JSON,
         validated here)."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         try:
             found = ns.pool.present(check_batch(keys))
         except TypeError:
@@ -120,10 +122,10 @@ class Lookup:
             found = [hit or next(elsewhere) for hit in found]
         return found
 
-    def local_mask(self, name: str, keys: list[str]) -> bytes:
+    def local_mask(self, ref: Ref, keys: list[str]) -> bytes:
         """One byte per key, 1 when in the host pool or a local tier; for keys already
         validated (a KV prefix)."""
-        ns = self.namespaces.get(name)
+        ns = self.namespaces.get(ref)
         if ns is None:
             return bytes(len(keys))
         found = bytes(map(ns.pool.ready.__contains__, keys))
@@ -131,20 +133,20 @@ class Lookup:
             found = _merge(found, self.tiering.local_present(ns.identity, _missing(found, keys)))
         return found
 
-    async def mask(self, name: str, keys: list[str]) -> bytes:
+    async def mask(self, ref: Ref, keys: list[str]) -> bytes:
         """`local_mask`, with the remote tiers asked about what no local tier holds."""
-        found = self.local_mask(name, keys)
-        ns = self.namespaces.get(name)
+        found = self.local_mask(ref, keys)
+        ns = self.namespaces.get(ref)
         if ns is not None and self.tiering.remote and 0 in found:
             found = _merge(found, await self.tiering.present(ns.identity, _missing(found, keys)))
         return found
 
     # -- joints -------------------------------------------------------------------------
-    def joint(self, kv: str, others: list[str]) -> Joint | None:
+    def joint(self, kv: Ref, others: Sequence[Ref]) -> Joint | None:
         """The joint of namespace `kv`'s pool and the pools of `others` (`sidecar.joints`)."""
         return self.joints.get(kv, others)
 
-    def make_joint(self, kv: str, others: list[str]) -> Joint | None:
+    def make_joint(self, kv: Ref, others: Sequence[Ref]) -> Joint | None:
         """Make that joint when there is none and the bounds allow (ready now, or built
         over the next few loop turns); the joint, or None."""
         self.joints.make(kv, others, self.namespaces)

@@ -7,7 +7,7 @@ controls, cost) import it without importing the store that holds them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
 from pools import PagePool
 from sidecar.buffers import Buffer
@@ -16,6 +16,10 @@ from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec
 
 Owner = int | str | None  # a uid, tenancy.TCP_TENANT, or None (the operator)
+# a namespace's key in the store, apart from the name a caller sends: made only by
+# sidecar/tenancy.py (`ref_of`, `Directory.ref`); declared here, as Owner is, for
+# tenancy imports this module
+Ref = NewType("Ref", str)
 
 
 @dataclass(slots=True)
@@ -40,7 +44,7 @@ class Namespace:
     pool: PagePool
     identity: str
     owner: Owner = None  # its maker's uid; None: the operator; TCP_TENANT
-    ref: str = ""  # its key in the store (`tenancy.ref_of`)
+    ref: Ref = Ref("")  # its key in the store (`tenancy.ref_of`)
     buffers: dict[str, Buffer] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     joined: set[int] = field(default_factory=set)  # uids of members that PUT it (shared)

@@ -32,7 +32,7 @@ from sidecar.joints import Joints
 from sidecar.keys import check_key, check_keys
 from sidecar.ledger import Ledger
 from sidecar.lookup import Lookup
-from sidecar.namespace import Counters, Namespace
+from sidecar.namespace import Counters, Namespace, Ref
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec, check_name
 from sidecar.tenancy import (
@@ -96,7 +96,7 @@ class Store:
     def caller(self, peer: Peer | None, tenant: TcpTenant | None = None) -> Caller:
         return caller(peer, self.operator_tcp, tenant)
 
-    def resolve(self, name: str, who: Caller) -> str:
+    def resolve(self, name: str, who: Caller) -> Ref:
         """The ref of the namespace `name` means to `who`; 404 when none (sidecar/tenancy.py)."""
         ref = self.dir.ref(name, who) if isinstance(name, str) else MISSING
         if ref is MISSING:
@@ -142,7 +142,7 @@ class Store:
         self.controls.created(ns)  # pins kept for it across a restart come back
         return ns, True
 
-    def namespace(self, ref: str) -> Namespace:
+    def namespace(self, ref: str) -> Namespace:  # (a Ref; str: `controls.Holder` says so)
         ns = self.namespaces.get(ref)
         if ns is None:
             raise NamespaceNotFound(
@@ -151,7 +151,7 @@ class Store:
             )
         return ns
 
-    async def drop_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
+    async def drop_namespace(self, ref: Ref, who: Caller = OPERATOR) -> Namespace:
         """`delete_namespace` (403 first to anyone but the owner or the operator), its
         pins ended first, CHUNK a loop turn (sidecar/controls/core.py `end_pins`)."""
         self._check_delete(self.namespace(ref), who)
@@ -162,7 +162,7 @@ class Store:
         if isinstance(who, Peer) and ns.owner != who.uid:
             raise Forbidden(f"namespace {ns.name!r} is shared with you; only its owner deletes it")
 
-    def delete_namespace(self, ref: str, who: Caller = OPERATOR) -> Namespace:
+    def delete_namespace(self, ref: Ref, who: Caller = OPERATOR) -> Namespace:
         """Drop a namespace from the host pool (its owner or the operator only); the
         caller drops its tier pages (`drop_tiers`)."""
         ns = self.namespace(ref)
@@ -178,7 +178,7 @@ class Store:
         reap_later(ns.pool)
         return ns
 
-    def count_skipped(self, ref: str, who: Caller, loads: int, pages: int) -> int:
+    def count_skipped(self, ref: Ref, who: Caller, loads: int, pages: int) -> int:
         """An engine recomputed `loads` prefixes (`pages` pages) rather than restore them
         (api/engine/restore_cost.py): counted on its own namespace only. The new total."""
         ns = self.namespace(ref)
@@ -201,10 +201,10 @@ class Store:
         return await self.tiering.drop(ns.identity)
 
     # -- buffers ----------------------------------------------------------------------
-    async def register_buffer(self, name: str, body: Any, peer: Peer | None = None) -> Buffer:
+    async def register_buffer(self, ref: Ref, body: Any, peer: Peer | None = None) -> Buffer:
         """Map engine memory that `peer` (None: a TCP caller) proves it owns (off the loop,
         `open_buffer`). Buffers are capped a namespace, a uid and in all (429)."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         quota = self.sources.quota
         if peer is not None:  # a uid's buffers, in every namespace
             held, capped = quota.buffers[peer.uid], True
@@ -221,10 +221,10 @@ class Store:
                 f"{MAX_BUFFERS_PER_UID} a user and {MAX_BUFFERS} in all; release "
                 f"unused ones first"
             )
-        buf = await open_buffer(name, body, ns.spec.page_bytes, self.sources, peer)
-        if self.namespaces.get(name) is not ns or len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE:
+        buf = await open_buffer(ref, body, ns.spec.page_bytes, self.sources, peer)
+        if self.namespaces.get(ref) is not ns or len(ns.buffers) >= MAX_BUFFERS_PER_NAMESPACE:
             buf.release()  # deleted, or filled by other registrations, while it was mapped
-            if self.namespaces.get(name) is not ns:
+            if self.namespaces.get(ref) is not ns:
                 raise NamespaceNotFound(
                     f"namespace {ns.name!r} was deleted during the registration"
                 )
@@ -232,8 +232,8 @@ class Store:
         ns.buffers[buf.id] = buf
         return buf
 
-    def release_buffer(self, name: str, buffer_id: str, peer: Peer | None = None) -> None:
-        ns = self.namespace(name)
+    def release_buffer(self, ref: Ref, buffer_id: str, peer: Peer | None = None) -> None:
+        ns = self.namespace(ref)
         ns.buffer(buffer_id, peer).release()
         del ns.buffers[buffer_id]
 
@@ -257,12 +257,12 @@ class Store:
                 gone.append(buf.id)
         return gone
 
-    async def delete(self, name: str, keys: Any) -> tuple[int, int]:
+    async def delete(self, ref: str, keys: Any) -> tuple[int, int]:  # (as `namespace`)
         """Drop keys from the host pool and every tier: (keys that were present anywhere,
         keys some tier failed to remove and still holds)."""
-        ns = self.namespace(name)
-        was = await self.lookup.present(name, keys)  # validates (JSON) keys it does not find
-        self.controls.forget(name, keys)  # a pinned page is deleted too, its slot freed
+        ns = self.namespace(ref)
+        was = await self.lookup.present(ref, keys)  # validates (JSON) keys it does not find
+        self.controls.forget(ref, keys)  # a pinned page is deleted too, its slot freed
         # from here until the tier delete ends, no promotion (a warm, a get) brings them back
         self.tiering.deleting(ns.pool, keys)
         for k in keys:
@@ -272,10 +272,10 @@ class Store:
 
     # -- page moves through engine buffers --------------------------------------------
     def check_move(
-        self, name: str, keys: Any, buffer_id: Any, slots: Any, peer: Peer | None = None
+        self, ref: Ref, keys: Any, buffer_id: Any, slots: Any, peer: Peer | None = None
     ) -> tuple[Namespace, Buffer]:
         """Validate a set/get before anything moves: namespace, keys, buffer, slots."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         check_keys(keys)
         buf = ns.buffer(buffer_id, peer)
         check_slots(slots, len(keys), buf.slots)
@@ -284,7 +284,7 @@ class Store:
 
     async def set(
         self,
-        name: str,
+        ref: Ref,
         keys: Any,
         buffer_id: Any,
         slots: Any,
@@ -298,7 +298,7 @@ class Store:
         (in the loop turn of its commit); with `durable`, only once every tier has it.
         `meta`: `events.set_meta` (parent key, token ids per key) for the KV events of the
         pages stored."""
-        ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
+        ns, buf = self.check_move(ref, keys, buffer_id, slots, peer)
         stored, todo, repeats = await self._reserve_all(ns, keys)
         todo, hold = self.ledger.hold_moves(ns.owner, todo, ns.pool.abort)
         try:
@@ -400,13 +400,13 @@ class Store:
             stored[i] = await fut if fut is not None else self.tiering.durable(ns.identity, key)
 
     async def get(
-        self, name: str, keys: Any, buffer_id: Any, slots: Any, peer: Peer | None = None
+        self, ref: Ref, keys: Any, buffer_id: Any, slots: Any, peer: Peer | None = None
     ) -> list[bool]:
         """Copy pages into engine slots, promoting tier-only pages first; misses are False.
         `keys`, `buffer_id`, `slots`: a request's JSON, validated here (`check_move`).
         With tiers, a long get goes in chunks of a quarter of the pool, so promoting its
         pages never needs more free slots than the pool can give."""
-        ns, buf = self.check_move(name, keys, buffer_id, slots, peer)
+        ns, buf = self.check_move(ref, keys, buffer_id, slots, peer)
         step = len(keys) or 1
         if self.tiering.enabled:
             step = max(8, ns.pool.capacity_pages // 4)
@@ -460,9 +460,9 @@ class Store:
         return [ok and e is not None for e in pinned]
 
     # -- inline pages -----------------------------------------------------------------
-    async def put_page(self, name: str, key: str, body: AsyncIterator[bytes]) -> bool:
+    async def put_page(self, ref: Ref, key: str, body: AsyncIterator[bytes]) -> bool:
         """Store one page from a byte stream of exactly page_bytes. True: new; False: present."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         check_key(key)
         size = ns.spec.page_bytes
         self.ledger.check_upload(ns.owner)
@@ -477,7 +477,7 @@ class Store:
             return False
         if r is None:
             ns.counters.no_room += 1
-            raise NoRoom(f"no room for a page in namespace {name!r}: every slot is in use")
+            raise NoRoom(f"no room for a page in namespace {ref!r}: every slot is in use")
         ok, credits = False, 0
         hold = self.ledger.hold(ns.owner)
         if not hold.take((r.offset,))[0]:
@@ -488,7 +488,7 @@ class Store:
             got = await fill_slot(self._base + r.offset, body, size)
             if got != size:
                 raise GeometryMismatch(
-                    f"page body has {got} bytes; namespace {name!r} pages are exactly {size} bytes"
+                    f"page body has {got} bytes; namespace {ref!r} pages are exactly {size} bytes"
                 )
             credits = await self.tiering.admit(ns.identity, ns.pool, 1)
             ok = True
@@ -506,12 +506,12 @@ class Store:
         self.totals.bytes_in += size
         return True
 
-    async def open_page(self, name: str, key: str) -> PageAnswer | None:
+    async def open_page(self, ref: Ref, key: str) -> PageAnswer | None:
         """One page to answer inline, or None: pinned, and charged to its owner's ledger,
         until the answer is out (`PageAnswer.close`); 429 past the owner's bound. The
         bytes go out ANSWER_PIECE at a time, each copied as it is sent, so an answer
         nobody reads holds a slot of its owner's share, never a copy of the page."""
-        ns = self.namespace(name)
+        ns = self.namespace(ref)
         check_key(key)
         if self.tiering.enabled and not ns.pool.contains(key):
             ns.counters.tier_hits += await self.tiering.promote(ns.identity, ns.pool, [key])
@@ -549,11 +549,11 @@ class Store:
         return unqueued + await writer.flush(max(0.0, deadline - loop.time()))
 
     # -- prefetch ---------------------------------------------------------------------
-    async def prefetch(self, name: str, keys: Any) -> dict[str, Any]:
+    async def prefetch(self, ref: Ref, keys: Any) -> dict[str, Any]:
         """Start bringing the leading run of present keys up to the host pool (`keys`: a
         request's JSON, validated by the look-up)."""
-        ns = self.namespace(name)
-        n = await self.lookup.prefix(name, keys)
+        ns = self.namespace(ref)
+        n = await self.lookup.prefix(ref, keys)
         ticket = "t-" + secrets.token_hex(8)
         state = {"state": "running", "done": 0, "pages": n}
         self.tickets[ticket] = state

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sidecar.errors import Conflict, Forbidden, TooMany
-from sidecar.namespace import Namespace, Owner
+from sidecar.namespace import Namespace, Owner, Ref
 from sidecar.peer import Peer
 from sidecar.spec import NamespaceSpec
 
@@ -85,7 +85,7 @@ class TcpTenant:
 OPERATOR, ANONYMOUS = _Operator(), _Anonymous()
 TCP_TENANT = "tcp"  # the owner of what anonymous TCP makes: a tenant (uids are ints)
 Caller = Peer | _Operator | _Anonymous | TcpTenant
-MISSING = "@"  # a ref no namespace has: what an unknown name resolves to where 0 is the answer
+MISSING = Ref("@")  # a ref no namespace has: what an unknown name resolves to where 0 is the answer
 
 
 def caller(peer: Peer | None, operator_tcp: bool, tenant: TcpTenant | None = None) -> Caller:
@@ -110,8 +110,8 @@ def owner_of(who: Caller) -> Owner:
     return None if who is OPERATOR else TCP_TENANT
 
 
-def ref_of(name: str, owner: Owner) -> str:
-    return name if owner is None or owner == TCP_TENANT else f"{name}@{owner}"
+def ref_of(name: str, owner: Owner) -> Ref:
+    return Ref(name if owner is None or owner == TCP_TENANT else f"{name}@{owner}")
 
 
 def owner_uid(owner: Owner) -> int | None:
@@ -175,10 +175,10 @@ class Directory:
         if mine >= MAX_PER_OWNER:
             raise TooMany(f"at most {MAX_PER_OWNER} namespaces an owner; delete some first")
 
-    def ref(self, name: str, who: Caller) -> str:
+    def ref(self, name: str, who: Caller) -> Ref:
         """The ref `name` means to `who`, or MISSING (never raises for a peer)."""
         if isinstance(who, Peer):
-            ref = f"{name}@{who.uid}"
+            ref = ref_of(name, who.uid)
             if ref in self.by_ref:
                 return ref
             shared = self.shared(name, who)
@@ -189,7 +189,7 @@ class Directory:
             ns = self.by_ref.get(ref)
             return ref if ns is not None and ns.owner == owner else MISSING
         if name in self.by_ref:
-            return name
+            return Ref(name)
         same = self.by_name.get(name, ())
         if len(same) > 1:
             raise Conflict(
