@@ -6,9 +6,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def single_rank():
-    from tests.engines.sglang import (
-        kit,  # SGLang imports here, so a missing SGLang skips/fails per module
-    )
+    from loadtest.kit.sglang import pools as kit  # SGLang imports here: skips per module
 
     with kit.single_rank(), kit.host_budget():
         yield
