@@ -134,7 +134,7 @@ def stall_uploads(path: str, ns: str, keys: list[str], pages: list[bytes]) -> li
     """Open one connection per key on the engine socket at `path` (as the namespace's
     owner) and send a PUT's head and half its body, then stall."""
     socks = []
-    for key, page in zip(keys, pages, strict=False):
+    for key, page in zip(keys, pages, strict=True):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(5)
         s.connect(path)

@@ -141,7 +141,7 @@ class Soak:
                 loaded = self._get(client, ns, [p.key for p in part], bid)
                 if loaded is None:
                     continue  # counted: an error is no verdict on the pages
-                for slot, (page, ok) in enumerate(zip(part, loaded, strict=False)):
+                for slot, (page, ok) in enumerate(zip(part, loaded, strict=True)):
                     if ok:
                         self.ledger.served(ns, page.key, buf.view(slot * pb, pb))
                     if page.inflight or page.last_start >= sent or (page.deleted_at or 0) >= sent:

@@ -40,7 +40,7 @@ def series(recs: list[dict], arm: str, state: str) -> tuple[list[int], list[floa
 
 def floors(recs: list[dict]) -> tuple[list[int], list[float], list[float]]:
     """Per length: hit + memcpy (the floor) and hit + the target's allowance, ms."""
-    hit = dict(zip(*series(recs, "sidecar", "hit"), strict=False))
+    hit = dict(zip(*series(recs, "sidecar", "hit"), strict=True))
     xs, floor, target = [], [], []
     for r in sorted(
         (r for r in recs if r["figure"] == "restore" and r["arm"] == "sidecar"),

@@ -212,7 +212,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     """Round-by-round ratios of two arms measured in the same rounds."""
-    return [x / y for x, y in zip(a, b, strict=False) if x is not None and y]
+    return [x / y for x, y in zip(a, b, strict=True) if x is not None and y]
 
 
 def jsonl(records: Iterable[dict]) -> str:

@@ -177,7 +177,7 @@ def bench_hicache(url: str, work: list, tokens: int) -> dict:
                 buf.view(torch.uint8).view(buf.shape[0], -1)[s] = 7
         start = time.perf_counter()
         ops = []
-        for t, s in zip(work, slots, strict=False):
+        for t, s in zip(work, slots, strict=True):
             h = a_host.alloc(len(t))
             to_host(a_dev, a_host, s, h)
             ops.append(

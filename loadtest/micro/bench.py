@@ -153,10 +153,10 @@ def against_bare(
     return {
         "sidecar_rps": med(side["rps"]),
         "bare_rps": med(bare_["rps"]),
-        "ratio": med([a / b for a, b in zip(side["rps"], bare_["rps"], strict=False)]),
+        "ratio": med([a / b for a, b in zip(side["rps"], bare_["rps"], strict=True)]),
         "cpu_us": med(side["cpu"]) * 1e6,
         "bare_cpu_us": med(bare_["cpu"]) * 1e6,
-        "cpu_ratio": med([div(b, a) for a, b in zip(side["cpu"], bare_["cpu"], strict=False)]),
+        "cpu_ratio": med([div(b, a) for a, b in zip(side["cpu"], bare_["cpu"], strict=True)]),
         "p50_ms": pct(side["lat"], 0.5) * 1e3,
         "p99_ms": pct(side["lat"], 0.99) * 1e3,
         "bare_p50_ms": pct(bare_["lat"], 0.5) * 1e3,
@@ -212,7 +212,7 @@ def bench_client(url: str, n: int, rounds: int) -> dict:
     return {
         "client_ms": statistics.median(client) * 1e3,
         "raw_ms": statistics.median(raw) * 1e3,
-        "ratio": statistics.median([a / b for a, b in zip(client, raw, strict=False)]),
+        "ratio": statistics.median([a / b for a, b in zip(client, raw, strict=True)]),
     }
 
 
@@ -265,10 +265,10 @@ def bench_batch_exists(sidecar: Proc, n: int, rounds: int, layout: dict = WHOLE)
     return {
         "exists_rps": med(a for a, _ in one),
         "batch_rps": med(b for b, _ in multi),
-        "ratio": med(b[0] / a[0] for a, b in zip(one, multi, strict=False)),
+        "ratio": med(b[0] / a[0] for a, b in zip(one, multi, strict=True)),
         "cpu_us": med(b for _, b in multi) * 1e6,
         "exists_cpu_us": med(a for _, a in one) * 1e6,
-        "cpu_ratio": med(div(a[1], b[1]) for a, b in zip(one, multi, strict=False)),
+        "cpu_ratio": med(div(a[1], b[1]) for a, b in zip(one, multi, strict=True)),
     }
 
 

@@ -211,13 +211,13 @@ def run(
     res = {}
     for what in ("exists", "set"):
         a, b = [x[what] for x in rows["on"]], [x[what] for x in rows["off"]]
-        cpu = [div(y[1], x[1]) for x, y in zip(a, b, strict=False)]
+        cpu = [div(y[1], x[1]) for x, y in zip(a, b, strict=True)]
         res[what] = {
             "on_rps": med(x[0] for x in a),
             "off_rps": med(x[0] for x in b),
             "on_cpu_us": med(x[1] for x in a) * 1e6,
             "off_cpu_us": med(x[1] for x in b) * 1e6,
-            "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b, strict=False)),
+            "rps_ratio": med(x[0] / y[0] for x, y in zip(a, b, strict=True)),
             "cpu_ratio": med(cpu),
             "cpu_by_pair": [med(cpu[i : i + rounds]) for i in range(0, len(cpu), rounds)],
         }

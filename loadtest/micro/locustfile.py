@@ -123,7 +123,7 @@ class EngineUser(User):
             pass
 
     def _verify(self, keys: list[str], loaded: list[bool]) -> None:
-        for slot, (key, ok) in enumerate(zip(keys, loaded, strict=False)):
+        for slot, (key, ok) in enumerate(zip(keys, loaded, strict=True)):
             if ok and self.buf.view(slot * PAGE, TAG) != tag(key):
                 raise PageMixup(f"slot {slot} does not hold {key}")
 

@@ -136,7 +136,7 @@ async def run(args) -> dict:
         # on the machine moves both sides of a ratio together
         paired = {
             p: statistics.median(
-                r / t for r, t in zip(res[f"raw_{p}"], res[f"tier_{p}"], strict=False)
+                r / t for r, t in zip(res[f"raw_{p}"], res[f"tier_{p}"], strict=True)
             )
             for p in ("put", "get")
         }

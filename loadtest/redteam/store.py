@@ -35,7 +35,7 @@ def _writer(url: str, name: str, rounds: int) -> list[str]:
         for j, k in enumerate(keys):
             buf.view(j * PAGE, PAGE)[:] = _page(k)
         acked += [
-            k for k, ok in zip(keys, c.set(name, keys, bid, list(range(8))), strict=False) if ok
+            k for k, ok in zip(keys, c.set(name, keys, bid, list(range(8))), strict=True) if ok
         ]
     c.request("POST", "/v1/flush?timeout=120")
     return acked

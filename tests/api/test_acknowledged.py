@@ -42,7 +42,7 @@ def test_write_through_under_eviction_pressure_never_acks_an_unqueued_page(make_
                 buf.view(j * PAGE, PAGE)[:] = data(k)
             got = ce.set("kv", keys, bid, list(range(BATCH)))
             with lock:
-                acked.extend(k for k, ok in zip(keys, got, strict=False) if ok)
+                acked.extend(k for k, ok in zip(keys, got, strict=True) if ok)
         with lock:
             done.append(e)
 

@@ -59,7 +59,7 @@ def test_write_back_under_eviction_pressure_with_a_full_queue_loses_no_acknowled
                 buf.view(j * PAGE, PAGE)[:] = data(k)
             got = c.set("kv", keys, bid, list(range(8)))
             answers.extend(got)
-            acked.extend(k for k, ok in zip(keys, got, strict=False) if ok)
+            acked.extend(k for k, ok in zip(keys, got, strict=True) if ok)
 
     t = threading.Thread(target=engine)
     t.start()

@@ -141,7 +141,7 @@ def test_multi_chunk_layouts_round_trip(client, server):
     perm = [3, 1, 7, 0, 2, 6, 5, 4]
     assert client.get("lf", keys, oid, perm) == [True] * slots
     for i, j in enumerate(perm):
-        for t, o in zip(tensors, outs, strict=False):
+        for t, o in zip(tensors, outs, strict=True):
             assert torch.equal(t[i], o[j])
     # the host page is the chunks in order: K layer 0..2, then V layer 0..2
     page_bytes = client.get_page("lf", "s2")

@@ -96,7 +96,7 @@ def test_many_concurrent_clients_never_mix_pages(server):
                     buf.view(i * PAGE, PAGE)[:] = hashlib.shake_256(k.encode()).digest(PAGE)
                 c.set("kv", keys, bid, list(range(8)))
                 loaded = c.get("kv", keys, bid, list(range(8, 16)))
-                for i, (k, ok) in enumerate(zip(keys, loaded, strict=False)):
+                for i, (k, ok) in enumerate(zip(keys, loaded, strict=True)):
                     if ok and buf.view((8 + i) * PAGE, PAGE) != hashlib.shake_256(
                         k.encode()
                     ).digest(PAGE):

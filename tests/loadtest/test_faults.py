@@ -52,7 +52,7 @@ def test_killed_sidecar_fails_fast_and_loses_at_most_the_write_queue(spawn, tmp_
                 stored = c.set("kv", keys, bid, list(range(16)))
             except SidecarUnavailable:
                 return
-            acked.extend(k for k, ok in zip(keys, stored, strict=False) if ok)
+            acked.extend(k for k, ok in zip(keys, stored, strict=True) if ok)
             if len(acked) >= 8 * QUEUE:
                 enough.set()
             i += 1
@@ -80,7 +80,7 @@ def test_killed_sidecar_fails_fast_and_loses_at_most_the_write_queue(spawn, tmp_
     for i in range(0, len(acked), 16):
         keys = acked[i : i + 16]
         loaded = c2.get("kv", keys, oid, list(range(len(keys))))
-        for j, (k, ok) in enumerate(zip(keys, loaded, strict=False)):
+        for j, (k, ok) in enumerate(zip(keys, loaded, strict=True)):
             if ok:
                 assert out.view(j * PAGE, PAGE) == data(k), f"{k}: wrong bytes"
                 served += 1

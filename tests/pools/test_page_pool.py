@@ -332,7 +332,7 @@ def test_run_in_any_is_the_walk_key_by_key(where, n_indexes):
     against the walk it replaces: key i is in index where[i] - 1 (0: in none)."""
     keys = [f"k{i}" for i in range(len(where))]
     indexes = [
-        {k: 0 for k, w in zip(keys, where, strict=False) if w == j + 1} for j in range(n_indexes)
+        {k: 0 for k, w in zip(keys, where, strict=True) if w == j + 1} for j in range(n_indexes)
     ]
     walked = 0
     for k in keys:

@@ -97,7 +97,7 @@ class PoolModel(RuleBasedStateMachine):
         order (repeats too), nothing is pinned."""
         found = self.pool.peek(keys)
         assert [e is not None for e in found] == [k in self.ready for k in keys]
-        for k, e in zip(keys, found, strict=False):
+        for k, e in zip(keys, found, strict=True):
             if e is not None:
                 assert e is self.cur[k]
                 self._touch(k)

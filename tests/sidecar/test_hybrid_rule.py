@@ -120,7 +120,7 @@ def run(store, case):
 def fill(store, name, present, keys=KEYS):
     store.put_namespace(name, parse_spec({"page_bytes": 512}))
     pool = store.namespace(name).pool
-    for k, here in zip(keys, present, strict=False):
+    for k, here in zip(keys, present, strict=True):
         if here:
             pool.commit(pool.reserve(k))
 

@@ -43,11 +43,11 @@ def fill(store, tier, name, where):
     ns = store.namespace(name)
     jobs = [
         (ns.identity, k, memoryview(bytes(PAGE)))
-        for k, w in zip(KEYS, where, strict=False)
+        for k, w in zip(KEYS, where, strict=True)
         if w == 2
     ]
     assert all(tier.write_batch(jobs))
-    for k, w in zip(KEYS, where, strict=False):
+    for k, w in zip(KEYS, where, strict=True):
         if w == 1:
             ns.pool.commit(ns.pool.reserve(k))
 

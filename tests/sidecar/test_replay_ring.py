@@ -4,6 +4,7 @@ overwritten batch skipping it."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from hypothesis import given, settings
@@ -21,7 +22,7 @@ def check(ring: ReplayRing, written: dict) -> None:
     assert not seqs or seqs[-1] == max(written)
     spans = sorted((off, off + n) for _, _, off, n in index)
     assert all(0 <= a <= b <= ring.size for a, b in spans)
-    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:], strict=False))
+    assert all(b1 <= a2 for (_, b1), (a2, _) in itertools.pairwise(spans))
     assert ring.bytes == sum(n for *_, n in index) and len(ring) <= ring.keep
     assert {seq: p for seq, _, p in ring.since(0)} == {seq: written[seq] for seq in seqs}
 

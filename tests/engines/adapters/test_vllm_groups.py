@@ -91,7 +91,7 @@ def test_one_exists_gives_the_prefix_every_group_restores(server):
     hashes = [hashlib.sha256(f"h{i}".encode()).digest() for i in range(6)]
     keys = [h.hex() for h in hashes]
     held = {"kv": range(6), "swa": [0, 1, 2, 4, 5], "mamba": [1, 4]}
-    for ns, pool in zip(names, ("kv", "swa", "mamba"), strict=False):
+    for ns, pool in zip(names, ("kv", "swa", "mamba"), strict=True):
         for i in held[pool]:
             assert client.put_page(ns, keys[i], bytes(512))
     plans, _ = plan_groups(config(FULL_SPEC, SWA_SPEC, MAMBA_SPEC), tail=False)

@@ -61,7 +61,7 @@ def test_v1_round_trip_on_real_pools(server, build, layout, dtype, allocator):
     assert a.batch_set_v1(ks, indices(src)) == [True] * 6
     assert b.batch_exists(ks + ["0" * 64]) == 6
     assert b.batch_get_v1(ks, indices(dst)) == [True] * 6
-    for s, d in zip(src, dst, strict=False):
+    for s, d in zip(src, dst, strict=True):
         assert kit.page_bytes(b_pool, d) == kit.page_bytes(a_pool, s)
     assert kit.page_bytes(b_pool, 5) != kit.page_bytes(a_pool, 5)  # untouched slots stay
     assert b.batch_get_v1(["f" * 64], indices([2])) == [False]
@@ -129,8 +129,8 @@ def test_generic_path_and_draft_keys(server):
     assert be.exists(ks[0]) and be.exists(ks[2]) and not be.exists("0" * 64)
     targets = [pool.get_dummy_flat_data_page() for _ in range(3)]
     got = be.batch_get(ks, targets)
-    assert all(g is t for g, t in zip(got, targets, strict=False))
-    assert all(torch.equal(a, b) for a, b in zip(pages, targets, strict=False))
+    assert all(g is t for g, t in zip(got, targets, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(pages, targets, strict=True))
     assert be.get("1" * 64, pool.get_dummy_flat_data_page()) is None
     # the draft key landed in a namespace of pool kind "draft", the others in a KV one
     c = server.client()

@@ -94,7 +94,7 @@ def test_hicache_controller_write_back_then_prefetch(server, engines, case):
     b_idx, loaded, _ = kit.prefetch(b, TOKENS)
     assert loaded == len(TOKENS)
     assert pages_of(b_idx) != pages_of(a_idx)
-    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=False):
+    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=True):
         assert kit.page_bytes(b_host, pb) == kit.page_bytes(a_host, pa)
     assert kit.prefetch(b, list(range(5000, 5008)))[1] == 0  # never written: no hit
     assert a.storage_backend.failures == b.storage_backend.failures == 0
@@ -117,7 +117,7 @@ def test_hybrid_controller_kv_and_mamba(server, engines):
     probe = kit.mamba_trailing()
     b_idx, loaded, hits = kit.prefetch(b, TOKENS, [probe])
     assert loaded == len(TOKENS) and hits["mamba"] == 1
-    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=False):
+    for pa, pb in zip(pages_of(a_idx), pages_of(b_idx), strict=True):
         assert kit.page_bytes(b_kv[1], pb) == kit.page_bytes(a_kv[1], pa)
     assert int(probe.host_indices[0]) != int(slot[0])
     assert kit.page_bytes(b_state[1], int(probe.host_indices[0])) == kit.page_bytes(

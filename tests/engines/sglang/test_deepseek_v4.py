@@ -91,7 +91,7 @@ def write(stack, tokens):
         window = [asm.trailing(PoolName.SWA, win, keys[-WINDOW:])]
         done = asm.write_back(stack, kv_idx[: end * P], tokens[: end * P], window)
         assert done.completed_tokens == end * P
-        where.update(zip(range(end - WINDOW, end), asm.pages_of(win, P), strict=False))
+        where.update(zip(range(end - WINDOW, end), asm.pages_of(win, P), strict=True))
     return kv_idx, where
 
 

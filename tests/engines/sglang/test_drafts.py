@@ -67,7 +67,7 @@ def same_pages(a, a_idx, b, b_idx, name) -> bool:
     assert len(pa) == len(pb)
     return all(
         kit.page_bytes(host(a, name), x) == kit.page_bytes(host(b, name), y)
-        for x, y in zip(pa, pb, strict=False)
+        for x, y in zip(pa, pb, strict=True)
     )
 
 

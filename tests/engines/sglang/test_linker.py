@@ -123,7 +123,7 @@ def test_nodes_queued_behind_a_set_in_flight_go_in_one_set(engines):
     lk.settle(a)
     assert sets == [3, 9] and a.linker.stats["pages_offloaded"] == 12
     assert a.linker.stats["offload_failures"] == 0
-    for tokens, slots in zip(prompts, src, strict=False):
+    for tokens, slots in zip(prompts, src, strict=True):
         req, _ = lk.match(b, tokens)
         got = lk.load(b, req)
         assert got.failed == [] and lk.digest(lk.kv_buffers(b), got.slots) == lk.digest(

@@ -46,7 +46,7 @@ def test_two_engine_processes_load_each_others_pages(spawn):
     try:
         wrote = [answer(p) for p in procs]  # both computed and offloaded
         assert [w["offloaded"] for w in wrote] == [7, 7]  # 6 KV pages and the node's state
-        for p, other in zip(procs, ("12", "11"), strict=False):
+        for p, other in zip(procs, ("12", "11"), strict=True):
             p.stdin.write(other + "\n")
             p.stdin.flush()
         got = [answer(p) for p in procs]

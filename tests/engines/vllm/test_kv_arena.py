@@ -83,7 +83,7 @@ def test_loads_go_straight_into_the_kv_blocks(server):
     w.load([Transfer("r", keys + [hashlib.sha256(b"absent").hexdigest()], [7, 8, 9, 10, 11, 0])])
     assert w.take_load_errors() == {0} and w.stats["loaded"] == 5
     for name in src:
-        for d, s in zip([7, 8, 9, 10, 11], [1, 2, 3, 4, 5], strict=False):
+        for d, s in zip([7, 8, 9, 10, 11], [1, 2, 3, 4, 5], strict=True):
             assert torch.equal(caches[name][d], src[name][s])
         assert not caches[name][0].any()
     ns = server.client().stats()["namespaces"][w.namespace]

@@ -122,4 +122,4 @@ def _positional(raw: list):
         "BlockRemoved": ["block_hashes", "medium"],
         "AllBlocksCleared": [],
     }[kind]
-    return cls(**dict(zip(names, fields, strict=False)))
+    return cls(**dict(zip(names, fields, strict=False)))  # trailing defaults may be left off
