@@ -37,6 +37,8 @@ from pools.page_pool import PagePool, PoolInvariantError
 
 RESERVED_SHARE = 0.5  # of the segments, at most, reserved by tenants (explicit capacities)
 RECLAIM_RETRY = 64  # grows a pool skips the reclaim after one found nothing
+# (owner share, shared pools by owner, shared segments held by owner): `HostPool._counts`
+Shares = tuple[float, Counter[Hashable], Counter[Hashable]]
 
 
 class PoolFull(Exception):
@@ -56,8 +58,8 @@ class HostPool:
         self.pools: dict[str, PagePool] = {}
         self.draining: list[PagePool] = []
         self.explicit_segments = 0
-        self._shares: tuple | None = None  # `_counts`, until segments move
-        self._explicit: Counter | None = None  # explicit segments by owner, likewise
+        self._shares: Shares | None = None  # `_counts`, until segments move
+        self._explicit: Counter[Hashable] | None = None  # explicit segments by owner, likewise
         self._no_reclaim: dict[str, int] = {}  # pool -> grows left to skip (see `_grow`)
 
     # -- namespaces -------------------------------------------------------------------
@@ -203,7 +205,7 @@ class HostPool:
         self._shares = self._explicit = None
         self._no_reclaim.clear()
 
-    def _counts(self) -> tuple[float, Counter, Counter]:
+    def _counts(self) -> Shares:
         """(owner share, shared pools by owner, shared segments held by owner), counted
         once after each change (`_moved`): a pool at its share asks on every page it
         stores, and the answer must not walk every pool each time."""

@@ -50,19 +50,21 @@ event loop only; copies run elsewhere between reserve/pin and commit/unpin).
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
 from operator import itemgetter, or_
-from typing import Protocol
+from typing import Final, Protocol
 
 from pools.lru import LruList
 
 RESERVED = 0
 READY = 1
-PRESENT = object()  # reserve(): the key is already stored: no copy needed
-BUSY = object()  # reserve(): another writer is storing the key; it is not stored yet
+Taken = enum.Enum("Taken", "PRESENT BUSY")  # what reserve() answers for a key it holds:
+PRESENT: Final = Taken.PRESENT  # the key is already stored: no copy needed
+BUSY: Final = Taken.BUSY  # another writer is storing the key; it is not stored yet
 EVICT_SCAN = 64  # pages `on_evict` keeps that one eviction passes over at most
 RUN_WALK = 256  # given-back slots a new run's start moves down over at most
 RECLAIM_TRIES = 4  # idle segments one reclaim tries to empty at most
@@ -94,7 +96,7 @@ class Entry:
     next: Entry | None = field(default=None, repr=False)
 
 
-def run_length(index: dict, keys: list[str]) -> int:
+def run_length(index: Mapping[str, object], keys: list[str]) -> int:
     """Length of the leading run of `keys` in `index`; stops at the first miss.
 
     When the last key is there the run is usually whole (a full hit, or a KV prefix
@@ -109,7 +111,7 @@ def run_length(index: dict, keys: list[str]) -> int:
     return len(list(takewhile(index.__contains__, keys)))
 
 
-def run_in_any(keys: list[str], indexes: list) -> int:
+def run_in_any(keys: list[str], indexes: Sequence[Mapping[str, object]]) -> int:
     """Length of the leading run of `keys` each in some mapping of `indexes` (the host
     pool's READY keys, then each local tier's index), read in C: the first index's run by
     `run_length`, then chunks of doubling size, each key's presence in every index one
@@ -156,7 +158,7 @@ class PagePool:
         self._next = -1  # the slot after the one handed out last: taken next when free
         self.fresh: list[list[int]] = []  # [next, end) of never-used slots, one run a segment
         self.lru: LruList[Entry] = LruList()
-        self.reaping: list[dict] = []  # a closed pool's dropped entries (`reap`)
+        self.reaping: list[dict[int, Entry] | dict[str, Entry]] = []  # dropped, for `reap`
         self.closed = False
         self.on_evict: OnEvict | None = None
         self.on_idle: Callable[[PagePool], None] | None = None
@@ -164,7 +166,7 @@ class PagePool:
             None  # a segment's last busy slot went
         )
         self.joints: list[KeyWatcher] = []  # told when a key comes or goes
-        self.log: list | None = None  # (True, key) or a gone key, as they come and go
+        self.log: list[str | tuple[object, object]] | None = None  # (True, key) or a gone key
         self.on_log: Callable[[PagePool], None] | None = None
         self._grow = grow
         self._doomed_entries: dict[int, Entry] = {}
@@ -231,7 +233,7 @@ class PagePool:
         return list(map(self.ready.__contains__, keys))
 
     # -- writers ----------------------------------------------------------------------
-    def reserve(self, key: str):
+    def reserve(self, key: str) -> Entry | Taken | None:
         """Return a RESERVED Entry to copy into, `PRESENT`, `BUSY` (being written by
         another reservation), or None when there is no room."""
         assert not self.closed, "reserve on a closed pool"
@@ -492,7 +494,7 @@ class PagePool:
         self.evictions += 1
         return True
 
-    def _logged(self, entry) -> None:
+    def _logged(self, entry: str | tuple[object, object]) -> None:
         assert self.log is not None and self.on_log is not None, "called only with a log"
         if not self.log:
             self.on_log(self)

@@ -125,5 +125,6 @@ def index_bytes_per_page(pages: int = 4096, key_len: int = 64) -> float:
     pool.add_segment(0)
     for i in range(pages):
         e = pool.reserve(f"{i:0{key_len}x}"[-key_len:])
+        assert isinstance(e, Entry), "a new key in a pool with room: an entry"
         pool.commit(e)
     return pool_index_bytes(pool) / pages

@@ -127,8 +127,8 @@ class Tiering:
         the first miss (a request may ask 64 pools of 4,096 keys each: 147 ms of loop
         walked key by key in Python, a file tier's pages only)."""
         local = [t for t in self.tiers if not t.remote_lookup]
-        indexes = [t.index(identity) for t in local]
-        if None not in indexes:
+        indexes = [i for i in (t.index(identity) for t in local) if i is not None]
+        if len(indexes) == len(local):  # every local tier lends its index
             return run_in_any(keys, [ready, *indexes])
         n = 0
         for k in keys:
