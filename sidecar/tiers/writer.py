@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import platform
 import queue
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.tiers.base import Tier
+
+log = logging.getLogger("kv_sidecar.tiers")
 
 BATCH = 64
 WRITER_NICE = 19
@@ -194,6 +197,11 @@ class TierWriter:
                 if not live:
                     break
                 res = tier.write_batch([(j.identity, j.key, j.page) for j in live])
+                if len(res) != len(live):  # a tier off its contract fails the batch, not the thread
+                    log.error(
+                        "tier %s answered %d results for %d pages", tier.name, len(res), len(live)
+                    )
+                    res = [False] * len(live)
                 ok = [a and b for a, b in zip(ok, res, strict=True)]
             good = {id(j): g for j, g in zip(live, ok, strict=True)}
             self.loop.call_soon_threadsafe(self._finish, batch, good)

@@ -304,3 +304,29 @@ def test_the_writer_threads_yield_the_cpu_to_engines():
     assert before < WRITER_NICE
     assert asyncio.run(main()) == WRITER_NICE
     assert nice_of(threading.get_native_id()) == before  # only the writer's threads
+
+
+class ShortTier(GatedTier):
+    """Answers one result short for the first batch (off the tier protocol's contract), then
+    keeps it."""
+
+    def write_batch(self, jobs):
+        first = not self.written
+        self.written += [key for _, key, _ in jobs]
+        return [True] * (len(jobs) - 1 if first else len(jobs))
+
+
+def test_a_tier_off_its_contract_fails_the_batch_and_the_writer_goes_on():
+    async def main():
+        writer = TierWriter([ShortTier()], threads=1)
+        writer.start()
+        try:
+            first = await writer.submit(ID, "a", b"x" * PAGE)
+            assert await asyncio.wait_for(first, 10) is False  # counted failed, not dropped
+            assert writer.failed == 1
+            second = await writer.submit(ID, "b", b"x" * PAGE)
+            assert await asyncio.wait_for(second, 10) is True  # the thread lived
+        finally:
+            writer.stop()
+
+    asyncio.run(main())
