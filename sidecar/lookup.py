@@ -37,7 +37,7 @@ class Lookup:
     def __init__(
         self,
         namespaces: Mapping[str, Namespace],
-        namespace: Callable[[str], Namespace],
+        namespace: Callable[[Ref], Namespace],
         tiering: Tiering,
         joints: Joints,
     ):
@@ -47,7 +47,7 @@ class Lookup:
         self.joints = joints
 
     # -- runs ---------------------------------------------------------------------------
-    def local_prefix(self, ref: str, keys: Any) -> tuple[int, bool]:
+    def local_prefix(self, ref: Ref, keys: Any) -> tuple[int, bool]:
         """(n, more): the leading run of keys in the host pool or a local tier, and whether
         a remote tier must still be asked about the rest (then call `remote_prefix`).
         `keys`: a request's JSON, validated here (BadRequest, InvalidKey)."""
@@ -82,12 +82,12 @@ class Lookup:
         n += tiering.local_prefix(ns.identity, keys[n:], ns.pool.ready)
         return n, n < len(keys) and tiering.remote
 
-    async def remote_prefix(self, ref: str, keys: list[str], n: int) -> int:
+    async def remote_prefix(self, ref: Ref, keys: list[str], n: int) -> int:
         """`local_prefix`'s n, extended by what the remote tiers hold."""
         ns = self.namespace(ref)
         return n + await self.tiering.remote_prefix(ns.identity, keys[n:], ns.pool.ready)
 
-    async def prefix(self, ref: str, keys: Any) -> int:
+    async def prefix(self, ref: Ref, keys: Any) -> int:
         """Longest run of keys from index 0 present in the host pool or any tier (`keys`:
         a request's JSON, validated by `local_prefix`)."""
         n, more = self.local_prefix(ref, keys)
@@ -106,7 +106,7 @@ class Lookup:
         return n
 
     # -- masks --------------------------------------------------------------------------
-    async def present(self, ref: str, keys: Any) -> list[bool]:
+    async def present(self, ref: Ref, keys: Any) -> list[bool]:
         """Each key's presence in the host pool or any tier (`keys`: a request's JSON,
         validated here)."""
         ns = self.namespace(ref)

@@ -142,7 +142,7 @@ class Store:
         self.controls.created(ns)  # pins kept for it across a restart come back
         return ns, True
 
-    def namespace(self, ref: str) -> Namespace:  # (a Ref; str: `controls.Holder` says so)
+    def namespace(self, ref: Ref) -> Namespace:
         ns = self.namespaces.get(ref)
         if ns is None:
             raise NamespaceNotFound(
@@ -257,7 +257,7 @@ class Store:
                 gone.append(buf.id)
         return gone
 
-    async def delete(self, ref: str, keys: Any) -> tuple[int, int]:  # (as `namespace`)
+    async def delete(self, ref: Ref, keys: Any) -> tuple[int, int]:
         """Drop keys from the host pool and every tier: (keys that were present anywhere,
         keys some tier failed to remove and still holds)."""
         ns = self.namespace(ref)

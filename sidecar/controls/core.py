@@ -32,7 +32,7 @@ from sidecar.controls.warm import Warmer, WarmJob
 from sidecar.errors import Forbidden, NamespaceNotFound, PinBound
 from sidecar.ledger import Ledger
 from sidecar.lookup import Lookup
-from sidecar.namespace import Namespace
+from sidecar.namespace import Namespace, Ref
 from sidecar.tenancy import OPERATOR, Caller, Directory, owner_of
 from sidecar.tiering import Tiering
 
@@ -62,9 +62,9 @@ class Holder(Protocol):
     lookup: Lookup
     ledger: Ledger
 
-    def namespace(self, ref: str) -> Namespace: ...
+    def namespace(self, ref: Ref) -> Namespace: ...
 
-    async def delete(self, name: str, keys: list[str]) -> tuple[int, int]: ...
+    async def delete(self, ref: Ref, keys: list[str]) -> tuple[int, int]: ...
 
 
 class Controls:
@@ -72,9 +72,9 @@ class Controls:
 
     def __init__(self, store: Holder):
         self.store = store
-        self.pins: dict[str, dict[str, Pin]] = {}  # ns ref -> key -> pin
+        self.pins: dict[Ref, dict[str, Pin]] = {}  # ns ref -> key -> pin
         # owner -> seq -> (ref, key), oldest first: the newest end first, CHUNK a turn
-        self.by_owner: dict[Hashable, dict[int, tuple[str, str]]] = {}
+        self.by_owner: dict[Hashable, dict[int, tuple[Ref, str]]] = {}
         self.live = 0  # pins held
         self.ending: set[asyncio.Task] = set()  # a dropped namespace's pins, ending
         self.emptied: set[str] = set()  # namespaces whose pins `end_pins` ended (a drop)
@@ -85,7 +85,7 @@ class Controls:
         # pins by the whole second their TTL ends in: second -> seq -> (ref, key); and a
         # heap of those seconds. An ended pin leaves its bucket at once, so nothing grows
         # with pins ended early and nothing is ever rebuilt in one loop turn.
-        self._due: dict[int, dict[int, tuple[str, str]]] = {}
+        self._due: dict[int, dict[int, tuple[Ref, str]]] = {}
         self._seconds: list[int] = []
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -93,7 +93,7 @@ class Controls:
         self.dropped: dict[Namespace, asyncio.Future] = {}  # their records going (`settled`)
 
     # -- who ---------------------------------------------------------------------------
-    def owned(self, ref: str, who: Caller) -> Namespace:
+    def owned(self, ref: Ref, who: Caller) -> Namespace:
         """The namespace `ref` if `who` may control it (the package's docstring), else 403."""
         ns = self.store.namespace(ref)
         if who is not OPERATOR and owner_of(who) != ns.owner:
@@ -120,7 +120,7 @@ class Controls:
         }
 
     # -- pins --------------------------------------------------------------------------
-    async def pin(self, ref: str, who: Caller, sel: Selection, ttl: float) -> dict[str, Any]:
+    async def pin(self, ref: Ref, who: Caller, sel: Selection, ttl: float) -> dict[str, Any]:
         """Pin the selected pages (tier-only ones promoted first) for `ttl` seconds; a pin
         already there is renewed. All or nothing against the owner's bound (checked before
         the first pin), CHUNK pins a loop turn; each pin checks the bound again (a page that
@@ -181,7 +181,7 @@ class Controls:
             )
         return bound
 
-    def hold(self, ref: str, ns: Namespace, key: str, expires: float, bound: int) -> bool:
+    def hold(self, ref: Ref, ns: Namespace, key: str, expires: float, bound: int) -> bool:
         """Pin one page until `expires` (loop time); False when it is gone, pinned already,
         or its segment would put the owner past `bound` (`bound_segments`). Call `arm`
         after a batch of holds: it starts the expiry and bound checks. The pin's record is
@@ -202,7 +202,7 @@ class Controls:
         self._schedule(pin, ref, key)
         return True
 
-    def _release(self, ref: str, key: str) -> bool:
+    def _release(self, ref: Ref, key: str) -> bool:
         """End one pin (its pool pin given back); False when there was none."""
         mine = self.pins.get(ref)
         pin = mine.pop(key, None) if mine else None
@@ -226,7 +226,7 @@ class Controls:
         self.ledger.unpin(pin.owner, pin.entry.offset // self.store.host_pool.segment_size)
         pin.pool.unpin(pin.entry)  # (a page deleted meanwhile is buried now)
 
-    async def unpin(self, ref: str, who: Caller, sel: Selection | None) -> dict[str, Any]:
+    async def unpin(self, ref: Ref, who: Caller, sel: Selection | None) -> dict[str, Any]:
         """End the pins of the selected pages (None: every pin of the namespace), CHUNK a
         loop turn."""
         ns = self.owned(ref, who)
@@ -238,7 +238,7 @@ class Controls:
             n += sum(self._release(ref, k) for k in keys[i : i + CHUNK])
         return {"unpinned": n, "persisted": await self._kept(ns), **self.usage(ns.owner)}
 
-    def listing(self, ref: str, who: Caller, label: str) -> dict[str, Any]:
+    def listing(self, ref: Ref, who: Caller, label: str) -> dict[str, Any]:
         """One namespace's pins (the first LIST_MAX), with the owner's usage."""
         ns = self.store.namespace(ref)
         now = asyncio.get_running_loop().time()
@@ -278,7 +278,7 @@ class Controls:
         }
 
     # -- hooks from the store ------------------------------------------------------------
-    def forget(self, ref: str, keys: list[str]) -> None:
+    def forget(self, ref: Ref, keys: list[str]) -> None:
         """Pages are being deleted: their pins end first (their slots then free at once)."""
         if ref in self.pins and sum(self._release(ref, k) for k in keys):
             self._touch({ref})
@@ -302,7 +302,7 @@ class Controls:
             self.dropped[ns] = fut
         self.warming.cancel(ns)
 
-    async def end_pins(self, ref: str) -> None:
+    async def end_pins(self, ref: Ref) -> None:
         """Before a namespace is dropped: end its pins, CHUNK a loop turn (its pool then
         closes with only in-flight copies busy: no walk of a million pinned pages)."""
         while self.pins.get(ref):
@@ -327,7 +327,7 @@ class Controls:
         fut = self._keep(ns)
         return fut is not None and await fut
 
-    def _touch(self, refs: set[str]) -> None:
+    def _touch(self, refs: set[Ref]) -> None:
         for ref in refs:
             ns = self.store.namespaces.get(ref)
             if ns is not None:
@@ -386,7 +386,7 @@ class Controls:
         self._touch(ended)
         return n
 
-    def _schedule(self, pin: Pin, ref: str, key: str) -> None:
+    def _schedule(self, pin: Pin, ref: Ref, key: str) -> None:
         pin.due = math.ceil(pin.expires)
         bucket = self._due.get(pin.due)
         if bucket is None:
@@ -394,9 +394,9 @@ class Controls:
             heapq.heappush(self._seconds, pin.due)
         bucket[pin.seq] = (ref, key)
 
-    def _come_due(self, now: float) -> list[tuple[int, str, str]]:
+    def _come_due(self, now: float) -> list[tuple[int, Ref, str]]:
         """At most CHUNK (seq, ref, key) out of the buckets of seconds up to `now`."""
-        out: list[tuple[int, str, str]] = []
+        out: list[tuple[int, Ref, str]] = []
         while self._seconds and self._seconds[0] <= now and len(out) < CHUNK:
             second = self._seconds[0]
             bucket = self._due.get(second)
@@ -428,7 +428,7 @@ class Controls:
         return n
 
     # -- evict -----------------------------------------------------------------------------
-    async def evict(self, ref: str, who: Caller, sel: Selection) -> dict[str, Any]:
+    async def evict(self, ref: Ref, who: Caller, sel: Selection) -> dict[str, Any]:
         """Delete the selected pages from the host pool and every tier (as per-key deletes:
         their files go, so the delete holds across a restart), CHUNK keys at a time."""
         self.owned(ref, who)
@@ -444,7 +444,7 @@ class Controls:
         """Every warm job, by id (sidecar/controls/warm.py)."""
         return self.warming.jobs
 
-    async def warm(self, ref: str, who: Caller, sel: Selection) -> dict[str, Any]:
+    async def warm(self, ref: Ref, who: Caller, sel: Selection) -> dict[str, Any]:
         """Start a job bringing the selected pages present in some tier into the host pool
         (a chain: its leading run of present pages). 429 past WARM_RUNNING_PER_OWNER."""
         ns = self.owned(ref, who)

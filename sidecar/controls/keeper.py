@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from typing import Any, Protocol
 
 from sidecar.controls.pin_store import MAX_AGE, PERSIST_MAX, Pins, PinStore
-from sidecar.namespace import Namespace
+from sidecar.namespace import Namespace, Ref
 
 log = logging.getLogger("kv_sidecar.pins")
 CHUNK = 64  # pins a restore promotes and pins a step (warm.WARM_CHUNK)
@@ -29,11 +29,11 @@ class Pinner(Protocol):
     named by this protocol so that the controls import the keeper and not the reverse."""
 
     store: Any  # its `namespaces` (by ref) and `tiering`
-    pins: dict[str, dict[str, Any]]  # ns ref -> key -> pin (its `expires`: loop time)
+    pins: dict[Ref, dict[str, Any]]  # ns ref -> key -> pin (its `expires`: loop time)
 
     def bound_segments(self, owner: Hashable) -> int: ...
 
-    def hold(self, ref: str, ns: Namespace, key: str, expires: float, bound: int) -> bool: ...
+    def hold(self, ref: Ref, ns: Namespace, key: str, expires: float, bound: int) -> bool: ...
 
     def arm(self, loop: asyncio.AbstractEventLoop) -> None: ...
 
