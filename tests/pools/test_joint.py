@@ -109,7 +109,8 @@ class JointModel(RuleBasedStateMachine):
         )
         got = self.joint.walk(keys, need) if need else b""
         assert len(got) <= run and all(
-            g & ~t == 0 for g, t in zip(got, truth, strict=True)
+            g & ~t == 0
+            for g, t in zip(got, truth, strict=False)  # got stops at its run
         )  # never claims
         if self.joint.built:
             assert list(got) == truth[:run]
