@@ -264,8 +264,10 @@ MUTANTS = [
     M(
         "write_through: a set's pages acknowledged without being queued",
         "sidecar/store.py",
-        "                self.tiering.queue_committed(ns.identity, ns.pool, committed, credits)\n                if credits",
-        "                self.tiering.release(ns.pool, credits) or []\n                if credits",
+        "queued = self.tiering.queue_committed(ns.identity, ns.pool, committed, credits)\n"
+        "                futures.update(zip((e.key for e in committed), queued, strict=True))",
+        "queued = self.tiering.release(ns.pool, credits) or []\n"
+        "                futures.update(zip((e.key for e in committed), queued, strict=False))",
         ("tests/api/test_acknowledged.py",),
     ),
     # -- buffers: owner and pid-reuse guards, registration only on the engine socket -------
@@ -987,7 +989,7 @@ MUTANTS = [
     M(
         "controls: a deleted page keeps its pin",
         "sidecar/store.py",
-        "        self.controls.forget(name, keys)",
+        "        self.controls.forget(ref, keys)",
         "        pass",
         (
             "tests/api/test_controls.py::test_evict_a_chain_from_a_key_on_from_every_tier_sticks_across_a_restart",
