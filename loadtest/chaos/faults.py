@@ -62,8 +62,8 @@ class NodeSidecar:
         return self.proc.stop(timeout)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.proc.poll() is None:
-            self.kill()
+        if self.proc is not None:
+            self.proc.kill()  # (an exited one is left as it is)
         self.log.close()
         with contextlib.suppress(OSError):
             os.unlink(self.sock)

@@ -124,8 +124,7 @@ def start_sidecar(attack: Attack, workdir: str) -> tuple[SidecarProcess, Target]
     args += [a.replace("{own}", own) for a in attack.sidecar_args]  # {own}: the sidecar's dir
     env = {"SIDECAR_TOKEN": token} if token else {}
     proc = SidecarProcess(*args, socket=sock, env=env).wait_ready()
-    port = proc.port
-    return proc, Target(f"http://127.0.0.1:{port}", sock, token, proc.proc.pid, workdir)
+    return proc, Target(proc.url, sock, token, proc.proc.pid, workdir)
 
 
 def run_one(attack: Attack, seconds: float | None = None) -> dict:
