@@ -1,9 +1,7 @@
-"""Small helpers tests and red-team attacks share: the status a client call met, and the
-bytes of a page named by a key (deterministic, different for every key)."""
+"""What tests and red-team attacks share to read a client call's outcome."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +15,3 @@ def status(call: Callable[[], Any]) -> int:
     except SidecarError as exc:
         return exc.status
     return 200
-
-
-def page_bytes(key: str, size: int = 4096) -> bytes:
-    """`size` bytes that only `key` gives (SHAKE-256 of the key)."""
-    return hashlib.shake_256(key.encode()).digest(size)
