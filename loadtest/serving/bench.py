@@ -4,6 +4,7 @@ beside no connector and LMCache at equal host memory, on two shapes of the trace
     python -m loadtest.serving.bench [--engines 2,4] [--levels 1,4,8] [--policies rr,sticky]
         [--shapes conversations,trace] [--arms none,shared,defaults,split,lmcache]
         [--requests 160] [--trace-requests 120 --trace-scale 4 --time-scale 0]
+        [--trace-sample 1]
         [--lmcache-python PY] [--out DIR]
 
 Shapes: `conversations` (multi-turn: each prompt the previous turn's and its answer plus
@@ -153,6 +154,7 @@ def plan(args, shape: str, users: int, work: list, offset: int) -> tuple[dict, s
             "block": bt.block_of(args.trace_scale),
             "time_scale": args.time_scale,
             "shared_fraction": bt.shared_fraction(reqs),  # of its blocks, an earlier one's
+            "prefix_fraction": bt.prefix_fraction(reqs, bt.block_of(args.trace_scale)),
         }, "TraceUser"
     return {
         "per_user": sl.per_user(args.requests, users, args.warmup),
@@ -236,6 +238,7 @@ def run_level(args, arm: Arm, servers: list, model: str, level: dict) -> dict:
         "cache_peak_rss": after[2]["peak_rss"],
         "conversations_from": level["offset"],
         "trace_shared": body.get("shared_fraction"),
+        "trace_prefix": body.get("prefix_fraction"),
     }
 
 
@@ -309,6 +312,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace-requests", type=int, default=120, help="trace shape: a level's")
     ap.add_argument("--trace-scale", type=int, default=4, help="trace tokens per bench token")
     ap.add_argument(
+        "--trace-sample",
+        type=int,
+        default=1,
+        help="trace shape: every turn of the conversations whose sha256 is 0 mod this",
+    )
+    ap.add_argument(
         "--time-scale", type=float, default=0.0, help="trace shape: x its timestamps (0: none)"
     )
     ap.add_argument("--warmup", type=int, default=1, help="requests per user dropped first")
@@ -345,7 +354,7 @@ def main(argv=None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(x) for x in Path(args.trace).read_text().splitlines()]
     work_of = {"conversations": sl.conversations(rows, args.scale, args.max_model_len - 64)}
-    work_of["trace"] = rows
+    work_of["trace"] = bt.sample(rows, args.trace_sample)
     path = outdir / "bench-serve.jsonl"
     path.write_text("")
     meta = {
@@ -354,6 +363,7 @@ def main(argv=None) -> int:
         "pool_mib": args.pool_mib,
         "scale": args.scale,
         "trace_scale": args.trace_scale,
+        "trace_sample": args.trace_sample,
         "time_scale": args.time_scale,
         "cpus": os.cpu_count(),
         "omp_bind": args.omp_bind,

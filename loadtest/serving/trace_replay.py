@@ -7,6 +7,9 @@ them, free of vLLM and Locust so the core suite checks it.
                 its answer the output length scaled; sent in the trace's order, at its
                 timestamp x `time_scale` after the first (0: as fast as the users go)
     routing:    rr (request i to engine i mod n) or sticky (its conversation's sha256)
+    sample k:   only the conversations whose sha256 is 0 mod k, every turn in the trace's
+                order (the trace's next turn of a conversation comes thousands of requests
+                later: a slice of every conversation shares little beyond block 0)
 
 `breakdown` is where a level's time went, per request: vLLM's own histograms (waiting for
 a place in the batch, prefill, time to first token) as before/after deltas of /metrics, and
@@ -16,6 +19,7 @@ saves the step waited for, the sets behind it and the blocks kept for them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +75,33 @@ def trace_requests(
             )
         )
     return out
+
+
+def sample(rows: Sequence[dict], k: int) -> list[dict]:
+    """The trace's rows of every conversation whose id's sha256 is 0 mod `k`, in order
+    (`k` 1: every row)."""
+    if k < 1:
+        raise ValueError(f"sample {k}: keep every k-th conversation, k >= 1")
+    if k == 1:
+        return list(rows)
+    conv = lib.conversations(rows)
+    keep = lambda c: int(hashlib.sha256(str(c).encode()).hexdigest(), 16) % k == 0  # noqa: E731
+    return [r for r, c in zip(rows, conv, strict=True) if keep(c)]
+
+
+def prefix_fraction(reqs: Sequence[TraceRequest], block: int) -> float:
+    """Of every prompt token, the share in a prefix an earlier request had: what a cache
+    that kept everything could restore."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in reqs:
+        n = 0
+        while n < len(r.hash_ids) and r.hash_ids[: n + 1] in seen:
+            n += 1
+        seen.update(r.hash_ids[: j + 1] for j in range(len(r.hash_ids)))
+        hit += min(n * block, r.tokens)
+        total += r.tokens
+    return hit / total if total else 0.0
 
 
 def shared_fraction(reqs: Sequence[TraceRequest]) -> float:

@@ -37,6 +37,31 @@ def test_trace_requests_share_exactly_the_traces_shared_prefixes():
         bt.block_of(7)
 
 
+def test_a_sample_keeps_whole_conversations_in_the_traces_order():
+    # request i is a turn of conversation i % 3 (requests 0, 1, 2): blocks 0, 100 + i % 3
+    rows = [
+        {"timestamp": i, "input_length": 192, "output_length": 1, "hash_ids": [0, 100 + i % 3, i]}
+        for i in range(12)
+    ]
+    assert bt.sample(rows, 1) == rows
+    kept = {k: [r["timestamp"] for r in bt.sample(rows, k)] for k in range(2, 8)}
+    assert kept[5] == [i for i in range(12) if i % 3 in (0, 1)]  # sha256("0"), ("1") 0 mod 5
+    assert kept[2] == [] and kept[3] == list(range(12))
+    assert bt.sample(rows, 5) == bt.sample(list(rows), 5)  # deterministic
+    with pytest.raises(ValueError):
+        bt.sample(rows, 0)
+
+
+def test_prefix_fraction_counts_what_an_earlier_prefix_covers():
+    reqs = bt.trace_requests(ROWS[:3], 3, scale=8, max_prompt=1024)
+    a, b, c = reqs
+    block = bt.block_of(8)
+    # b restores a's blocks 0 and 1 (2 x 64 tokens); c restores block 0 only
+    want = (2 * block + block) / (a.tokens + b.tokens + c.tokens)
+    assert bt.prefix_fraction(reqs, block) == pytest.approx(want)
+    assert bt.prefix_fraction(reqs[:1], block) == 0.0
+
+
 METRICS = """# HELP vllm:request_queue_time_seconds x
 vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {q}
 vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {n}
