@@ -214,6 +214,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             else SchedulerSide(self.client, block_size, **kw)
         )
         self.sched.timeline = self.timeline
+        self.sched.step_tokens = int(
+            getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0
+        )
         if not plans and SidecarStats is not None and self._flag("restore_cost", True):
             self.sched.cost = RestoreCost(probe_s=float(self.extra.get("restore_probe_s", 60.0)))
 
@@ -535,7 +538,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> SidecarConnectorMetadata:
         if self.sched is None:
             return SidecarConnectorMetadata()
-        loads = self.sched.take_loads()
+        loads = self.sched.take_loads(sum(scheduler_output.num_scheduled_tokens.values()))
         try:
             saves = self.sched.saves(scheduler_output.num_scheduled_tokens, self._block_ids_of)
         except Exception:

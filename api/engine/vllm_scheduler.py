@@ -15,11 +15,13 @@ Without it, that block is never claimed (the rule before issue 33).
 
 The exists call starts when the request arrives (`prefetch`, vLLM's `on_new_request`) and
 runs on a worker thread: by the time the scheduler asks, the answer is usually there. The
-scheduler waits for it at least `lookup_wait_ms` and up to `LOOKUP_STEP_SHARE` of a step
-(the steps' mean length, `step_s`; 1 s before one is timed): answering None costs the request a whole step (vLLM
-asks again on the next one, seconds away when prefills fill the batch), waiting costs the
-batch only the wait. An answer later than `lookup_timeout_ms` counts as a miss. Every
-failure is a miss (0), never an exception.
+scheduler waits for it at least `lookup_wait_ms` and up to `LOOKUP_STEP_SHARE` of the step
+the request would join: the steps' mean length (`step_s`; 1 s before one is timed) or, if
+longer, its own uncomputed tokens (at most a step's budget) at the steps' seconds a token
+(`token_s`). Answering None costs the request a whole step (vLLM asks again on the next
+one, seconds away when prefills fill the batch; a mean of short decode steps once let a
+6 ms answer lose a 9.6 s step), waiting costs the batch only the wait. An answer later
+than `lookup_timeout_ms` counts as a miss. Every failure is a miss (0), never an exception.
 
 With `cost` (api/engine/restore_cost.py), the exists call also says where the prefix lies
 (host pool, local tier, remote) and a prefix loads only when restoring it is expected to
@@ -150,7 +152,10 @@ class SchedulerSide:
     timeline: Timeline = OFF  # where the time goes (bench-serve's breakdown)
     late: dict[str, list] = field(default_factory=dict)  # rid -> [first late ask, steps]
     step_s: float = 0.0  # the steps' mean length (EWMA of the time between two)
+    token_s: float = 0.0  # a scheduled token's mean seconds (EWMA, per step)
+    step_tokens: int = 0  # a step's token budget (vLLM's max_num_batched_tokens; 0: none)
     _stepped: float = 0.0  # when the last step's metadata was built
+    _step_load: int = 0  # the tokens that step scheduled
 
     def block_ids(self, groups) -> list:
         """The block ids this side plans with, from vLLM's per-group lists: the one group's."""
@@ -207,7 +212,7 @@ class SchedulerSide:
             return 0
         where: Where = (0, 0, 0)
         try:
-            where = look.future.result(timeout=self.wait_s())
+            where = look.future.result(timeout=self.wait_s(look.tokens - num_computed))
         except FutureTimeout:
             if time.monotonic() - look.started < self.lookup_timeout:
                 self.stats["late"] += 1
@@ -345,19 +350,29 @@ class SchedulerSide:
         """Its load could not be planned: every block is reported failed (vLLM recomputes)."""
         self.loads.append(Transfer(rid, [], block_ids))
 
-    def wait_s(self) -> float:
+    def wait_s(self, tokens: int = 0) -> float:
         """How long `matched` waits for a late answer: `lookup_wait`, or up to
-        `LOOKUP_STEP_SHARE` of a step where steps are long (never past the timeout)."""
-        step = self.step_s or STEP_PRIOR_S
+        `LOOKUP_STEP_SHARE` of the step a request of `tokens` uncomputed tokens would join
+        (never past the timeout)."""
+        if self.step_tokens:
+            tokens = min(tokens, self.step_tokens)
+        step = max(self.step_s or STEP_PRIOR_S, tokens * self.token_s)
         return max(self.lookup_wait, min(LOOKUP_STEP_SHARE * step, self.lookup_timeout))
 
-    def take_loads(self) -> list[Transfer]:
-        """The step's loads (called once a step: it also times the steps)."""
+    def take_loads(self, tokens: int = 0) -> list[Transfer]:
+        """The step's loads (called once a step, which schedules `tokens`: it also times
+        the steps, and the last one's seconds a token)."""
         now = time.monotonic()
         if self._stepped:  # an idle gap is no step: a sample counts at most twice the mean
-            step = min(now - self._stepped, 2 * self.step_s or float("inf"))
+            took = now - self._stepped
+            step = min(took, 2 * self.step_s or float("inf"))
             self.step_s = (1 - STEP_EWMA) * self.step_s + STEP_EWMA * step if self.step_s else step
-        self._stepped = now
+            if self._step_load:
+                per = min(took / self._step_load, 2 * self.token_s or float("inf"))
+                self.token_s = (
+                    (1 - STEP_EWMA) * self.token_s + STEP_EWMA * per if self.token_s else per
+                )
+        self._stepped, self._step_load = now, tokens
         loads, self.loads = self.loads, []
         return loads
 

@@ -300,6 +300,35 @@ def test_a_late_answer_is_waited_for_up_to_a_share_of_a_step(monkeypatch):
     s.close()
 
 
+def test_the_wait_covers_the_step_a_long_prompt_would_join(monkeypatch):
+    """Short decode steps make a short mean: a 1,756-token prompt arriving among them once
+    lost a 9.6 s prefill step to a 6 ms answer (wait 2 ms). The wait is also a share of
+    the request's own uncomputed tokens (at most a step's budget) at the steps' seconds a
+    token; an idle gap counts at most twice the mean rate."""
+    from api.engine import vllm_scheduler as vs
+
+    clock = [100.0]
+    monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])
+    s = SchedulerSide(SidecarClient("http://127.0.0.1:1"), BS, lookup_wait=0.002)
+    for _ in range(4):  # decode steps: 8 tokens in 40 ms
+        s.take_loads(8)
+        clock[0] += 0.04
+    s.take_loads(8)
+    assert s.step_s == pytest.approx(0.04) and s.token_s == pytest.approx(0.005)
+    assert s.wait_s() == pytest.approx(0.002)  # 5% of 40 ms: the floor
+    assert s.wait_s(1756) == pytest.approx(0.05 * 1756 * 0.005)  # 439 ms
+    s.step_tokens = 1024
+    assert s.wait_s(1756) == pytest.approx(0.05 * 1024 * 0.005)  # a step's budget at most
+    assert s.wait_s(10**6) == pytest.approx(0.256)
+    clock[0] += 600.0  # idle for ten minutes
+    s.take_loads(0)
+    assert s.token_s == pytest.approx(0.8 * 0.005 + 0.2 * 0.01)  # capped at twice the mean
+    clock[0] += 5.0
+    s.take_loads(8)
+    assert s.token_s == pytest.approx(0.006)  # a step of no tokens times no rate
+    s.close()
+
+
 def test_a_late_answer_within_the_share_is_a_hit_not_a_skipped_step():
     """The scheduler asks with the exists answer still out (its thread held by an event
     that opens well within the wait): with steps of 100 s it waits up to 5 s and gets the
