@@ -123,6 +123,9 @@ def trace_report(outdir: Path, rows: list[dict]) -> str:
         for policy in sorted({r["policy"] for r in mine}):
             ts = bt.targets(mine, policy, ttfts)
             parts.append(f"\nTargets, trace, {n} engines, {policy}:\n" + sl.targets_text(ts))
+            best = bt.best_case(mine, policy)
+            if best:
+                parts.append("Tokens computed, and at best (trace.best_case):\n" + "\n".join(best))
     return "\n".join(parts)
 
 

@@ -140,3 +140,23 @@ def test_the_report_pairs_trace_requests_by_their_trace_index(tmp_path):
     assert mine == {1: 1.0, 2: 2.0} and theirs == {2: 3.0, 1: 4.0}
     # the same request in both arms, whichever user sent it
     assert mine.keys() == theirs.keys()
+
+
+def test_the_best_case_is_what_a_cache_that_kept_every_prefix_computes():
+    def tokens(arm: str, computed: int) -> dict:
+        r = row(arm, 1.0, 2.0, 1.0)
+        r["trace_prefix"] = 0.4
+        r["vllm_tokens"] = {
+            "local_compute": computed,
+            "local_cache_hit": 100,
+            "external_kv_transfer": 1000 - 100 - computed,
+        }
+        return r
+
+    (line,) = bt.best_case([tokens("lmcache", 750), tokens("defaults", 650)], "rr")
+    assert "1,000 prompt tokens, 40% in an earlier prefix" in line
+    assert "lmcache 750, defaults 650" in line
+    assert "kept everything: 600 (0.80x LMCache's)" in line
+    assert bt.best_case([tokens("lmcache", 750)], "sticky") == []
+    (alone,) = bt.best_case([tokens("none", 900)], "rr")
+    assert alone.endswith("(no lmcache arm)")
