@@ -4,7 +4,7 @@ beside no connector and LMCache at equal host memory, on two shapes of the trace
     python -m loadtest.serving.bench [--engines 2,4] [--levels 1,4,8] [--policies rr,sticky]
         [--shapes conversations,trace] [--arms none,shared,defaults,split,lmcache]
         [--requests 160] [--trace-requests 120 --trace-scale 4 --time-scale 0]
-        [--trace-sample 1]
+        [--trace-sample 1] [--rounds 1]
         [--lmcache-python PY] [--out DIR]
 
 Shapes: `conversations` (multi-turn: each prompt the previous turn's and its answer plus
@@ -16,8 +16,10 @@ evicts), then every shape, policy and level runs in turn, each on requests of it
 (users = level x engines): a conversation user plays `--warmup` + ceil(`--requests` /
 users) requests; trace users take the next request of the level's `--trace-requests`;
 each user's first `--warmup` are dropped, so every arm serves the same requests on the
-same engines. Each engine's OpenMP threads run on its own share of the cores
-(`--omp-bind split`; `all`: every engine on every core). Arms, each with `--pool-mib` in
+same engines. `--rounds R` runs each level R times in a row, each round on the next
+requests; the report pools a level's rounds (its requests paired across arms by round).
+Each engine's OpenMP threads run on its own share of the cores (`--omp-bind split`;
+`all`: every engine on every core). Arms, each with `--pool-mib` in
 all beneath the engines: `none`; `shared` (one sidecar, no file tier); `defaults` (one
 sidecar as `make serve` starts it: the file tier, write-through); `split` (one sidecar per
 engine, 1/N each, no file tier); `lmcache` (LMCache 0.5.6's MP server, L1 the same size).
@@ -184,6 +186,7 @@ def run_level(args, arm: Arm, servers: list, model: str, level: dict) -> dict:
     users = users_per * n
     tag = f"{arm.name}-{n}-{policy}-{users_per}"
     tag = f"trace-{tag}" if shape == "trace" else tag
+    tag += f"-r{level['round']}" if level["round"] else ""
     out = Path(args.out) / f"requests-{tag}.jsonl"
     out.write_text("")
     body, user_class = plan(args, shape, users, level["work"], level["offset"])
@@ -237,6 +240,7 @@ def run_level(args, arm: Arm, servers: list, model: str, level: dict) -> dict:
         "cache_rss": after[2]["rss"],
         "cache_peak_rss": after[2]["peak_rss"],
         "conversations_from": level["offset"],
+        "round": level["round"],
         "trace_shared": body.get("shared_fraction"),
         "trace_prefix": body.get("prefix_fraction"),
     }
@@ -268,22 +272,23 @@ def run_arm(args, name: str, n: int, model: str, work_of: dict, emit) -> None:
             s.wait()
         offsets = {"conversations": 0, "trace": 0}
         for shape in args.shapes:
-            work = work_of[shape]
             for policy in args.policies:
                 for users_per in args.levels:
-                    level = dict(
-                        shape=shape,
-                        policy=policy,
-                        level=users_per,
-                        work=work,
-                        offset=offsets[shape],
-                    )
-                    emit(run_level(args, arm, servers, model, level))
-                    offsets[shape] += (
-                        args.trace_requests
-                        if shape == "trace"
-                        else users_per * n * args.conversations_per_user
-                    )
+                    for rnd in range(args.rounds):
+                        level = dict(
+                            shape=shape,
+                            policy=policy,
+                            level=users_per,
+                            work=work_of[shape],
+                            offset=offsets[shape],
+                            round=rnd,
+                        )
+                        emit(run_level(args, arm, servers, model, level))
+                        offsets[shape] += (
+                            args.trace_requests
+                            if shape == "trace"
+                            else users_per * n * args.conversations_per_user
+                        )
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -309,6 +314,9 @@ def parse(argv=None) -> argparse.Namespace:
         help="conversations (multi-turn), trace (the trace's requests in order)",
     )
     ap.add_argument("--requests", type=int, default=160, help="requests measured per level")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="each level again on the next requests, pooled"
+    )
     ap.add_argument("--trace-requests", type=int, default=120, help="trace shape: a level's")
     ap.add_argument("--trace-scale", type=int, default=4, help="trace tokens per bench token")
     ap.add_argument(

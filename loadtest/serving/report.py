@@ -56,7 +56,7 @@ def table(rows: list[dict]) -> str:
                 r["engines"],
                 r["arm"],
                 r["policy"],
-                r["users_per_engine"],
+                f"{r['users_per_engine']}" + (f" r{r['round']}" if r.get("round") else ""),
                 r["requests"],
                 r["errors"],
                 _ms(r["ttft_p50_s"]),
@@ -92,10 +92,7 @@ def report(outdir: Path, plot: bool = True) -> str:
         table(rows),
     ]
     for n in sorted({r["engines"] for r in rows}):
-        mine = [r for r in rows if r["engines"] == n]
-        ttfts = {
-            (r["arm"], r["policy"], r["users_per_engine"]): kept_ttfts(outdir, r) for r in mine
-        }
+        mine, ttfts = pooled(outdir, [r for r in rows if r["engines"] == n])
         for policy in sorted({r["policy"] for r in mine}):
             ts = sl.targets(mine, policy, ttfts=ttfts)
             parts.append(f"\nTargets, {n} engines, {policy}:\n" + sl.targets_text(ts))
@@ -116,17 +113,43 @@ def trace_report(outdir: Path, rows: list[dict]) -> str:
     parts.append("\nWhere the time went, mean a request (trace.breakdown)\n")
     parts.append(lib.table(bt.BREAKDOWN_HEAD, bt.breakdown_rows(rows)))
     for n in sorted({r["engines"] for r in rows}):
-        mine = [r for r in rows if r["engines"] == n]
-        ttfts = {
-            (r["arm"], r["policy"], r["users_per_engine"]): kept_ttfts(outdir, r) for r in mine
-        }
+        every = [r for r in rows if r["engines"] == n]
+        mine, ttfts = pooled(outdir, every)
         for policy in sorted({r["policy"] for r in mine}):
             ts = bt.targets(mine, policy, ttfts)
             parts.append(f"\nTargets, trace, {n} engines, {policy}:\n" + sl.targets_text(ts))
-            best = bt.best_case(mine, policy)
+            best = bt.best_case(every, policy)
             if best:
                 parts.append("Tokens computed, and at best (trace.best_case):\n" + "\n".join(best))
     return "\n".join(parts)
+
+
+def pooled(outdir: Path, rows: list[dict]) -> tuple[list[dict], dict]:
+    """One fleet size's rows, a level run in several rounds (`--rounds`) made one: TTFT
+    percentiles over every round's kept requests, req/s the rounds' mean, tokens summed;
+    and each (arm, policy, level)'s kept TTFTs by (round, request), paired across arms."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["arm"], r["policy"], r["users_per_engine"]), []).append(r)
+    merged, ttfts = [], {}
+    for key, group in cells.items():
+        kept = {(g.get("round", 0), k): t for g in group for k, t in kept_ttfts(outdir, g).items()}
+        ttfts[key] = kept
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        rates = [g["req_s"] for g in group if g["req_s"]]
+        tokens = {k: sum(g["vllm_tokens"][k] for g in group) for k in group[0]["vllm_tokens"]}
+        merged.append(
+            {
+                **group[0],
+                **{f"ttft_p{q}_s": lib.percentile(list(kept.values()), q) for q in (50, 90, 99)},
+                "req_s": sum(rates) / len(rates) if rates else None,
+                "vllm_tokens": tokens,
+                "rounds": len(group),
+            }
+        )
+    return merged, ttfts
 
 
 def kept_ttfts(outdir: Path, row: dict) -> dict:
@@ -134,6 +157,7 @@ def kept_ttfts(outdir: Path, row: dict) -> dict:
     user's warm-up (`n` below the row's `warmup`) dropped, as are failed requests."""
     trace = row.get("shape") == "trace"
     tag = f"{row['arm']}-{row['engines']}-{row['policy']}-{row['users_per_engine']}"
+    tag += f"-r{row['round']}" if row.get("round") else ""
     path = outdir / f"requests-{'trace-' if trace else ''}{tag}.jsonl"
     if not path.exists():
         return {}

@@ -224,22 +224,22 @@ def best_case(rows: Sequence[dict], policy: str) -> list[str]:
     `local_compute`) and those a cache that kept every earlier prefix would compute
     (`trace_prefix`), over LMCache's. Where TTFT follows the computed tokens (a closed loop
     of users on a busy fleet), no cache's p50 falls far below that ratio of LMCache's."""
-    at: dict[int, dict[str, dict]] = {}
+    at: dict[int, dict[str, list[dict]]] = {}
     for r in rows:
         if r["policy"] == policy and r.get("trace_prefix") is not None:
-            at.setdefault(r["users_per_engine"], {})[r["arm"]] = r
+            at.setdefault(r["users_per_engine"], {}).setdefault(r["arm"], []).append(r)
     out = []
     for level, arms in sorted(at.items()):
-        any_row = next(iter(arms.values()))
-        total = sum(any_row["vllm_tokens"].values())
-        best = (1 - any_row["trace_prefix"]) * total
-        computed = {a: r["vllm_tokens"]["local_compute"] for a, r in arms.items()}
+        rounds = next(iter(arms.values()))  # every arm ran the same requests
+        total = sum(sum(r["vllm_tokens"].values()) for r in rounds)
+        best = sum((1 - r["trace_prefix"]) * sum(r["vllm_tokens"].values()) for r in rounds)
+        computed = {a: sum(r["vllm_tokens"]["local_compute"] for r in g) for a, g in arms.items()}
         theirs = computed.get("lmcache")
         over = f"{best / theirs:.2f}x LMCache's" if theirs else "no lmcache arm"
         done = ", ".join(f"{a} {int(c):,}" for a, c in computed.items())
         out.append(
             f"{level} users/engine: {int(total):,} prompt tokens, "
-            f"{any_row['trace_prefix']:.0%} in an earlier prefix; computed: {done}; "
+            f"{1 - best / total:.0%} in an earlier prefix; computed: {done}; "
             f"a cache that kept everything: {int(best):,} ({over})"
         )
     return out

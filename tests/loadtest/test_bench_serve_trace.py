@@ -142,6 +142,39 @@ def test_the_report_pairs_trace_requests_by_their_trace_index(tmp_path):
     assert mine.keys() == theirs.keys()
 
 
+def test_rounds_pool_into_one_row_a_level_paired_by_round(tmp_path):
+    from loadtest.serving import report as rep
+
+    rows = []
+    for arm, per_round in (("defaults", [[1.0, 2.0], [3.0, 4.0]]), ("lmcache", [[2.0, 2.0]] * 2)):
+        for rnd, ttfts in enumerate(per_round):
+            rows.append(
+                {
+                    **row(arm, ttfts[0], ttfts[1], 1.0 + rnd),
+                    "engines": 2,
+                    "shape": "trace",
+                    "warmup": 0,
+                    "round": rnd,
+                    "vllm_tokens": {"local_compute": 10, "external_kv_transfer": 5},
+                }
+            )
+            tag = f"trace-{arm}-2-rr-4" + (f"-r{rnd}" if rnd else "")
+            lines = [{"user": 0, "n": i, "cid": i, "ttft": t} for i, t in enumerate(ttfts)]
+            (tmp_path / f"requests-{tag}.jsonl").write_text(
+                "".join(json.dumps(x) + "\n" for x in lines)
+            )
+    merged, ttfts = rep.pooled(tmp_path, rows)
+    assert len(merged) == 2 and {m["rounds"] for m in merged} == {2}
+    mine = next(m for m in merged if m["arm"] == "defaults")
+    assert mine["req_s"] == pytest.approx(1.5)
+    assert mine["vllm_tokens"] == {"local_compute": 20, "external_kv_transfer": 10}
+    assert ttfts[("defaults", "rr", 4)] == {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 3.0, (1, 1): 4.0}
+    assert ttfts[("defaults", "rr", 4)].keys() == ttfts[("lmcache", "rr", 4)].keys()
+    assert mine["ttft_p99_s"] == 4.0  # over both rounds' requests (round 0's is 2.0)
+    one, _ = rep.pooled(tmp_path, [r for r in rows if r["round"] == 0])
+    assert "rounds" not in one[0] and one[0]["ttft_p50_s"] == 1.0
+
+
 def test_the_best_case_is_what_a_cache_that_kept_every_prefix_computes():
     def tokens(arm: str, computed: int) -> dict:
         r = row(arm, 1.0, 2.0, 1.0)
