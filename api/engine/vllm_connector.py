@@ -206,6 +206,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             ratio=ratio,
             lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
             lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3,
+            lookup_refresh=float(self.extra.get("lookup_refresh_ms", 500.0)) / 1e3,
             tail_key=tail,
         )
         self.sched = (

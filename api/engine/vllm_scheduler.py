@@ -45,6 +45,7 @@ from api.engine.vllm_layout import block_keys
 from api.engine.vllm_timeline import OFF, Timeline
 
 LOOKUP_STEP_SHARE = 0.05  # of a step, the longest wait for a late exists answer
+LOOKUP_REFRESH_S = 0.5  # an answer older than this (not a whole hit) is asked again
 STEP_EWMA = 0.2  # weight of the newest step in `step_s`
 STEP_PRIOR_S = 1.0  # the step length assumed before one is timed (a burst at start)
 
@@ -72,6 +73,7 @@ class Lookup:
     tokens: int  # the request's tokens when asked: a load stops one short of them
     tail: bool  # keys[-1] is the tail key (the partial block of the last token)
     answered: float = 0.0  # when the answer came (the timeline's `exists_s`)
+    before: Where | None = None  # a refresh's: the answer it replaces, while it is late
 
     def stamp(self, _: Future) -> None:
         """The answer is in (the future's done callback)."""
@@ -114,6 +116,14 @@ def _where(answer) -> Where:
     return int(answer), int(answer), int(answer)
 
 
+def _where_of(future: Future) -> Where | None:
+    """A finished lookup's answer (None: cancelled)."""
+    try:
+        return future.result(timeout=0)
+    except BaseException:
+        return None
+
+
 def _answer(future: Future) -> int | None:
     """The lookup's answer if it is in (a failed or cancelled lookup is a miss), else None."""
     if not future.done():
@@ -131,6 +141,7 @@ class SchedulerSide:
     ratio: int = 1  # KV block size / hash block size
     lookup_wait: float = 0.002
     lookup_timeout: float = 1.0
+    lookup_refresh: float = LOOKUP_REFRESH_S
     tail_key: Callable[[Any, int], str | None] | None = None  # (request, full blocks) -> key
     cost: RestoreCost | None = None  # load only what restores faster than it computes
     specs: dict[str, dict] = field(default_factory=dict)  # namespace -> spec, rank order
@@ -139,7 +150,13 @@ class SchedulerSide:
     tracked: dict[str, Tracked] = field(default_factory=dict)
     loads: list[Transfer] = field(default_factory=list)
     stats: dict[str, int] = field(
-        default_factory=lambda: {"lookups": 0, "late": 0, "load_blocks": 0, "skipped": 0}
+        default_factory=lambda: {
+            "lookups": 0,
+            "late": 0,
+            "load_blocks": 0,
+            "skipped": 0,
+            "refreshed": 0,
+        }
     )
     tiers: dict[str, dict[str, int]] = field(
         default_factory=dict
@@ -210,15 +227,21 @@ class SchedulerSide:
         if look is None or self._loadable(look, len(look.keys)) <= num_computed:
             self.hits[rid] = Hit(num_computed, None)  # nothing past vLLM's own blocks to load
             return 0
+        look = self._fresh(request, look)
         where: Where = (0, 0, 0)
         try:
             where = look.future.result(timeout=self.wait_s(look.tokens - num_computed))
         except FutureTimeout:
-            if time.monotonic() - look.started < self.lookup_timeout:
+            if look.before is not None:  # a late refresh: the answer it replaces
+                where = look.before
+            elif time.monotonic() - look.started < self.lookup_timeout:
                 self.stats["late"] += 1
                 self.late.setdefault(rid, [time.monotonic(), 0])[1] += 1
                 return None
-            log.warning("kv-sidecar exists took over %.0f ms: a miss", self.lookup_timeout * 1e3)
+            else:
+                log.warning(
+                    "kv-sidecar exists took over %.0f ms: a miss", self.lookup_timeout * 1e3
+                )
         except BaseException:  # cancelled
             pass
         present = where[0]
@@ -228,6 +251,23 @@ class SchedulerSide:
         return (
             self._worth(rid, look, where, num_computed, tokens) if tokens and self.cost else tokens
         )
+
+    def _fresh(self, request, look: Lookup) -> Lookup:
+        """`look`, or where its answer is older than `lookup_refresh` and not a whole hit,
+        the same keys asked again: a request that waited in the queue (seconds, on a busy
+        CPU fleet) was looked up on arrival, and the turn before it may have stored its
+        pages since. The new lookup keeps the old answer for while it is late."""
+        if not look.answered or time.monotonic() - look.answered < self.lookup_refresh:
+            return look
+        old = _where_of(look.future)
+        if old is None or old[0] >= len(look.keys):
+            return look
+        new = self._start(request)
+        if new is None:
+            return look
+        new.before = old
+        self.stats["refreshed"] += 1
+        return new
 
     def _time_lookup(self, request, look: Lookup, present: int) -> None:
         """The timeline's row: how long the request waited for the answer, in steps, and

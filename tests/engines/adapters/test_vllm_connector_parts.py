@@ -350,3 +350,40 @@ def test_a_late_answer_within_the_share_is_a_hit_not_a_skipped_step():
     assert s.matched(req, 0) == 3 * BS and s.stats["late"] == 0  # never the last token
     opener.join()
     s.close()
+
+
+def test_an_old_partial_answer_is_asked_again_when_the_request_is_matched(caplog):
+    """A request waits in the queue after its arrival's lookup; the turn before it stores
+    its pages meanwhile. Matched later than `lookup_refresh` after that answer, and not a
+    whole hit, it is asked again: the grown prefix loads. A whole hit is not asked again;
+    a late refresh falls back to the answer it replaces (never 'ask me again')."""
+    stored, calls, gate = [1], [], threading.Event()
+    gate.set()
+
+    def exists(ns, keys):
+        calls.append(len(keys))
+        assert gate.wait(30)
+        return min(stored[0], len(keys))
+
+    s = SchedulerSide(SimpleNamespace(exists=exists), BS, lookup_wait=0.0, lookup_refresh=0.0)
+    s.specs = {"ns": {}}
+    hashes = [hashlib.sha256(f"fresh{i}".encode()).digest() for i in range(4)]
+    req = request("r", 4 * BS + 1, hashes)
+    s.prefetch(req)
+    s.lookups["r"].future.result(timeout=30)  # answered on arrival: 1 block
+    stored[0] = 3  # the turn before stored two more
+    assert s.matched(req, 0) == 3 * BS and s.stats["refreshed"] == 1 and len(calls) == 2
+    stored[0] = 4
+    gate.clear()  # the next refresh is late
+    assert s.matched(req, 0) == 3 * BS and s.stats["late"] == 0  # the answer before it
+    assert "a miss" not in caplog.text
+    assert s.stats["refreshed"] == 2
+    gate.set()
+    s.lookups["r"].future.result(timeout=30)  # the late refresh: all 4
+    assert s.matched(req, 0) == 4 * BS and s.stats["refreshed"] == 2  # a whole hit: kept
+    s.lookup_refresh, stored[0] = 60.0, 1
+    other = request("o", 4 * BS + 1, hashes[:1] + [b"x" * 32] * 3)
+    s.prefetch(other)
+    s.lookups["o"].future.result(timeout=30)
+    assert s.matched(other, 0) == BS and s.stats["refreshed"] == 2  # fresh: not asked again
+    s.close()
