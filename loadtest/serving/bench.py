@@ -148,15 +148,15 @@ def plan(args, shape: str, users: int, work: list, offset: int) -> tuple[dict, s
     conversations offset+u, offset+u+users, ... a user, or the trace's requests from
     `offset` on, in order."""
     if shape == "trace":
-        reqs = bt.trace_requests(
-            work[offset:], args.trace_requests, args.trace_scale, args.max_model_len - 256
-        )
+        cut = (args.trace_scale, args.max_model_len - 256)
+        reqs = bt.trace_requests(work[offset:], args.trace_requests, *cut)
+        before = bt.trace_requests(work[:offset], offset, *cut)  # the caches hold them
         return {
             "requests": [list(vars(r).values()) for r in reqs],
             "block": bt.block_of(args.trace_scale),
             "time_scale": args.time_scale,
             "shared_fraction": bt.shared_fraction(reqs),  # of its blocks, an earlier one's
-            "prefix_fraction": bt.prefix_fraction(reqs, bt.block_of(args.trace_scale)),
+            "prefix_fraction": bt.prefix_fraction(reqs, bt.block_of(args.trace_scale), before),
         }, "TraceUser"
     return {
         "per_user": sl.per_user(args.requests, users, args.warmup),

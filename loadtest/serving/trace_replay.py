@@ -89,10 +89,13 @@ def sample(rows: Sequence[dict], k: int) -> list[dict]:
     return [r for r, c in zip(rows, conv, strict=True) if keep(c)]
 
 
-def prefix_fraction(reqs: Sequence[TraceRequest], block: int) -> float:
-    """Of every prompt token, the share in a prefix an earlier request had: what a cache
-    that kept everything could restore."""
-    seen: set[tuple[int, ...]] = set()
+def prefix_fraction(
+    reqs: Sequence[TraceRequest], block: int, before: Sequence[TraceRequest] = ()
+) -> float:
+    """Of every prompt token, the share in a prefix an earlier request had (one of `reqs`
+    or of `before`, the run's earlier levels and rounds): what a cache that kept
+    everything could restore."""
+    seen = {r.hash_ids[: j + 1] for r in before for j in range(len(r.hash_ids))}
     hit = total = 0
     for r in reqs:
         n = 0

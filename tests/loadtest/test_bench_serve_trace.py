@@ -60,6 +60,10 @@ def test_prefix_fraction_counts_what_an_earlier_prefix_covers():
     want = (2 * block + block) / (a.tokens + b.tokens + c.tokens)
     assert bt.prefix_fraction(reqs, block) == pytest.approx(want)
     assert bt.prefix_fraction(reqs[:1], block) == 0.0
+    # a later level or round: the requests before it are in the caches too
+    assert bt.prefix_fraction(reqs[1:], block, reqs[:1]) == pytest.approx(
+        (2 * block + block) / (b.tokens + c.tokens)
+    )
 
 
 METRICS = """# HELP vllm:request_queue_time_seconds x
