@@ -1428,11 +1428,31 @@ MUTANTS = [
     M(
         "store: a late exists answer always costs the request a whole step",
         "api/engine/vllm_scheduler.py",
-        "where = look.future.result(timeout=self.wait_s())",
+        "where = look.future.result(timeout=self.wait_s(look.tokens - num_computed))",
         "where = look.future.result(timeout=self.lookup_wait)",
         (
             "tests/engines/adapters/test_vllm_connector_parts.py"
             "::test_a_late_answer_within_the_share_is_a_hit_not_a_skipped_step",
+        ),
+    ),
+    M(
+        "store: the wait for a late answer is a share of the mean step only",
+        "api/engine/vllm_scheduler.py",
+        "step = max(self.step_s or STEP_PRIOR_S, tokens * self.token_s)",
+        "step = self.step_s or STEP_PRIOR_S",
+        (
+            "tests/engines/adapters/test_vllm_connector_parts.py"
+            "::test_the_wait_covers_the_step_a_long_prompt_would_join",
+        ),
+    ),
+    M(
+        "store: an answer asked on arrival is never asked again",
+        "api/engine/vllm_scheduler.py",
+        "look = self._fresh(request, look)",
+        "look = look",
+        (
+            "tests/engines/adapters/test_vllm_connector_parts.py"
+            "::test_an_old_partial_answer_is_asked_again_when_the_request_is_matched",
         ),
     ),
 ]
