@@ -207,6 +207,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             lookup_wait=float(self.extra.get("lookup_wait_ms", 2.0)) / 1e3,
             lookup_timeout=float(self.extra.get("lookup_timeout_ms", 1000.0)) / 1e3,
             lookup_refresh=float(self.extra.get("lookup_refresh_ms", 500.0)) / 1e3,
+            step_tokens=int(
+                getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0
+            ),
             tail_key=tail,
         )
         self.sched = (
@@ -215,9 +218,6 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             else SchedulerSide(self.client, block_size, **kw)
         )
         self.sched.timeline = self.timeline
-        self.sched.step_tokens = int(
-            getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0
-        )
         if not plans and SidecarStats is not None and self._flag("restore_cost", True):
             self.sched.cost = RestoreCost(probe_s=float(self.extra.get("restore_probe_s", 60.0)))
 

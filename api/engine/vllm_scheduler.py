@@ -116,6 +116,14 @@ def _where(answer) -> Where:
     return int(answer), int(answer), int(answer)
 
 
+def _ewma(mean: float, sample: float) -> float:
+    """`mean` moved `STEP_EWMA` towards `sample` (the first sample: itself). An idle gap is
+    no step: a sample counts at most twice the mean."""
+    if not mean:
+        return sample
+    return (1 - STEP_EWMA) * mean + STEP_EWMA * min(sample, 2 * mean)
+
+
 def _where_of(future: Future) -> Where | None:
     """A finished lookup's answer (None: cancelled)."""
     try:
@@ -403,15 +411,11 @@ class SchedulerSide:
         """The step's loads (called once a step, which schedules `tokens`: it also times
         the steps, and the last one's seconds a token)."""
         now = time.monotonic()
-        if self._stepped:  # an idle gap is no step: a sample counts at most twice the mean
+        if self._stepped:
             took = now - self._stepped
-            step = min(took, 2 * self.step_s or float("inf"))
-            self.step_s = (1 - STEP_EWMA) * self.step_s + STEP_EWMA * step if self.step_s else step
+            self.step_s = _ewma(self.step_s, took)
             if self._step_load:
-                per = min(took / self._step_load, 2 * self.token_s or float("inf"))
-                self.token_s = (
-                    (1 - STEP_EWMA) * self.token_s + STEP_EWMA * per if self.token_s else per
-                )
+                self.token_s = _ewma(self.token_s, took / self._step_load)
         self._stepped, self._step_load = now, tokens
         loads, self.loads = self.loads, []
         return loads

@@ -151,12 +151,13 @@ def plan(args, shape: str, users: int, work: list, offset: int) -> tuple[dict, s
         cut = (args.trace_scale, args.max_model_len - 256)
         reqs = bt.trace_requests(work[offset:], args.trace_requests, *cut)
         before = bt.trace_requests(work[:offset], offset, *cut)  # the caches hold them
+        block = bt.block_of(args.trace_scale)
         return {
             "requests": [list(vars(r).values()) for r in reqs],
-            "block": bt.block_of(args.trace_scale),
+            "block": block,
             "time_scale": args.time_scale,
             "shared_fraction": bt.shared_fraction(reqs),  # of its blocks, an earlier one's
-            "prefix_fraction": bt.prefix_fraction(reqs, bt.block_of(args.trace_scale), before),
+            "prefix_fraction": bt.prefix_fraction(reqs, block, before),
         }, "TraceUser"
     return {
         "per_user": sl.per_user(args.requests, users, args.warmup),
